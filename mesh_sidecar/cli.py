@@ -1,0 +1,190 @@
+"""The ``mesh-inference`` command line: run a node, set up, show status.
+
+Every error a person can cause ends here as one clear message and a non-zero
+exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import logging.handlers
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .control import read_status
+from .errors import MeshError
+from .home import NodeHome
+from .identity import load_or_create_identity
+from .llama_build import ensure_binaries
+from .model import check_gguf, ensure_model
+from .node import Node, NodeOptions
+from .ports import LOOPBACK, check_tcp_port_free
+
+SIDECAR_LOG_NAME = "sidecar.log"
+SIDECAR_LOG_MAX_BYTES = 10 * 1024 * 1024
+SIDECAR_LOG_BACKUPS = 2
+
+console = Console()
+err_console = Console(stderr=True)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=False,
+    help="Run one GGUF model across several machines: llama.cpp RPC over an authenticated QUIC mesh.",
+)
+
+HomeOption = Annotated[
+    Optional[Path], typer.Option("--home", envvar="MESH_HOME", help="This node's state directory.")
+]
+LlamaBinOption = Annotated[
+    Optional[Path],
+    typer.Option("--llama-bin", envvar="MESH_LLAMA_BIN",
+                 help="Directory with your own ggml-rpc-server and llama-server (e.g. a CUDA build)."),
+]
+
+
+class _LazyProgress:
+    """One live bar for the setup steps' (message, done, total) reports.
+
+    Shown only once a step reports: when everything is cached, nothing is printed.
+    """
+
+    def __init__(self) -> None:
+        self._progress: Progress | None = None
+        self._task = None
+
+    def __call__(self, message: str, done: int, total: int) -> None:
+        if self._progress is None:
+            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                      console=err_console, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("", total=None)
+        self._progress.update(self._task, description=message, completed=done, total=total or None)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _prepare(llama_bin: Path | None, model: Path | None):
+    """Binaries and model, fetched/built with a progress bar when needed.
+
+    A model the user named is checked first: a typo should not wait for a build.
+    """
+    if model is not None:
+        check_gguf(model)
+    progress = _LazyProgress()
+    try:
+        return ensure_binaries(llama_bin, progress), ensure_model(model, progress)
+    finally:
+        progress.close()
+
+
+def _configure_logging(home: NodeHome, verbose: bool) -> None:
+    file_handler = logging.handlers.RotatingFileHandler(
+        home.logs / SIDECAR_LOG_NAME, maxBytes=SIDECAR_LOG_MAX_BYTES, backupCount=SIDECAR_LOG_BACKUPS
+    )
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    stderr_handler = logging.StreamHandler(sys.stderr)
+    stderr_handler.setLevel(logging.INFO if verbose else logging.WARNING)
+    stderr_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[file_handler, stderr_handler], force=True)
+
+
+def _fail(exc: MeshError) -> None:
+    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@app.callback(invoke_without_command=True)
+def run_node(
+    ctx: typer.Context,
+    serve: Annotated[Optional[int], typer.Option("--serve", help="Serve the OpenAI-compatible API on this port.")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="GGUF model file (default: SmolLM2-135M-Instruct).")] = None,
+    name: Annotated[Optional[str], typer.Option("--name", help="A name for this node (default: the host name).")] = None,
+    home: HomeOption = None,
+    llama_bin: LlamaBinOption = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the sidecar's log here too.")] = False,
+) -> None:
+    """Start a node (no subcommand). With --serve PORT it also serves the API."""
+    if ctx.invoked_subcommand is not None:
+        return
+    node_home = NodeHome.resolve(home)
+    try:
+        if serve is not None:
+            check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
+        binaries, model_path = _prepare(llama_bin, model)
+        node_home.create()
+        _configure_logging(node_home, verbose)
+        identity = load_or_create_identity(node_home.root)
+        options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
+                              binaries=binaries, serve_port=serve)
+        console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
+        asyncio.run(_run_until_signal(Node(options, identity, lambda m: console.print(m, highlight=False))))
+    except MeshError as exc:
+        _fail(exc)
+
+
+async def _run_until_signal(node: Node) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.request_stop)
+    await node.run()
+    console.print("Stopped.")
+
+
+@app.command()
+def setup(
+    llama_bin: LlamaBinOption = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="Check this GGUF instead of fetching the default.")] = None,
+) -> None:
+    """Build the pinned llama.cpp (once) and fetch the default model. Prints the binaries' directory last."""
+    try:
+        binaries, model_path = _prepare(llama_bin, model)
+    except MeshError as exc:
+        _fail(exc)
+    console.print(f"model: {model_path}", highlight=False)
+    print(binaries.directory)
+
+
+@app.command()
+def status(
+    home: HomeOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object, for scripts.")] = False,
+) -> None:
+    """Show the running node: its processes, ports, model and peers."""
+    try:
+        snapshot = read_status(NodeHome.resolve(home))
+    except MeshError as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps(snapshot, indent=2))
+        return
+    node = snapshot["node"]
+    console.print(f"[bold]{node['name']}[/] {node['short_id']}  home {node['home']}", highlight=False)
+    console.print(f"model: {snapshot['model']['path']}", highlight=False)
+    if snapshot["api"]:
+        console.print(f"API: {snapshot['api']['url']}", highlight=False)
+    processes = Table("process", "pid", "state", "port", "log")
+    for p in snapshot["processes"]:
+        processes.add_row(p["name"], str(p["pid"]), "running" if p["running"] else "exited",
+                          str(p["port"]), p["log"])
+    console.print(processes)
+    peers = Table("peer", "id", "state")
+    for peer in snapshot["peers"]:
+        peers.add_row(peer["name"], peer["short_id"], peer["state"])
+    console.print(peers if snapshot["peers"] else "No peers.")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,110 @@
+"""One exception tree for the whole sidecar.
+
+Every error a person can see derives from :class:`MeshError` and carries a
+sentence that says what went wrong and what to do next. Deep code raises;
+the CLI and each connection/process entry point catch ``MeshError`` once and
+turn it into a message or a close with a reason.
+
+    MeshError
+    ├── UsageError              bad command-line input or configuration
+    │   └── PortInUseError      a port the user named is taken
+    ├── SetupError              preparing what a node needs
+    │   ├── BuildError          fetching or compiling llama.cpp
+    │   ├── BinariesMissingError a --llama-bin dir lacks a binary
+    │   └── ModelError          a missing, non-GGUF or corrupt model
+    ├── ProcessError            a child process misbehaved
+    │   ├── ChildExitedError    a child died (carries its last log lines)
+    │   └── ReadinessTimeoutError a child never became ready
+    ├── TicketError             a node ticket could not be used
+    │   ├── TicketMalformedError      not a ticket at all / bad characters
+    │   ├── TicketTruncatedError      shorter than its own header says
+    │   ├── TicketVersionError        a version this build does not read
+    │   └── TicketChecksumError       altered or mistyped
+    ├── WireError               a peer sent bytes we cannot accept
+    │   ├── FrameTooLargeError        a length field over the limit
+    │   ├── MalformedMessageError     a frame that does not decode
+    │   └── ProtocolVersionError      a wire version we do not speak
+    └── AuthError               a peer failed admission (key or mesh secret)
+"""
+
+from __future__ import annotations
+
+
+class MeshError(Exception):
+    """Base of every error the sidecar raises on purpose."""
+
+
+class UsageError(MeshError):
+    """Bad command-line input or configuration."""
+
+
+class PortInUseError(UsageError):
+    """A port the user asked for is already taken."""
+
+
+class SetupError(MeshError):
+    """Something a node needs before it starts could not be prepared."""
+
+
+class BuildError(SetupError):
+    """Fetching or compiling the pinned llama.cpp failed."""
+
+
+class BinariesMissingError(SetupError):
+    """A llama.cpp binary directory lacks ggml-rpc-server or llama-server."""
+
+
+class ModelError(SetupError):
+    """The model file is missing, not a GGUF, or fails its checksum."""
+
+
+class ProcessError(MeshError):
+    """A child process (rpc-server, llama-server) misbehaved."""
+
+
+class ChildExitedError(ProcessError):
+    """A child process exited; the message carries its last log lines."""
+
+
+class ReadinessTimeoutError(ProcessError):
+    """A child process did not become ready in time."""
+
+
+class TicketError(MeshError):
+    """A node ticket could not be decoded."""
+
+
+class TicketMalformedError(TicketError):
+    """The text is not a ticket (wrong prefix or characters)."""
+
+
+class TicketTruncatedError(TicketError):
+    """The ticket is shorter than its own header says: it was cut when copied."""
+
+
+class TicketVersionError(TicketError):
+    """The ticket has a format version this build does not read."""
+
+
+class TicketChecksumError(TicketError):
+    """The ticket's checksum does not match: it was altered or mistyped."""
+
+
+class WireError(MeshError):
+    """A peer sent bytes that we cannot accept."""
+
+
+class FrameTooLargeError(WireError):
+    """A length field is over the limit for its kind of frame."""
+
+
+class MalformedMessageError(WireError):
+    """A frame's contents do not decode as the message it claims to be."""
+
+
+class ProtocolVersionError(WireError):
+    """A peer speaks a wire version we do not."""
+
+
+class AuthError(MeshError):
+    """A peer failed admission: wrong node key or no proof of the mesh secret."""

