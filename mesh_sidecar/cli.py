@@ -26,9 +26,11 @@ from .errors import MeshError
 from .home import NodeHome
 from .identity import load_or_create_identity
 from .llama_build import ensure_binaries
+from .mesh import DEFAULT_QUIC_PORT
 from .model import check_gguf, ensure_model
 from .node import Node, NodeOptions
 from .ports import LOOPBACK, check_tcp_port_free
+from .ticket import decode_ticket
 
 SIDECAR_LOG_NAME = "sidecar.log"
 SIDECAR_LOG_MAX_BYTES = 10 * 1024 * 1024
@@ -101,6 +103,11 @@ def _configure_logging(home: NodeHome, verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO, handlers=[file_handler, stderr_handler], force=True)
 
 
+def _say(message: str) -> None:
+    # Never wrapped: tickets and commands must stay copy-pasteable.
+    console.print(message, highlight=False, soft_wrap=True)
+
+
 def _fail(exc: MeshError) -> None:
     err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
@@ -114,6 +121,9 @@ def run_node(
     name: Annotated[Optional[str], typer.Option("--name", help="A name for this node (default: the host name).")] = None,
     home: HomeOption = None,
     llama_bin: LlamaBinOption = None,
+    join: Annotated[Optional[str], typer.Option("--join", help="Join the mesh of the node that printed this ticket.")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
+    min_peers: Annotated[int, typer.Option("--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the sidecar's log here too.")] = False,
 ) -> None:
     """Start a node (no subcommand). With --serve PORT it also serves the API."""
@@ -121,6 +131,7 @@ def run_node(
         return
     node_home = NodeHome.resolve(home)
     try:
+        ticket = decode_ticket(join) if join is not None else None
         if serve is not None:
             check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
         binaries, model_path = _prepare(llama_bin, model)
@@ -128,9 +139,10 @@ def run_node(
         _configure_logging(node_home, verbose)
         identity = load_or_create_identity(node_home.root)
         options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
-                              binaries=binaries, serve_port=serve)
+                              binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
+                              min_peers=min_peers)
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
-        asyncio.run(_run_until_signal(Node(options, identity, lambda m: console.print(m, highlight=False))))
+        asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:
         _fail(exc)
 
@@ -180,10 +192,15 @@ def status(
         processes.add_row(p["name"], str(p["pid"]), "running" if p["running"] else "exited",
                           str(p["port"]), p["log"])
     console.print(processes)
-    peers = Table("peer", "id", "state")
+    peers = Table("peer", "id", "address", "state", "rtt ms", "tunnel port", "rpc-server")
     for peer in snapshot["peers"]:
-        peers.add_row(peer["name"], peer["short_id"], peer["state"])
-    console.print(peers if snapshot["peers"] else "No peers.")
+        peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), peer["state"],
+                      "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}",
+                      str(peer["tunnel_port"] or "-"), "up" if peer["rpc_server_up"] else "down")
+    connected = sum(p["state"] == "connected" for p in snapshot["peers"])
+    console.print(f"Mesh: {connected} peer(s) connected, UDP port {snapshot['mesh']['quic_port']}")
+    if snapshot["peers"]:
+        console.print(peers)
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
-"""One node: its rpc-server, optionally llama-server and the API port, and its control endpoint.
+"""One node: its rpc-server, its place in the mesh, optionally llama-server and the API port.
 
-Lifecycle (``Node.run``): start the local rpc-server, publish the control
-endpoint, and on a serving node start llama-server and the API proxy; then
-wait for a stop request or a child's death. Whatever happens, children are
-stopped by pid before ``run`` returns.
+Lifecycle (``Node.run``): start the local rpc-server, join the mesh (print the
+ticket, dial the one we were given), publish the control endpoint, and on a
+serving node wait for the peers asked for, then start llama-server over the
+local rpc-server plus one tunnel per peer, and the API proxy; then wait for a
+stop request or a child's death. Whatever happens, children are stopped by pid
+before ``run`` returns.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from .home import NodeHome
 from .identity import NodeIdentity
 from .launch import ChildProcess, llama_server_argv, start_llama_server, start_rpc_server
 from .llama_build import LlamaBinaries
+from .mesh import Mesh, load_or_create_secret
 from .ports import LOOPBACK, free_tcp_port
 from .proxy import ApiProxy
+from .ticket import Ticket
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ class NodeOptions:
     model: Path
     binaries: LlamaBinaries
     serve_port: int | None = None
+    join: Ticket | None = None
+    quic_port: int | None = None
+    min_peers: int = 0
 
 
 class _StopRequested(Exception):
@@ -60,6 +67,7 @@ class Node:
         self.llama_server: ChildProcess | None = None
         self.llama_port: int | None = None
         self._proxy: ApiProxy | None = None
+        self.mesh: Mesh | None = None
         self._control = ControlServer(options.home, self.status_snapshot)
 
     def request_stop(self) -> None:
@@ -71,8 +79,13 @@ class Node:
                 async with asyncio.TaskGroup() as tg:
                     await self._start_rpc_server()
                     tg.create_task(self._watch(self.rpc_server))
+                    await self._start_mesh()
+                    tg.create_task(self.mesh.run())
                     await self._control.start()
+                    if self.options.join is not None:
+                        await self.mesh.join(self.options.join)
                     if self.options.serve_port is not None:
+                        await self._wait_for_peers()
                         await self._start_serving()
                         tg.create_task(self._watch(self.llama_server))
                     await self._stop.wait()
@@ -99,9 +112,32 @@ class Node:
             self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only)")
             return
 
+    async def _start_mesh(self) -> None:
+        assert self.rpc_port is not None
+        secret = load_or_create_secret(self.options.home, self.options.join)
+        self.mesh = Mesh(self.identity, self.options.home, self.options.name, secret, self.rpc_port,
+                         self._say, serving=self.options.serve_port is not None)
+        await self.mesh.start(self.options.quic_port)
+        ticket = self.mesh.ticket()
+        self._say(f"Node ticket: {ticket}")
+        self._say(f"On another machine, run: mesh-inference --join {ticket}")
+
+    async def _wait_for_peers(self) -> None:
+        assert self.mesh is not None
+        while (missing := self.options.min_peers - len(self.mesh.connected_peers())) > 0:
+            self._say(f"Waiting for {missing} more peer(s) before loading the model...")
+            self.mesh.changed.clear()
+            await self.mesh.changed.wait()
+
     def rpc_endpoints(self) -> list[str]:
-        """The ``--rpc`` list for llama-server: this node's own rpc-server."""
-        return [f"{LOOPBACK}:{self.rpc_port}"]
+        """The ``--rpc`` list for llama-server: our own rpc-server, then one tunnel per peer.
+
+        The order is announced to the peers: REGISTER_PEER names peers by index in it.
+        """
+        assert self.mesh is not None
+        peers = self.mesh.connected_peers()
+        self.mesh.announce_rpc_order((self.identity.node_id, *peers))
+        return [f"{LOOPBACK}:{self.rpc_port}", *(self.mesh.tunnel_endpoint(p) for p in peers)]
 
     async def _start_serving(self) -> None:
         assert self.options.serve_port is not None
@@ -113,9 +149,10 @@ class Node:
                 f"Cannot listen on port {self.options.serve_port} ({exc.strerror}). "
                 "Stop the program holding it or choose another with --serve PORT."
             ) from exc
-        self._say(f"Loading {self.options.model.name} through {len(self.rpc_endpoints())} rpc-server(s)...")
+        endpoints = self.rpc_endpoints()
+        self._say(f"Loading {self.options.model.name} through {len(endpoints)} rpc-server(s)...")
         self.llama_port = free_tcp_port()
-        argv = llama_server_argv(self.options.binaries, self.options.model, self.rpc_endpoints(), self.llama_port)
+        argv = llama_server_argv(self.options.binaries, self.options.model, endpoints, self.llama_port)
         self.llama_server = await start_llama_server(argv, self.llama_port, self.options.home.logs)
         self._say(f"OpenAI-compatible API ready on http://localhost:{self.options.serve_port}/v1")
 
@@ -133,9 +170,12 @@ class Node:
     async def _shutdown(self) -> None:
         if self._proxy is not None:
             await self._proxy.close()
-        for child in (self.llama_server, self.rpc_server):
-            if child is not None:
-                await child.stop()
+        if self.llama_server is not None:
+            await self.llama_server.stop()
+        if self.mesh is not None:
+            await self.mesh.close()
+        if self.rpc_server is not None:
+            await self.rpc_server.stop()
         await self._control.close()
 
     def status_snapshot(self) -> dict[str, Any]:
@@ -158,5 +198,6 @@ class Node:
             "api": ({"port": self.options.serve_port, "url": f"http://localhost:{self.options.serve_port}/v1"}
                     if self.options.serve_port is not None else None),
             "processes": processes,
-            "peers": [],
+            "mesh": {"quic_port": self.mesh.port if self.mesh else None},
+            "peers": self.mesh.status() if self.mesh else [],
         }

@@ -98,6 +98,14 @@ class PeerAddress:
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if self.is_ipv6 else f"{self.host}:{self.port}"
 
+    @classmethod
+    def parse(cls, text: str) -> "PeerAddress":
+        """The inverse of ``str()``: ``host:port`` or ``[v6]:port``; ValueError if not."""
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"{text!r} is not host:port")
+        return cls(host.removeprefix("[").removesuffix("]"), int(port))
+
 
 @dataclass(frozen=True)
 class Ticket:

@@ -1,0 +1,336 @@
+"""The mesh as one node sees it: QUIC connections, membership, and one tunnel per peer.
+
+This is the asyncio edge that joins the pure parts together:
+
+    MeshTransport --admitted PeerConnection--> _serve_peer (one task per peer)
+        control frames -> GossipDecoder -> Membership.receive
+        Membership actions -> send_control / dial / close
+        Membership events  -> messages to people, tunnels opened and closed
+    inbound QUIC streams -> serve_inbound_stream -> local rpc-server
+
+Two nodes may dial each other at once; both connections are admitted and the
+one the transport marks ``preferred`` (dialed by the lower node id) is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from . import __version__
+from .errors import MeshError, PortInUseError, UsageError
+from .gossip import (
+    MAX_ADDRESSES,
+    Dial,
+    Disconnect,
+    GossipDecoder,
+    MemberInfo,
+    MemberJoined,
+    MemberLeft,
+    MemberLost,
+    MemberState,
+    MemberUpdated,
+    Membership,
+    Send,
+    encode_message,
+)
+from .home import NodeHome
+from .identity import NodeIdentity, short_id
+from .ports import LOOPBACK
+from .ticket import MESH_SECRET_BYTES, PeerAddress, Ticket, encode_ticket, reachable_addresses
+from .transport import MeshTransport, PeerConnection
+from .tunnel import TunnelListener, serve_inbound_stream
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUIC_PORT = 47470
+LISTEN_HOST = "0.0.0.0"
+HEARTBEAT_INTERVAL_S = 1.0
+# When two members learn of each other at once, the lower id dials; the higher
+# one dials only if no connection came in this long (a lost or blocked dial).
+HIGHER_ID_DIAL_DELAY_S = 3.0
+MESH_FILE_NAME = "mesh.json"
+
+
+def load_or_create_secret(home: NodeHome, ticket: Ticket | None) -> bytes:
+    """The mesh secret: from the ticket when joining, else the one remembered, else new."""
+    path = home.root / MESH_FILE_NAME
+    if ticket is not None:
+        secret = ticket.mesh_secret
+    elif path.exists():
+        try:
+            secret = bytes.fromhex(json.loads(path.read_text())["secret"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"{path} is damaged ({exc}); move it away to start a new mesh.") from exc
+        if len(secret) != MESH_SECRET_BYTES:
+            raise UsageError(f"{path} holds a secret of the wrong length; move it away to start a new mesh.")
+    else:
+        secret = secrets.token_bytes(MESH_SECRET_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"secret": secret.hex()}, f)
+    return secret
+
+
+@dataclass
+class _Peer:
+    """A member we hold a kept connection to."""
+
+    connection: PeerConnection
+    tunnel: TunnelListener
+
+
+class Mesh:
+    """One node's membership in the mesh, from its QUIC port to its tunnel ports."""
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        home: NodeHome,
+        name: str,
+        secret: bytes,
+        rpc_port: int,
+        say: Callable[[str], None],
+        *,
+        serving: bool = False,
+    ) -> None:
+        self.identity = identity
+        self._home = home
+        self._name = name
+        self._rpc_port = rpc_port
+        self._say = say
+        self._serving = serving
+        self._secret = secret
+        self._transport = MeshTransport(identity, secret, self._serve_peer)
+        self._peers: dict[bytes, _Peer] = {}
+        self._membership: Membership | None = None
+        self._dials: set[asyncio.Task] = set()
+        self.port: int | None = None
+        self.changed = asyncio.Event()  # set whenever the set of connected peers changes
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self, port: int | None) -> None:
+        """Listen on ``port`` (UDP); without one, the default port or else a free one."""
+        try:
+            self.port = await self._transport.start(LISTEN_HOST, DEFAULT_QUIC_PORT if port is None else port)
+        except PortInUseError:
+            if port is not None:
+                raise
+            self.port = await self._transport.start(LISTEN_HOST, 0)
+            self._say(f"UDP port {DEFAULT_QUIC_PORT} is taken; listening for the mesh on {self.port} instead.")
+        self._membership = Membership(self._self_info())
+
+    def ticket(self) -> str:
+        assert self.port is not None
+        return encode_ticket(Ticket(self.identity.node_id, self._secret, reachable_addresses(self.port)))
+
+    async def join(self, ticket: Ticket) -> None:
+        """Connect to the node a ticket names; gossip brings in everyone else."""
+        if ticket.node_id == self.identity.node_id:
+            raise UsageError("That ticket is this node's own. Use the ticket printed by another node.")
+        await self._dial(ticket.node_id, ticket.addresses)
+
+    async def run(self) -> None:
+        """Heartbeats until cancelled."""
+        assert self._membership is not None
+        while True:
+            self._membership.heartbeat(time.monotonic())
+            self._process()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def close(self) -> None:
+        """Say goodbye to every peer, then close every connection and tunnel."""
+        if self._membership is not None:
+            self._membership.leave("node stopped")
+            self._process()
+        for task in self._dials:
+            task.cancel()
+        for peer in list(self._peers.values()):
+            await peer.tunnel.close()
+        await self._transport.close()
+
+    # --- what the node needs -----------------------------------------------------
+
+    def connected_peers(self) -> list[bytes]:
+        """Node ids of peers with a live connection, in a stable order (by id)."""
+        return sorted(self._peers)
+
+    def tunnel_endpoint(self, node_id: bytes) -> str:
+        port = self._peers[node_id].tunnel.port
+        return f"{LOOPBACK}:{port}"
+
+    def announce_rpc_order(self, node_ids: tuple[bytes, ...]) -> None:
+        assert self._membership is not None
+        self._membership.announce_rpc_order(node_ids)
+        self._process()
+
+    def status(self) -> list[dict[str, Any]]:
+        """One entry per member we know of, for `mesh-inference status`."""
+        assert self._membership is not None
+        rows = []
+        for member in self._membership.members():
+            node_id = member.info.node_id
+            peer = self._peers.get(node_id)
+            rtt = peer.connection.rtt if peer else None
+            rows.append({
+                "id": node_id.hex(),
+                "short_id": short_id(node_id),
+                "name": member.info.name,
+                "state": member.state.value,
+                "address": (str(PeerAddress(*peer.connection.remote_address)) if peer
+                            else (member.info.addresses or [None])[0]),
+                "rtt_ms": round(rtt * 1000, 2) if rtt is not None else None,
+                "tunnel_port": peer.tunnel.port if peer else None,
+                "rpc_server_up": member.info.rpc_ready,
+                "serving": member.info.serving,
+                "learned_via": short_id(member.learned_via) if member.learned_via else None,
+                "bytes_to_peer": peer.tunnel.counters.bytes_to_peer if peer else 0,
+                "bytes_from_peer": peer.tunnel.counters.bytes_from_peer if peer else 0,
+            })
+        return rows
+
+    # --- internals ---------------------------------------------------------------
+
+    def _self_info(self) -> MemberInfo:
+        assert self.port is not None
+        addresses = tuple(str(a) for a in reachable_addresses(self.port))
+        # Loopback (last in the list) is kept: it is how nodes on one machine meet.
+        if len(addresses) > MAX_ADDRESSES:
+            addresses = addresses[: MAX_ADDRESSES - 1] + addresses[-1:]
+        return MemberInfo(
+            node_id=self.identity.node_id,
+            name=self._name,
+            addresses=addresses,
+            version=__version__,
+            capacity=(("free_ram_bytes", psutil.virtual_memory().available),),
+            serving=self._serving,
+            rpc_ready=True,
+        )
+
+    async def _dial(self, node_id: bytes, addresses: list[PeerAddress] | tuple[PeerAddress, ...]) -> None:
+        await self._transport.connect([(a.host, a.port) for a in addresses], node_id)
+
+    def _start_dial(self, action: Dial) -> None:
+        addresses = []
+        for text in action.member.addresses:
+            try:
+                addresses.append(PeerAddress.parse(text))
+            except ValueError:
+                continue
+
+        node_id = action.member.node_id
+
+        async def dial() -> None:
+            if self.identity.node_id > node_id:
+                await asyncio.sleep(HIGHER_ID_DIAL_DELAY_S)
+                if node_id in self._peers:
+                    return
+            try:
+                await self._dial(node_id, addresses)
+            except MeshError as exc:
+                log.warning("could not reach %s: %s", short_id(node_id), exc)
+                assert self._membership is not None
+                self._membership.peer_disconnected(node_id, time.monotonic(), str(exc))
+                self._process()
+
+        task = asyncio.create_task(dial())
+        self._dials.add(task)
+        task.add_done_callback(self._dials.discard)
+
+    def _process(self) -> None:
+        """Carry out what membership asks for, and tell people what happened."""
+        membership = self._membership
+        assert membership is not None
+        while (action := membership.next_action()) is not None:
+            match action:
+                case Send(to=to, msg=msg):
+                    peer = self._peers.get(to)
+                    if peer is not None and not peer.connection.closed:
+                        peer.connection.send_control(encode_message(msg))
+                case Dial():
+                    self._start_dial(action)
+                case Disconnect(node_id=node_id, reason=reason):
+                    if (peer := self._peers.get(node_id)) is not None:
+                        peer.connection.close(reason)
+        while (event := membership.next_event()) is not None:
+            match event:
+                case MemberJoined(info=info, learned_via=via):
+                    how = f" (learned via gossip from {self._name_of(via)})" if via else ""
+                    self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
+                case MemberLost(node_id=node_id, reason=reason):
+                    self._say(f"Lost peer {self._name_of(node_id)}: {reason}")
+                case MemberLeft(node_id=node_id):
+                    self._say(f"Peer {self._name_of(node_id)} left the mesh")
+                case MemberUpdated():
+                    pass
+
+    def _name_of(self, node_id: bytes) -> str:
+        assert self._membership is not None
+        for member in self._membership.members():
+            if member.info.node_id == node_id:
+                return member.info.name
+        return short_id(node_id)
+
+    def _resolve_endpoint(self, peer_index: int) -> str | None:
+        """REGISTER_PEER's peer id -> the endpoint that reaches that member from here."""
+        assert self._membership is not None
+        order = self._membership.rpc_order
+        if not 0 <= peer_index < len(order):
+            return None
+        node_id = order[peer_index]
+        if node_id == self.identity.node_id:
+            return f"{LOOPBACK}:{self._rpc_port}"
+        return self.tunnel_endpoint(node_id) if node_id in self._peers else None
+
+    async def _serve_peer(self, connection: PeerConnection) -> None:
+        """One admitted connection's whole life; returning closes it."""
+        node_id = connection.peer_id
+        membership = self._membership
+        assert membership is not None
+        existing = self._peers.get(node_id)
+        if existing is not None and not existing.connection.closed:
+            if not connection.preferred:
+                return  # the other connection between us is the one both sides keep
+            del self._peers[node_id]
+            existing.connection.close("replaced by a simultaneous connection")
+            await existing.tunnel.close()
+            membership.peer_disconnected(node_id, time.monotonic(), "replaced by a simultaneous connection")
+        tunnel = TunnelListener(connection)
+        await tunnel.start()
+        peer = _Peer(connection, tunnel)
+        self._peers[node_id] = peer
+        name = short_id(node_id)
+        connection.set_stream_handler(
+            lambda reader, writer: serve_inbound_stream(reader, writer, self._rpc_port,
+                                                        self._resolve_endpoint, name)
+        )
+        reason = "connection closed"
+        try:
+            membership.peer_connected(node_id, time.monotonic())
+            self._process()
+            self.changed.set()
+            decoder = GossipDecoder()
+            while True:
+                decoder.feed(await connection.receive_control())
+                while (msg := decoder.next_message()) is not None:
+                    membership.receive(node_id, msg, time.monotonic())
+                    self._process()
+        except MeshError as exc:
+            reason = connection.close_reason or str(exc)
+        finally:
+            if self._peers.get(node_id) is peer:
+                del self._peers[node_id]
+                await tunnel.close()
+                membership.peer_disconnected(node_id, time.monotonic(), reason)
+                self._process()
+                self.changed.set()

@@ -1,0 +1,407 @@
+"""Filter one llama.cpp RPC tunnel stream: pass every byte, rewrite REGISTER_PEER endpoints.
+
+Where it sits (worker side, one filter per inbound tunnel stream)::
+
+    serving node's llama-server ==QUIC stream==> RpcStreamFilter --TCP--> local ggml-rpc-server
+                                <============== replies: the caller forwards them itself and
+                                                shows them to receive_from_server()
+
+Client -> server, every command (packed, little-endian)::
+
+    0        1                   9
+    +--------+-------------------+------------------------------+
+    | cmd u8 | size u64 LE       | payload[size]                |
+    +--------+-------------------+------------------------------+
+
+HELLO (cmd 14) is always the first command. Its reply, server -> client::
+
+    +-------------+----------+----------+----------+--------+----------+
+    | size u64 LE | major u8 | minor u8 | patch u8 | pad u8 | caps[24] |  upstream 7.x, size 28
+    +-------------+----------+----------+----------+--------+----------+
+    | size u64 LE | major u8 | minor u8 | patch u8 |                       b2b fork 3.x, size 3
+    +-------------+----------+----------+----------+
+
+REGISTER_PEER payload (backend-to-backend fork only; 132 bytes)::
+
+    0                4                                                132
+    +----------------+------------------------------------------------+
+    | peer_id u32 LE | endpoint char[128], NUL-terminated "host:port" |
+    +----------------+------------------------------------------------+
+
+Why rewrite: the serving node registers a peer under the endpoint *it* uses for that peer,
+but this worker reaches the peer through its own sidecar on a local port. The endpoint field
+is replaced in place (NUL-padded), so the frame size and every later byte stay where they are.
+
+Command numbers depend on the dialect (17 is MEMSET_TENSOR upstream and REGISTER_PEER in fork
+3.0), so the filter first reads the HELLO exchange and picks a row of :data:`DIALECTS`. When
+no row matches it stops parsing and passes bytes through untouched: a filter that does not
+understand a stream must not alter it.
+
+Sans-I/O: bytes in, bytes and events out; no sockets, no clock. Payload bytes pass as
+memoryview slices of the caller's ``bytes`` (no copy until :meth:`data_to_server` joins them,
+and none at all when one whole input chunk is released alone). Only a 9-byte header, one
+141-byte REGISTER_PEER frame, the HELLO reply (36 bytes at most) and client bytes sent before
+the HELLO reply (none from a conforming client; bounded) are ever held.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .errors import FrameTooLargeError, MalformedMessageError
+
+RPC_HEADER_BYTES = 1 + 8  # cmd u8 | size u64
+HELLO_CMD = 14  # upstream static_asserts it never moves; the fork keeps it
+HELLO_REPLY_SIZE_BYTES = 8  # the reply's size u64
+HELLO_REPLY_CAPS_OFFSET = 4  # major, minor, patch, pad; then caps[24] in 7.x
+RPC_CONN_CAPS_BYTES = 24  # upstream 7.x connection capabilities (RDMA data or zeros)
+FORK_HELLO_REPLY_BYTES = 3  # the fork's reply: major, minor, patch
+REGISTER_PEER_ENDPOINT_BYTES = 128  # char endpoint[128], NUL included
+REGISTER_PEER_PAYLOAD_BYTES = 4 + REGISTER_PEER_ENDPOINT_BYTES  # peer_id u32 | endpoint
+REGISTER_PEER_FRAME_BYTES = RPC_HEADER_BYTES + REGISTER_PEER_PAYLOAD_BYTES
+# A SET_TENSOR carries a whole weight tensor in one frame, so the limit is generous (64 GiB);
+# it exists to turn a corrupt size field into a clean close instead of a multi-TiB wait.
+MAX_RPC_FRAME_BYTES = 1 << 36
+# A conforming client blocks on the HELLO reply and sends nothing after HELLO until it
+# arrives; this bounds what a misbehaving one can make us hold.
+MAX_HELD_BEFORE_REPLY_BYTES = 64 * 1024
+
+_HEADER = struct.Struct("<BQ")
+_REPLY_SIZE = struct.Struct("<Q")
+_REGISTER_PEER = struct.Struct(f"<I{REGISTER_PEER_ENDPOINT_BYTES}s")
+
+
+@dataclass(frozen=True, slots=True)
+class RpcDialect:
+    """One RPC dialect: how its HELLO exchange looks and which command is REGISTER_PEER."""
+
+    name: str
+    """Label for logs and metrics."""
+    major: int
+    """Protocol major version in the HELLO reply."""
+    min_minor: int
+    """Lowest minor version this row covers."""
+    max_minor: int | None
+    """Highest minor version this row covers; None: every later minor too."""
+    hello_request_bytes: int
+    """Payload size of the client's HELLO request."""
+    hello_reply_bytes: int
+    """Payload size of the server's HELLO reply."""
+    register_peer_cmd: int | None
+    """REGISTER_PEER's command number; None: the dialect has no REGISTER_PEER."""
+    required_caps: int = 0
+    """Bits that must be set in the reply's caps (read as a little-endian integer)."""
+
+    def matches(self, hello_request_bytes: int, reply: bytes) -> bool:
+        """Whether a HELLO request of that size and this reply payload are this dialect."""
+        major, minor = reply[0], reply[1]
+        caps = int.from_bytes(reply[HELLO_REPLY_CAPS_OFFSET:], "little")
+        return (
+            major == self.major
+            and minor >= self.min_minor
+            and (self.max_minor is None or minor <= self.max_minor)
+            and hello_request_bytes == self.hello_request_bytes
+            and len(reply) == self.hello_reply_bytes
+            and caps & self.required_caps == self.required_caps
+        )
+
+
+# The first matching row wins, so a row that needs a caps flag goes above the plain row of
+# the same major (e.g. a future 7.x with a b2b capability bit: one more row above upstream-7).
+# Every 7.x minor frames commands alike and has no REGISTER_PEER, so one row covers them all.
+# Assumption (no published version table for the fork): REGISTER_PEER is 17 in 3.0.x and
+# moved to 18 (when SET_TENSOR_GGUF took 17) in 3.1 and later.
+DIALECTS: tuple[RpcDialect, ...] = (
+    RpcDialect(
+        "upstream-7",
+        major=7,
+        min_minor=0,
+        max_minor=None,
+        hello_request_bytes=RPC_CONN_CAPS_BYTES,
+        hello_reply_bytes=HELLO_REPLY_CAPS_OFFSET + RPC_CONN_CAPS_BYTES,
+        register_peer_cmd=None,
+    ),
+    RpcDialect(
+        "b2b-fork-3.0",
+        major=3,
+        min_minor=0,
+        max_minor=0,
+        hello_request_bytes=0,
+        hello_reply_bytes=FORK_HELLO_REPLY_BYTES,
+        register_peer_cmd=17,
+    ),
+    RpcDialect(
+        "b2b-fork-3.1",
+        major=3,
+        min_minor=1,
+        max_minor=None,
+        hello_request_bytes=0,
+        hello_reply_bytes=FORK_HELLO_REPLY_BYTES,
+        register_peer_cmd=18,
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DialectDetected:
+    """The HELLO exchange matched a row of the dialect table."""
+
+    name: str
+    """The matching row's name."""
+    version: str
+    """The server's protocol version, "major.minor.patch"."""
+
+
+@dataclass(frozen=True, slots=True)
+class DialectUnknown:
+    """The stream is not one we can parse; from now on every byte passes untouched."""
+
+    reason: str
+    """What did not match, for the log."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRewritten:
+    """A REGISTER_PEER endpoint was replaced."""
+
+    peer_id: int
+    """The peer id in the frame."""
+    original: str
+    """The endpoint the client sent."""
+    rewritten: str
+    """The endpoint the server now sees."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointUnresolved:
+    """The resolver knew no endpoint for a peer; its REGISTER_PEER passed unchanged."""
+
+    peer_id: int
+    """The peer id in the frame."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointTooLong:
+    """The resolved endpoint does not fit the 128-byte field with its NUL; frame unchanged."""
+
+    peer_id: int
+    """The peer id in the frame."""
+    endpoint: str
+    """What the resolver returned."""
+
+
+RpcEvent = (
+    DialectDetected | DialectUnknown | EndpointRewritten | EndpointUnresolved | EndpointTooLong
+)
+
+
+class _Phase(enum.Enum):
+    AWAIT_HELLO = enum.auto()  # collecting the first header, which must be HELLO
+    AWAIT_REPLY = enum.auto()  # HELLO seen; holding later client bytes until the dialect is known
+    FRAMES = enum.auto()  # dialect known; parsing every frame
+    OPAQUE = enum.auto()  # dialect unknown; passing bytes without looking
+
+
+class RpcStreamFilter:
+    """Sans-I/O filter for the client -> server direction of one RPC stream.
+
+    Feed client bytes with :meth:`receive_from_client`, show the server's bytes with
+    :meth:`receive_from_server` (the caller forwards those unchanged itself), send what
+    :meth:`data_to_server` returns, and drain :meth:`next_event`. Input must be ``bytes``:
+    slices of it are kept until the next :meth:`data_to_server`. After a :class:`WireError`
+    the filter is unusable; close the stream.
+    """
+
+    def __init__(
+        self,
+        resolve_endpoint: Callable[[int], str | None],
+        max_frame_bytes: int = MAX_RPC_FRAME_BYTES,
+        dialects: Iterable[RpcDialect] = DIALECTS,
+    ) -> None:
+        self._resolve_endpoint = resolve_endpoint
+        self._max_frame_bytes = max_frame_bytes
+        self._dialects = tuple(dialects)
+        self._hello_request_sizes = {d.hello_request_bytes for d in self._dialects}
+        self._hello_reply_sizes = {d.hello_reply_bytes for d in self._dialects}
+        self.dialect: RpcDialect | None = None
+        """The detected dialect; None before detection or when unknown."""
+        self.commands_seen: Counter[int] = Counter()
+        """Frames seen per command number (HELLO included; nothing counted when opaque)."""
+        self.frames_seen = 0
+        """Frames seen in all."""
+        self._phase = _Phase.AWAIT_HELLO
+        self._header = bytearray()
+        self._remaining = 0  # payload bytes of the current frame still to pass through
+        self._register: bytearray | None = None  # a REGISTER_PEER frame being collected
+        self._hello_request_bytes: int | None = None
+        self._reply_buf = bytearray()
+        self._reply: bytes | None = None
+        self._held: list[memoryview] = []
+        self._held_bytes = 0
+        self._out: list[bytes | memoryview] = []
+        self._events: deque[RpcEvent] = deque()
+
+    def receive_from_client(self, data: bytes) -> None:
+        """Take bytes the client sent; raises FrameTooLargeError or MalformedMessageError."""
+        self._feed(memoryview(data))
+
+    def receive_from_server(self, data: bytes) -> None:
+        """Observe bytes the server sent; only the HELLO reply is read, none are forwarded.
+
+        Parsing the reply releases the client bytes held behind it, so this can raise what
+        :meth:`receive_from_client` raises.
+        """
+        if self._reply is not None or self._phase in (_Phase.FRAMES, _Phase.OPAQUE):
+            return
+        buf = self._reply_buf
+        view = memoryview(data)
+        if len(buf) < HELLO_REPLY_SIZE_BYTES:
+            take = HELLO_REPLY_SIZE_BYTES - len(buf)
+            buf += view[:take]
+            view = view[take:]
+            if len(buf) < HELLO_REPLY_SIZE_BYTES:
+                return
+            (size,) = _REPLY_SIZE.unpack(buf)
+            if size not in self._hello_reply_sizes:
+                self._go_opaque(
+                    f"the server's first reply has {size} bytes, not a known HELLO reply"
+                )
+                return
+        (size,) = _REPLY_SIZE.unpack_from(buf)
+        buf += view[: HELLO_REPLY_SIZE_BYTES + size - len(buf)]
+        if len(buf) == HELLO_REPLY_SIZE_BYTES + size:
+            self._reply = bytes(buf[HELLO_REPLY_SIZE_BYTES:])
+            self._reply_buf = bytearray()
+            self._resolve_dialect()
+
+    def data_to_server(self) -> bytes:
+        """Everything releasable so far, in order; b"" when nothing is."""
+        out, self._out = self._out, []
+        if len(out) == 1:
+            # The hot path: one whole input chunk of payload goes back as the same object.
+            (chunk,) = out
+            if isinstance(chunk, bytes):
+                return chunk
+            if isinstance(chunk.obj, bytes) and chunk.nbytes == len(chunk.obj):
+                return chunk.obj
+        return b"".join(out)
+
+    def next_event(self) -> RpcEvent | None:
+        """The oldest event not yet taken, or None."""
+        return self._events.popleft() if self._events else None
+
+    def _feed(self, view: memoryview) -> None:
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._phase is _Phase.OPAQUE:
+                self._out.append(view[pos:])
+                return
+            if self._remaining:
+                take = min(self._remaining, end - pos)
+                self._out.append(view[pos : pos + take])
+                self._remaining -= take
+                pos += take
+            elif self._phase is _Phase.AWAIT_REPLY:
+                self._hold(view[pos:])
+                return
+            elif self._register is not None:
+                chunk = view[pos : pos + REGISTER_PEER_FRAME_BYTES - len(self._register)]
+                self._register += chunk
+                pos += len(chunk)
+                if len(self._register) == REGISTER_PEER_FRAME_BYTES:
+                    self._out.append(self._rewrite(self._register))
+                    self._register = None
+            else:
+                chunk = view[pos : pos + RPC_HEADER_BYTES - len(self._header)]
+                self._header += chunk
+                pos += len(chunk)
+                if len(self._header) == RPC_HEADER_BYTES:
+                    self._on_header()
+
+    def _on_header(self) -> None:
+        cmd, size = _HEADER.unpack(self._header)
+        if self._phase is _Phase.AWAIT_HELLO:
+            if cmd != HELLO_CMD:
+                self._go_opaque(f"the first command is {cmd}, not HELLO ({HELLO_CMD})")
+                return
+            if size not in self._hello_request_sizes:
+                self._go_opaque(f"the HELLO request has {size} bytes, no known dialect's size")
+                return
+            self._hello_request_bytes = size
+            self._phase = _Phase.AWAIT_REPLY
+        elif size > self._max_frame_bytes:
+            raise FrameTooLargeError(
+                f"RPC command {cmd} declares a {size}-byte payload, over the "
+                f"{self._max_frame_bytes}-byte limit; closing this stream"
+            )
+        self.commands_seen[cmd] += 1
+        self.frames_seen += 1
+        if (
+            self.dialect is not None
+            and cmd == self.dialect.register_peer_cmd
+            and size == REGISTER_PEER_PAYLOAD_BYTES
+        ):
+            self._register, self._header = self._header, bytearray()
+            return
+        self._out.append(bytes(self._header))
+        self._header.clear()
+        self._remaining = size
+        if self._phase is _Phase.AWAIT_REPLY:
+            self._resolve_dialect()  # the reply may have come first
+
+    def _hold(self, chunk: memoryview) -> None:
+        self._held_bytes += len(chunk)
+        if self._held_bytes > MAX_HELD_BEFORE_REPLY_BYTES:
+            raise MalformedMessageError(
+                f"the RPC client sent over {MAX_HELD_BEFORE_REPLY_BYTES} bytes before the "
+                "server's HELLO reply; a conforming client waits for it"
+            )
+        self._held.append(chunk)
+
+    def _resolve_dialect(self) -> None:
+        reply = self._reply
+        if self._hello_request_bytes is None or reply is None:
+            return
+        version = f"{reply[0]}.{reply[1]}.{reply[2]}"
+        for dialect in self._dialects:
+            if dialect.matches(self._hello_request_bytes, reply):
+                self.dialect = dialect
+                self._events.append(DialectDetected(dialect.name, version))
+                self._phase = _Phase.FRAMES
+                held, self._held = self._held, []
+                for chunk in held:
+                    self._feed(chunk)
+                return
+        self._go_opaque(
+            f"protocol {version} with a {self._hello_request_bytes}-byte HELLO request and a "
+            f"{len(reply)}-byte reply matches no known dialect"
+        )
+
+    def _go_opaque(self, reason: str) -> None:
+        self._events.append(DialectUnknown(reason))
+        self._phase = _Phase.OPAQUE
+        if self._header:
+            self._out.append(bytes(self._header))
+            self._header.clear()
+        self._out.extend(self._held)
+        self._held = []
+
+    def _rewrite(self, frame: bytearray) -> bytes:
+        peer_id, field = _REGISTER_PEER.unpack_from(frame, RPC_HEADER_BYTES)
+        original = field.split(b"\0", 1)[0].decode("utf-8", "replace")
+        endpoint = self._resolve_endpoint(peer_id)
+        if endpoint is None:
+            self._events.append(EndpointUnresolved(peer_id))
+            return bytes(frame)
+        encoded = endpoint.encode()
+        if len(encoded) >= REGISTER_PEER_ENDPOINT_BYTES:  # the server needs room for the NUL
+            self._events.append(EndpointTooLong(peer_id, endpoint))
+            return bytes(frame)
+        # struct pads the field with NULs, so no byte of the old endpoint survives.
+        _REGISTER_PEER.pack_into(frame, RPC_HEADER_BYTES, peer_id, encoded)
+        self._events.append(EndpointRewritten(peer_id, original, endpoint))
+        return bytes(frame)
