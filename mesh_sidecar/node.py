@@ -20,9 +20,9 @@ from typing import Any
 
 from . import __version__
 from .control import ControlServer
-from .errors import ChildExitedError, MeshError, PortInUseError
+from .errors import ChildExitedError, MeshError, PortInUseError, ProcessError
 from .home import NodeHome
-from .identity import NodeIdentity
+from .identity import NodeIdentity, short_id
 from .launch import ChildProcess, llama_server_argv, start_llama_server, start_rpc_server
 from .llama_build import LlamaBinaries
 from .mesh import Mesh, load_or_create_secret
@@ -33,6 +33,7 @@ from .ticket import Ticket
 log = logging.getLogger(__name__)
 
 RPC_SERVER_START_ATTEMPTS = 3
+LLAMA_SERVER_RESTART_DELAY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class Node:
         self.llama_port: int | None = None
         self._proxy: ApiProxy | None = None
         self.mesh: Mesh | None = None
+        self.restarts = 0
+        self._rpc_peers: list[bytes] = []  # the peers in the running llama-server's --rpc list
         self._control = ControlServer(options.home, self.status_snapshot)
 
     def request_stop(self) -> None:
@@ -86,8 +89,9 @@ class Node:
                         await self.mesh.join(self.options.join)
                     if self.options.serve_port is not None:
                         await self._wait_for_peers()
-                        await self._start_serving()
-                        tg.create_task(self._watch(self.llama_server))
+                        await self._start_proxy()
+                        await self._start_llama_server()
+                        tg.create_task(self._supervise_llama_server())
                     await self._stop.wait()
                     raise _StopRequested
             except* _StopRequested:
@@ -136,10 +140,11 @@ class Node:
         """
         assert self.mesh is not None
         peers = self.mesh.connected_peers()
+        self._rpc_peers = peers
         self.mesh.announce_rpc_order((self.identity.node_id, *peers))
         return [f"{LOOPBACK}:{self.rpc_port}", *(self.mesh.tunnel_endpoint(p) for p in peers)]
 
-    async def _start_serving(self) -> None:
+    async def _start_proxy(self) -> None:
         assert self.options.serve_port is not None
         self._proxy = ApiProxy(self._upstream_url)
         try:
@@ -149,12 +154,53 @@ class Node:
                 f"Cannot listen on port {self.options.serve_port} ({exc.strerror}). "
                 "Stop the program holding it or choose another with --serve PORT."
             ) from exc
+
+    async def _start_llama_server(self) -> None:
         endpoints = self.rpc_endpoints()
         self._say(f"Loading {self.options.model.name} through {len(endpoints)} rpc-server(s)...")
         self.llama_port = free_tcp_port()
         argv = llama_server_argv(self.options.binaries, self.options.model, endpoints, self.llama_port)
         self.llama_server = await start_llama_server(argv, self.llama_port, self.options.home.logs)
         self._say(f"OpenAI-compatible API ready on http://localhost:{self.options.serve_port}/v1")
+
+    async def _supervise_llama_server(self) -> None:
+        """Restart llama-server over the peers still connected when it dies or loses one.
+
+        llama.cpp aborts on any RPC transport error, and an idle llama-server
+        would only find out at the next request: so a lost peer in its ``--rpc``
+        list is a reason to restart at once. The API port stays up (answering
+        503) while llama-server comes back.
+        """
+        while True:
+            reason = await self._llama_server_trouble()
+            if self._stop.is_set():
+                return
+            self._say(f"{reason}; restarting llama-server with the peers still connected...")
+            assert self.llama_server is not None
+            await self.llama_server.stop()
+            self.restarts += 1
+            await asyncio.sleep(LLAMA_SERVER_RESTART_DELAY_S)
+            try:
+                await self._start_llama_server()
+            except ProcessError as exc:
+                self._say(f"llama-server failed to start again: {exc}")
+
+    async def _llama_server_trouble(self) -> str:
+        """Wait until llama-server exits or a peer in its ``--rpc`` list is lost; say which."""
+        assert self.llama_server is not None and self.mesh is not None
+        exited = asyncio.ensure_future(self.llama_server.wait())
+        try:
+            while not exited.done():
+                lost = [p for p in self._rpc_peers if p not in self.mesh.connected_peers()]
+                if lost:
+                    return f"Peer {', '.join(short_id(p) for p in lost)} is gone"
+                self.mesh.changed.clear()
+                changed = asyncio.ensure_future(self.mesh.changed.wait())
+                await asyncio.wait({exited, changed}, return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+            return str(self.llama_server.exited_error())
+        finally:
+            exited.cancel()
 
     def _upstream_url(self) -> str | None:
         if self.llama_server is None or not self.llama_server.running:
@@ -198,6 +244,7 @@ class Node:
             "api": ({"port": self.options.serve_port, "url": f"http://localhost:{self.options.serve_port}/v1"}
                     if self.options.serve_port is not None else None),
             "processes": processes,
+            "llama_server_restarts": self.restarts,
             "mesh": {"quic_port": self.mesh.port if self.mesh else None},
             "peers": self.mesh.status() if self.mesh else [],
         }

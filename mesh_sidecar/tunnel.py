@@ -21,7 +21,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import WireError
+from .errors import MeshError, WireError
 from .identity import short_id
 from .ports import LOOPBACK
 from .rpc_framing import RpcStreamFilter
@@ -112,7 +112,7 @@ class TunnelListener:
         try:
             try:
                 quic_reader, quic_writer = await self.peer.open_stream()
-            except (ConnectionError, WireError) as exc:
+            except (ConnectionError, MeshError) as exc:  # MeshError: the connection is closed
                 log.warning("tunnel to %s: cannot open a stream (%s)", short_id(self.peer.peer_id), exc)
                 tcp_writer.transport.abort()
                 return

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,10 +38,49 @@ def model_path() -> Path:
     return ensure_model(None, _quiet)
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run `mesh-inference ARGS` to completion."""
-    return subprocess.run([sys.executable, "-m", "mesh_sidecar", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+        prefix: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run `mesh-inference ARGS` to completion (``prefix``: e.g. `ip netns exec NS`)."""
+    return subprocess.run([*prefix, sys.executable, "-m", "mesh_sidecar", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+PROMPT = "The three primary colors are"
+N_PREDICT = 48
+GREEDY = {"temperature": 0, "seed": 42, "top_k": 1}
+
+
+def complete(port: int, prompt: str = PROMPT) -> str:
+    """Greedy completion of N_PREDICT tokens from the API on ``port``."""
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                          json={"prompt": prompt, "max_tokens": N_PREDICT, **GREEDY})
+    response.raise_for_status()
+    body = response.json()
+    assert body["usage"]["completion_tokens"] == N_PREDICT
+    return body["choices"][0]["text"]
+
+
+@pytest.fixture(scope="session")
+def reference_text(binaries, model_path, tmp_path_factory) -> str:
+    """What plain llama-server on this machine's CPU answers: the output to match."""
+    port = free_tcp_port()
+    log_path = tmp_path_factory.mktemp("plain") / "plain.log"
+    proc = subprocess.Popen([str(binaries.llama_server), "-m", str(model_path), "--host", "127.0.0.1",
+                             "--port", str(port)], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        return complete(port)
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @dataclass
@@ -53,9 +92,10 @@ class NodeProcess:
     output: Path
     serve_port: int | None = None
     extra_pids: list[int] = field(default_factory=list)
+    prefix: Sequence[str] = ()
 
     def status(self) -> dict:
-        result = cli("status", "--home", str(self.home), "--json")
+        result = cli("status", "--home", str(self.home), "--json", prefix=self.prefix)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
 

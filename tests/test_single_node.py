@@ -3,55 +3,17 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import time
 
 import httpx
 import psutil
 import pytest
 
-from mesh_sidecar.ports import free_tcp_port
+from tests.conftest import GREEDY, complete
 
 pytestmark = pytest.mark.slow
 
-PROMPT = "The three primary colors are"
-N_PREDICT = 48
-GREEDY = {"temperature": 0, "seed": 42, "top_k": 1}
 
-
-def complete(port: int, prompt: str = PROMPT) -> str:
-    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                          json={"prompt": prompt, "max_tokens": N_PREDICT, **GREEDY})
-    response.raise_for_status()
-    body = response.json()
-    assert body["usage"]["completion_tokens"] == N_PREDICT
-    return body["choices"][0]["text"]
-
-
-@pytest.fixture
-def plain_llama_server(binaries, model_path, tmp_path):
-    """llama-server alone on this machine's CPU: the reference output."""
-    port = free_tcp_port()
-    log = open(tmp_path / "plain.log", "w")
-    proc = subprocess.Popen([str(binaries.llama_server), "-m", str(model_path), "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "plain.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def test_rpc_only_node_matches_plain_llama_server(start_node, plain_llama_server, model_path):
+def test_rpc_only_node_matches_plain_llama_server(start_node, reference_text, model_path):
     node = start_node("solo", serve=True)
     status = node.status()
     rpc = next(p for p in status["processes"] if p["name"] == "ggml-rpc-server")
@@ -62,8 +24,7 @@ def test_rpc_only_node_matches_plain_llama_server(start_node, plain_llama_server
     assert argv[argv.index("-ngl") + 1] == "99"
 
     through_mesh = complete(node.serve_port)
-    reference = complete(plain_llama_server)
-    assert through_mesh == reference
+    assert through_mesh == reference_text
     assert len(through_mesh.split()) > 5
 
     # The weights live in the rpc-server's memory, not only in llama-server's mapping.
