@@ -45,6 +45,14 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def api_healthy(port: int) -> bool:
+    """Whether llama-server (or the node's proxy in front of it) on ``port`` is ready."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 PROMPT = "The three primary colors are"
 N_PREDICT = 48
 GREEDY = {"temperature": 0, "seed": 42, "top_k": 1}
@@ -69,13 +77,8 @@ def reference_text(binaries, model_path, tmp_path_factory) -> str:
                              "--port", str(port)], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not api_healthy(port):
             assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
             time.sleep(0.2)
         return complete(port)
     finally:
@@ -113,12 +116,8 @@ class NodeProcess:
             if self.serve_port is None:
                 if (self.home / "control.json").exists():
                     return
-            else:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{self.serve_port}/health", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
+            elif api_healthy(self.serve_port):
+                return
             time.sleep(0.2)
         raise AssertionError(f"node not ready in {NODE_START_TIMEOUT_S} s:\n{self.text()}")
 

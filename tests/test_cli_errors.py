@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from mesh_sidecar.ticket import PeerAddress, Ticket, encode_ticket
 from tests.conftest import cli
 
 
@@ -54,3 +55,14 @@ def test_serve_port_taken(tmp_path: Path) -> None:
 def test_status_without_a_node(tmp_path: Path) -> None:
     result = cli("status", "--home", str(tmp_path))
     assert_clean_error(result, "No node is running")
+
+
+def test_malformed_ticket(tmp_path: Path) -> None:
+    result = cli("--home", str(tmp_path), "--join", "meshinf-not-a-ticket!")
+    assert_clean_error(result, "ticket")
+
+
+def test_truncated_ticket(tmp_path: Path) -> None:
+    whole = encode_ticket(Ticket(b"\x01" * 32, b"\x02" * 32, (PeerAddress("127.0.0.1", 47470),)))
+    result = cli("--home", str(tmp_path), "--join", whole[:-20])
+    assert_clean_error(result, "truncated")
