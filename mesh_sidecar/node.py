@@ -134,15 +134,18 @@ class Node:
             await self.mesh.changed.wait()
 
     def rpc_endpoints(self) -> list[str]:
-        """The ``--rpc`` list for llama-server: our own rpc-server, then one tunnel per peer.
+        """The ``--rpc`` list for llama-server: one tunnel per peer, then our own rpc-server.
 
+        Ours goes last because llama.cpp puts the output layer on the last
+        device: the logits (vocabulary x 4 bytes per token, ~200 KB for the
+        default model) then stay on loopback instead of crossing the network.
         The order is announced to the peers: REGISTER_PEER names peers by index in it.
         """
         assert self.mesh is not None
         peers = self.mesh.connected_peers()
         self._rpc_peers = peers
-        self.mesh.announce_rpc_order((self.identity.node_id, *peers))
-        return [f"{LOOPBACK}:{self.rpc_port}", *(self.mesh.tunnel_endpoint(p) for p in peers)]
+        self.mesh.announce_rpc_order((*peers, self.identity.node_id))
+        return [*(self.mesh.tunnel_endpoint(p) for p in peers), f"{LOOPBACK}:{self.rpc_port}"]
 
     async def _start_proxy(self) -> None:
         assert self.options.serve_port is not None

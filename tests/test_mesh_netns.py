@@ -152,13 +152,15 @@ def test_full_mesh_through_gossip(mesh3):
 def test_layers_on_all_three_nodes_and_output_matches_one_machine(mesh3, reference_text):
     text = ns_complete(mesh3.hosts["c"])
     assert text == reference_text
-    # llama-server on C lists its own rpc-server and one tunnel per peer...
+    # llama-server on C lists one tunnel per peer, then its own rpc-server (it holds the output layer)...
     status = mesh3.nodes["c"].status()
     llama = next(p for p in status["processes"] if p["name"] == "llama-server")
     argv = subprocess.run(["cat", f"/proc/{llama['pid']}/cmdline"], capture_output=True).stdout.split(b"\0")
     rpc_list = argv[argv.index(b"--rpc") + 1].decode().split(",")
     tunnel_ports = {p["tunnel_port"] for p in status["peers"]}
-    assert len(rpc_list) == 3 and {int(e.rsplit(":", 1)[1]) for e in rpc_list[1:]} == tunnel_ports
+    own_rpc = next(p for p in status["processes"] if p["name"] == "ggml-rpc-server")["port"]
+    assert len(rpc_list) == 3 and {int(e.rsplit(":", 1)[1]) for e in rpc_list[:-1]} == tunnel_ports
+    assert rpc_list[-1] == f"127.0.0.1:{own_rpc}"
     # ...and every rpc-server holds a share of the weights (its own memory grew by tens of MB).
     for name, node in mesh3.nodes.items():
         rpc = next(p for p in node.status()["processes"] if p["name"] == "ggml-rpc-server")

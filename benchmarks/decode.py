@@ -1,0 +1,416 @@
+"""Decode benchmark: the same three hosts, stock llama.cpp RPC over TCP vs. the QUIC mesh.
+
+Three hosts a, b and c live in network namespaces on one bridge (``tests/netns.py``).
+Two setups split the same model over the same three hosts, in the same order, and
+answer the same greedy prompt from host c:
+
+- mesh: three ``mesh_sidecar`` nodes as in ``tests/test_mesh_netns.py`` (a works,
+  b joins a, c joins b and serves the API on :8080 with ``--min-peers 2``);
+- direct: a plain ``ggml-rpc-server -H <host ip> -p 50052`` on every host (the stock
+  way, over TCP, only inside this private lab) and on c a ``llama-server`` with
+  ``--rpc`` listing the same hosts in the order the mesh's own llama-server got.
+
+The mesh runs first (its order is only known once it runs: it sorts peers by
+node id, and the ids are new every run), and is stopped before the direct setup
+starts, so the two never share the CPU. Each setup gets one warm-up request, then
+``--reps`` repetitions of one plain ``/v1/completions`` request (llama-server's
+``timings``) and one streamed request (time to the first SSE chunk with text), all
+with ``cache_prompt: false`` so every request evaluates the prompt.
+
+Run as root: ``.venv/bin/python -m benchmarks.decode [--reps N] [--n-predict N] [--json PATH]``.
+Figures are printed and written as JSON; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "decode.json"
+QUIC_PORT = 47470
+MESH_API_PORT = 8080
+DIRECT_API_PORT = 8081
+DIRECT_RPC_PORT = 50052
+START_TIMEOUT_S = 180.0
+GREEDY = {"temperature": 0, "top_k": 1, "seed": 42}
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press into one workshop process. "
+    "Explain in a few paragraphs how this invention changed the way knowledge spread across Europe:"
+)
+_TICKET = re.compile(r"Node ticket: (meshinf[a-z2-7]+)")
+
+
+# --------------------------------------------------------------------------------------------
+# The client: runs inside a host's namespace (``--client SPEC``), prints one JSON object.
+# --------------------------------------------------------------------------------------------
+
+def _client(spec: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    base = f"http://127.0.0.1:{spec['port']}"
+    body = {"prompt": spec["prompt"], "max_tokens": spec["n_predict"], "cache_prompt": False, **GREEDY}
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{base}/health not 200 within {START_TIMEOUT_S} s")
+        time.sleep(0.2)
+
+    def plain() -> dict[str, Any]:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        data = r.json()
+        timings = data.get("timings")
+        if timings is None:
+            raise SystemExit(f"/v1/completions returned no timings: {sorted(data)}")
+        return {"text": data["choices"][0]["text"], "completion_tokens": data["usage"]["completion_tokens"],
+                "prompt_tokens": data["usage"]["prompt_tokens"], "timings": timings}
+
+    def streamed() -> dict[str, Any]:
+        ttft = None
+        pieces: list[str] = []
+        started = time.perf_counter()
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                if text and ttft is None:
+                    ttft = (time.perf_counter() - started) * 1000
+                pieces.append(text)
+        return {"ttft_ms": ttft, "text": "".join(pieces)}
+
+    def status() -> dict[str, Any] | None:
+        if not spec.get("status_home"):
+            return None
+        out = subprocess.run([sys.executable, "-m", "mesh_sidecar", "status", "--home", spec["status_home"],
+                              "--json"], capture_output=True, text=True, check=True, timeout=60)
+        return json.loads(out.stdout)
+
+    warmup = plain()
+    streamed()
+    before = status()
+    reps = []
+    for _ in range(spec["reps"]):
+        rep = plain()
+        s = streamed()
+        rep["ttft_ms"], rep["stream_text"] = s["ttft_ms"], s["text"]
+        reps.append(rep)
+    after = status()
+    return {"warmup_text": warmup["text"], "reps": reps, "status_before": before, "status_after": after}
+
+
+# --------------------------------------------------------------------------------------------
+# The orchestrator: lab, processes, figures.
+# --------------------------------------------------------------------------------------------
+
+def _quiet(message: str, done: int, total: int) -> None:
+    pass
+
+
+@dataclass
+class Started:
+    """Every process this run started, stopped by pid (last started, first stopped)."""
+
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    extra_pids: list[int] = field(default_factory=list)
+
+    def popen(self, name: str, argv: list[str], log: Path) -> subprocess.Popen:
+        # A session of its own: a terminal's Ctrl-C reaches only us, and we stop them in order.
+        proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def stop_all(self) -> None:
+        while self.procs:
+            _, proc = self.procs.pop()
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for pid in self.extra_pids:  # a node's children, should the node not have stopped them
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.extra_pids.clear()
+
+
+def _wait(condition, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(poll)
+    raise RuntimeError(f"not within {timeout:.0f} s: {what}")
+
+
+def _run_client(host, spec: dict[str, Any], watched: list[tuple[str, subprocess.Popen, Path]]) -> dict:
+    """Run the client in ``host``'s namespace; give up if a watched process dies meanwhile."""
+    argv = host.exec_argv(sys.executable, "-m", "benchmarks.decode", "--client", json.dumps(spec))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        while proc.poll() is None:
+            for name, child, log in watched:
+                if child.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {child.returncode}:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"client in {host.name} failed ({proc.returncode}):\n{err[-3000:]}")
+    return json.loads(out)
+
+
+def _status(host, home: Path) -> dict[str, Any]:
+    out = subprocess.run(host.exec_argv(sys.executable, "-m", "mesh_sidecar", "status", "--home", str(home),
+                                        "--json"), capture_output=True, text=True, check=True, timeout=60,
+                         cwd=REPO_ROOT)
+    return json.loads(out.stdout)
+
+
+def _listening(host, port: int) -> bool:
+    out = subprocess.run(host.exec_argv("ss", "-Hltn", f"sport = :{port}"), capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
+def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any]) -> tuple[dict, list[str], dict]:
+    """Start a, b, c as in the netns test; measure through c's :8080; return (client result, order, info)."""
+    homes = {name: workdir / "mesh" / name for name in "abc"}
+
+    def start(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
+        homes[name].mkdir(parents=True)
+        log = workdir / f"mesh-{name}.out"
+        argv = lab_hosts[name].exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(homes[name]),
+                                         "--name", name, "--port", str(QUIC_PORT), *args)
+        return started.popen(f"mesh node {name}", argv, log), log
+
+    def ticket(log: Path) -> str:
+        return _wait(lambda: _TICKET.search(log.read_text(errors="replace")), 60, "a ticket").group(1)
+
+    procs = {}
+    procs["a"] = start("a")
+    t_a = ticket(procs["a"][1])
+    procs["b"] = start("b", "--join", t_a)
+    t_b = ticket(procs["b"][1])
+    procs["c"] = start("c", "--join", t_b, "--serve", str(MESH_API_PORT), "--min-peers", "2")
+
+    def api_ready() -> bool:
+        for name, (proc, log) in procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"mesh node {name} exited:\n{log.read_text()[-3000:]}")
+        return "API ready" in procs["c"][1].read_text(errors="replace")
+
+    _wait(api_ready, START_TIMEOUT_S, "c loads the model through the mesh")
+    for name in "abc":
+        started.extra_pids += [p["pid"] for p in _status(lab_hosts[name], homes[name])["processes"]]
+
+    status = _status(lab_hosts["c"], homes["c"])
+    llama = next(p for p in status["processes"] if p["name"] == "llama-server")
+    argv = Path(f"/proc/{llama['pid']}/cmdline").read_bytes().split(b"\0")
+    rpc_list = argv[argv.index(b"--rpc") + 1].decode().split(",")
+    by_port = {p["tunnel_port"]: p["name"] for p in status["peers"]}
+    by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"
+    order = [by_port[int(e.rsplit(":", 1)[1])] for e in rpc_list]
+
+    result = _run_client(lab_hosts["c"], {**spec, "port": MESH_API_PORT, "status_home": str(homes["c"])},
+                         [(f"mesh node {n}", p, log) for n, (p, log) in procs.items()])
+    info = {"rpc_list": rpc_list, "order": order}
+    return result, order, info
+
+
+def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any], order: list[str],
+               binaries, model: Path) -> tuple[dict, dict]:
+    from mesh_sidecar.launch import llama_server_argv
+
+    watched = []
+    for name in "abc":
+        host = lab_hosts[name]
+        log = workdir / f"direct-rpc-{name}.out"
+        argv = host.exec_argv(str(binaries.rpc_server), "-H", host.ip, "-p", str(DIRECT_RPC_PORT))
+        watched.append((f"direct rpc-server {name}", started.popen(f"rpc {name}", argv, log), log))
+    for name in "abc":
+        _wait(lambda: _listening(lab_hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name} listens")
+    endpoints = [f"{lab_hosts[n].ip}:{DIRECT_RPC_PORT}" for n in order]
+    # The very argv the mesh gives its llama-server, but with TCP endpoints instead of tunnels.
+    argv = lab_hosts["c"].exec_argv(*llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT))
+    log = workdir / "direct-llama-server.out"
+    watched.append(("direct llama-server", started.popen("direct llama-server", argv, log), log))
+    result = _run_client(lab_hosts["c"], {**spec, "port": DIRECT_API_PORT}, watched)
+    return result, {"rpc_list": endpoints, "order": order}
+
+
+def _summary(result: dict) -> dict[str, Any]:
+    reps = result["reps"]
+
+    def stats(values: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    texts = {r["text"] for r in reps} | {r["stream_text"] for r in reps} | {result["warmup_text"]}
+    return {
+        "prompt_tokens": reps[0]["prompt_tokens"],
+        "completion_tokens": [r["completion_tokens"] for r in reps],
+        "prompt_tok_s": stats([r["timings"]["prompt_per_second"] for r in reps]),
+        "decode_tok_s": stats([r["timings"]["predicted_per_second"] for r in reps]),
+        "prompt_ms": stats([r["timings"]["prompt_ms"] for r in reps]),
+        "ttft_ms": stats([r["ttft_ms"] for r in reps]),
+        "text": reps[0]["text"],
+        "texts_all_identical": len(texts) == 1,
+    }
+
+
+def _tunnel_bytes(result: dict) -> dict[str, Any]:
+    """Bytes per generated token on each of c's tunnels over the timed repetitions."""
+    tokens = sum(r["completion_tokens"] for r in result["reps"]) * 2  # a plain and a streamed request each
+    before = {p["name"]: p for p in result["status_before"]["peers"]}
+    rows = {}
+    for peer in result["status_after"]["peers"]:
+        b = before[peer["name"]]
+        to_peer = peer["bytes_to_peer"] - b["bytes_to_peer"]
+        from_peer = peer["bytes_from_peer"] - b["bytes_from_peer"]
+        rows[f"c<->{peer['name']}"] = {"bytes_to_peer": to_peer, "bytes_from_peer": from_peer,
+                                     "tokens": tokens, "to_peer_per_token": to_peer / tokens,
+                                     "from_peer_per_token": from_peer / tokens}
+    return rows
+
+
+def _print(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 100))
+    d, m = report["direct"], report["mesh"]
+    table = Table(title=f"decode: {report['model']}, {report['n_predict']} tokens, {report['reps']} reps, "
+                        f"prompt {d['prompt_tokens']} tokens, rpc order {','.join(report['order'])}")
+    for col in ("setup", "prompt tok/s (med)", "decode tok/s (med)", "decode min–max", "TTFT ms (med)",
+                "decode mesh/direct"):
+        table.add_column(col, justify="right" if col != "setup" else "left")
+    for name, s in (("direct", d), ("mesh", m)):
+        ratio = f"{m['decode_tok_s']['median'] / d['decode_tok_s']['median']:.2f}" if name == "mesh" else ""
+        table.add_row(name, f"{s['prompt_tok_s']['median']:.1f}", f"{s['decode_tok_s']['median']:.1f}",
+                      f"{s['decode_tok_s']['min']:.1f}–{s['decode_tok_s']['max']:.1f}",
+                      f"{s['ttft_ms']['median']:.1f}", ratio)
+    console.print(table)
+    tunnels = Table(title="mesh tunnels on c, over the timed repetitions")
+    for col in ("tunnel", "bytes c→peer / token", "bytes peer→c / token"):
+        tunnels.add_column(col, justify="right" if col != "tunnel" else "left")
+    for name, row in sorted(report["mesh_tunnels"].items()):
+        tunnels.add_row(name, f"{row['to_peer_per_token']:,.0f}", f"{row['from_peer_per_token']:,.0f}")
+    console.print(tunnels)
+    same = report["greedy_texts_identical"]
+    console.print(f"greedy text direct == mesh: {'yes' if same else 'NO'}"
+                  f" (every request within each setup identical: direct "
+                  f"{'yes' if d['texts_all_identical'] else 'NO'}, mesh {'yes' if m['texts_all_identical'] else 'NO'})")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--n-predict", type=int, default=128)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.client:
+        print(json.dumps(_client(json.loads(args.client))))
+        return 0
+
+    if os.geteuid() != 0:
+        print("needs root (network namespaces)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO_ROOT))
+    from mesh_sidecar.llama_build import ensure_binaries
+    from mesh_sidecar.model import ensure_model
+    from tests.netns import Lab
+
+    binaries = ensure_binaries(None, _quiet)
+    model = ensure_model(None, _quiet)
+    spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps}
+
+    # SIGTERM ends us like Ctrl-C does: through the finally below.
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = Started()
+    lab = None
+    workdir = Path(tempfile.mkdtemp(prefix="bench-decode-"))
+    try:
+        lab = Lab()
+        lab.sniffer.stop()  # its per-frame Python loop would only compete for the CPU
+        hosts = {name: lab.add_host(name) for name in "abc"}
+        print(f"mesh: starting a, b, c (logs in {workdir})...", flush=True)
+        mesh_result, order, mesh_info = run_mesh(hosts, started, workdir, spec)
+        started.stop_all()
+        print(f"direct: rpc-servers on a, b, c over TCP, order {','.join(order)}...", flush=True)
+        direct_result, direct_info = run_direct(hosts, started, workdir, spec, order, binaries, model)
+        started.stop_all()
+
+        report = {
+            "benchmark": "decode",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "model": model.name,
+            "prompt": PROMPT,
+            "n_predict": args.n_predict,
+            "reps": args.reps,
+            "sampling": GREEDY,
+            "cpu_count": os.cpu_count(),
+            "order": order,
+            "direct": {**_summary(direct_result), **direct_info},
+            "mesh": {**_summary(mesh_result), **mesh_info},
+            "mesh_tunnels": _tunnel_bytes(mesh_result),
+            "raw": {"direct": direct_result["reps"], "mesh": mesh_result["reps"]},
+        }
+        report["decode_ratio_mesh_over_direct"] = (report["mesh"]["decode_tok_s"]["median"]
+                                                   / report["direct"]["decode_tok_s"]["median"])
+        report["greedy_texts_identical"] = report["direct"]["text"] == report["mesh"]["text"]
+        _print(report)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"written {args.json}")
+        shutil.rmtree(workdir, ignore_errors=True)  # kept, with the logs, when something failed
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        started.stop_all()
+        if lab is not None:
+            lab.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
