@@ -95,7 +95,6 @@ class Mesh:
     def __init__(
         self,
         identity: NodeIdentity,
-        home: NodeHome,
         name: str,
         secret: bytes,
         rpc_port: int,
@@ -104,7 +103,6 @@ class Mesh:
         serving: bool = False,
     ) -> None:
         self.identity = identity
-        self._home = home
         self._name = name
         self._rpc_port = rpc_port
         self._say = say

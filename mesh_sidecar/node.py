@@ -119,7 +119,7 @@ class Node:
     async def _start_mesh(self) -> None:
         assert self.rpc_port is not None
         secret = load_or_create_secret(self.options.home, self.options.join)
-        self.mesh = Mesh(self.identity, self.options.home, self.options.name, secret, self.rpc_port,
+        self.mesh = Mesh(self.identity, self.options.name, secret, self.rpc_port,
                          self._say, serving=self.options.serve_port is not None)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()

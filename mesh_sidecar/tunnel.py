@@ -10,7 +10,8 @@ One listener per peer, bound to 127.0.0.1. Each TCP connection to it becomes one
 QUIC stream; the peer connects that stream to its own rpc-server and to nothing
 else. Bytes relay both ways with backpressure (``drain`` on both kinds of
 writer) and half-closes travel as FIN. When the peer is lost, the listener
-closes and live connections are reset, so llama-server gets an error, not a hang.
+closes and live connections are ended at once (reset when data was still in
+flight), so llama-server gets an error, not a hang.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class TunnelListener:
         return self.port
 
     async def close(self) -> None:
-        """Stop listening and reset live connections (the peer is gone)."""
+        """Stop listening and end live connections at once (the peer is gone)."""
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers):
