@@ -28,7 +28,10 @@ from .identity import load_or_create_identity
 from .llama_build import ensure_binaries
 from .mesh import DEFAULT_QUIC_PORT
 from .model import check_gguf, ensure_model
-from .node import Node, NodeOptions
+from .capacity import parse_size
+from .control import read_plan
+from .node import DEFAULT_CTX_SIZE, Node, NodeOptions
+from .views import plan_table
 from .ports import LOOPBACK, check_tcp_port_free
 from .ticket import decode_ticket
 
@@ -47,6 +50,7 @@ app = typer.Typer(
 HomeOption = Annotated[
     Optional[Path], typer.Option("--home", envvar="MESH_HOME", help="This node's state directory.")
 ]
+CtxOption = Annotated[int, typer.Option("--ctx-size", min=256, help="Context length llama-server gets (tokens).")]
 LlamaBinOption = Annotated[
     Optional[Path],
     typer.Option("--llama-bin", envvar="MESH_LLAMA_BIN",
@@ -124,6 +128,8 @@ def run_node(
     join: Annotated[Optional[str], typer.Option("--join", help="Join the mesh of the node that printed this ticket.")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
     min_peers: Annotated[int, typer.Option("--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
+    max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G.")] = None,
+    ctx_size: CtxOption = DEFAULT_CTX_SIZE,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the sidecar's log here too.")] = False,
 ) -> None:
     """Start a node (no subcommand). With --serve PORT it also serves the API."""
@@ -132,6 +138,7 @@ def run_node(
     node_home = NodeHome.resolve(home)
     try:
         ticket = decode_ticket(join) if join is not None else None
+        max_memory_bytes = parse_size(max_memory) if max_memory is not None else None
         if serve is not None:
             check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
         binaries, model_path = _prepare(llama_bin, model)
@@ -140,7 +147,7 @@ def run_node(
         identity = load_or_create_identity(node_home.root)
         options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
                               binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
-                              min_peers=min_peers)
+                              min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size)
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
         asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:
@@ -184,23 +191,53 @@ def status(
         return
     node = snapshot["node"]
     console.print(f"[bold]{node['name']}[/] {node['short_id']}  home {node['home']}", highlight=False)
-    console.print(f"model: {snapshot['model']['path']}", highlight=False)
-    if snapshot["api"]:
-        console.print(f"API: {snapshot['api']['url']}", highlight=False)
+    console.print(f"model: {snapshot['model']['path']} (context {snapshot['model']['ctx_size']})", highlight=False)
+    if node["capacity"]:
+        console.print(f"offers: {node['capacity']['usable_bytes'] / 1e9:.2f} GB", highlight=False)
+    serving = snapshot["serving"]
+    if serving:
+        console.print(f"API: {serving['api']['url']} (llama-server restarts: {serving['llama_server_restarts']})",
+                      highlight=False)
+        if serving["plan"]:
+            console.print(plan_table(serving["plan"], title="Current plan"))
+        elif serving["refusal"]:
+            console.print(f"[bold red]Not serving:[/] {serving['refusal']}", highlight=False)
     processes = Table("process", "pid", "state", "port", "log")
     for p in snapshot["processes"]:
         processes.add_row(p["name"], str(p["pid"]), "running" if p["running"] else "exited",
                           str(p["port"]), p["log"])
     console.print(processes)
-    peers = Table("peer", "id", "address", "state", "rtt ms", "tunnel port", "rpc-server")
+    peers = Table("peer", "id", "address", "state", "rtt ms", "tunnel port", "rpc-server", "offers GB")
     for peer in snapshot["peers"]:
+        offers = peer["capacity"].get("usable_bytes")
         peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), peer["state"],
                       "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}",
-                      str(peer["tunnel_port"] or "-"), "up" if peer["rpc_server_up"] else "down")
+                      str(peer["tunnel_port"] or "-"), "up" if peer["rpc_server_up"] else "down",
+                      "-" if offers is None else f"{offers / 1e9:.2f}")
     connected = sum(p["state"] == "connected" for p in snapshot["peers"])
     console.print(f"Mesh: {connected} peer(s) connected, UDP port {snapshot['mesh']['quic_port']}")
     if snapshot["peers"]:
         console.print(peers)
+
+
+@app.command()
+def plan(
+    home: HomeOption = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="Plan for this GGUF instead of the node's model.")] = None,
+    ctx_size: Annotated[Optional[int], typer.Option("--ctx-size", min=256, help="Plan for this context length.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object, for scripts.")] = False,
+) -> None:
+    """Show how the running node would spread the model over the mesh now, without launching."""
+    try:
+        if model is not None:
+            model = check_gguf(model)
+        result = read_plan(NodeHome.resolve(home), model, ctx_size)
+    except MeshError as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        console.print(plan_table(result))
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ turn it into a message or a close with a reason.
     ├── SetupError              preparing what a node needs
     │   ├── BuildError          fetching or compiling llama.cpp
     │   ├── BinariesMissingError a --llama-bin dir lacks a binary
-    │   └── ModelError          a missing, non-GGUF or corrupt model
+    │   ├── ModelError          a missing, non-GGUF or corrupt model
+    │   └── PlanError           the mesh cannot hold the model (names the shortfall)
     ├── ProcessError            a child process misbehaved
     │   ├── ChildExitedError    a child died (carries its last log lines)
     │   └── ReadinessTimeoutError a child never became ready
@@ -56,6 +57,10 @@ class BinariesMissingError(SetupError):
 
 class ModelError(SetupError):
     """The model file is missing, not a GGUF, or fails its checksum."""
+
+
+class PlanError(SetupError):
+    """The members' capacity cannot hold the model; the message names the shortfall."""
 
 
 class ProcessError(MeshError):

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
-
 from . import __version__
+from .capacity import Capacity
 from .errors import MeshError, PortInUseError, UsageError
 from .gossip import (
     MAX_ADDRESSES,
@@ -55,9 +54,14 @@ log = logging.getLogger(__name__)
 DEFAULT_QUIC_PORT = 47470
 LISTEN_HOST = "0.0.0.0"
 HEARTBEAT_INTERVAL_S = 1.0
+CAPACITY_REFRESH_S = 5.0
 # When two members learn of each other at once, the lower id dials; the higher
 # one dials only if no connection came in this long (a lost or blocked dial).
 HIGHER_ID_DIAL_DELAY_S = 3.0
+# A graceful leave: the leaver waits this long for its peers to close, and a peer
+# closes once nothing runs through its tunnel to the leaver (the serving node first
+# drains its requests and moves its layers off). Longer than serving's drain.
+LEAVE_GRACE_S = 40.0
 MESH_FILE_NAME = "mesh.json"
 
 
@@ -98,6 +102,7 @@ class Mesh:
         name: str,
         secret: bytes,
         rpc_port: int,
+        capacity: Callable[[], Capacity],
         say: Callable[[str], None],
         *,
         serving: bool = False,
@@ -105,15 +110,16 @@ class Mesh:
         self.identity = identity
         self._name = name
         self._rpc_port = rpc_port
+        self._capacity = capacity
         self._say = say
         self._serving = serving
         self._secret = secret
         self._transport = MeshTransport(identity, secret, self._serve_peer)
         self._peers: dict[bytes, _Peer] = {}
         self._membership: Membership | None = None
-        self._dials: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # dials and deferred closes
         self.port: int | None = None
-        self.changed = asyncio.Event()  # set whenever the set of connected peers changes
+        self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -139,29 +145,45 @@ class Mesh:
         await self._dial(ticket.node_id, ticket.addresses)
 
     async def run(self) -> None:
-        """Heartbeats until cancelled."""
+        """Heartbeats, and fresh capacity figures in gossip, until cancelled."""
         assert self._membership is not None
+        last_refresh = time.monotonic()
         while True:
-            self._membership.heartbeat(time.monotonic())
+            now = time.monotonic()
+            self._membership.heartbeat(now)
+            if now - last_refresh >= CAPACITY_REFRESH_S:
+                self._membership.update_self(self._self_info())
+                last_refresh = now
             self._process()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
-    async def close(self) -> None:
-        """Say goodbye to every peer, then close every connection and tunnel."""
+    async def close(self, *, graceful: bool = True) -> None:
+        """Say goodbye to every peer, give them time to move off us, then close everything."""
         if self._membership is not None:
             self._membership.leave("node stopped")
             self._process()
-        for task in self._dials:
+            if graceful and self._peers:
+                self._say("Leaving the mesh: waiting for peers to move their work off this node...")
+                await self._wait_peers_gone(LEAVE_GRACE_S)
+        for task in self._tasks:
             task.cancel()
         for peer in list(self._peers.values()):
             await peer.tunnel.close()
         await self._transport.close()
 
+    async def _wait_peers_gone(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._peers and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
     # --- what the node needs -----------------------------------------------------
 
-    def connected_peers(self) -> list[bytes]:
-        """Node ids of peers with a live connection, in a stable order (by id)."""
-        return sorted(self._peers)
+    def connected_members(self) -> list[MemberInfo]:
+        """Peers with a live connection whose info we have, in a stable order (by id)."""
+        assert self._membership is not None
+        return sorted((m.info for m in self._membership.members()
+                       if m.state is MemberState.CONNECTED and m.info.node_id in self._peers),
+                      key=lambda info: info.node_id)
 
     def tunnel_endpoint(self, node_id: bytes) -> str:
         port = self._peers[node_id].tunnel.port
@@ -191,6 +213,7 @@ class Mesh:
                 "tunnel_port": peer.tunnel.port if peer else None,
                 "rpc_server_up": member.info.rpc_ready,
                 "serving": member.info.serving,
+                "capacity": dict(member.info.capacity),
                 "learned_via": short_id(member.learned_via) if member.learned_via else None,
                 "bytes_to_peer": peer.tunnel.counters.bytes_to_peer if peer else 0,
                 "bytes_from_peer": peer.tunnel.counters.bytes_from_peer if peer else 0,
@@ -210,13 +233,24 @@ class Mesh:
             name=self._name,
             addresses=addresses,
             version=__version__,
-            capacity=(("free_ram_bytes", psutil.virtual_memory().available),),
+            capacity=self._capacity().to_gossip(),
             serving=self._serving,
             rpc_ready=True,
         )
 
     async def _dial(self, node_id: bytes, addresses: list[PeerAddress] | tuple[PeerAddress, ...]) -> None:
         await self._transport.connect([(a.host, a.port) for a in addresses], node_id)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _close_when_idle(self, peer: _Peer, reason: str) -> None:
+        # Requests still running through this peer finish first (a leaving
+        # node waits for us); the serving node's replan ends them soon.
+        await peer.tunnel.wait_idle(LEAVE_GRACE_S)
+        peer.connection.close(reason)
 
     def _start_dial(self, action: Dial) -> None:
         addresses = []
@@ -241,9 +275,7 @@ class Mesh:
                 self._membership.peer_disconnected(node_id, time.monotonic(), str(exc))
                 self._process()
 
-        task = asyncio.create_task(dial())
-        self._dials.add(task)
-        task.add_done_callback(self._dials.discard)
+        self._spawn(dial())
 
     def _process(self) -> None:
         """Carry out what membership asks for, and tell people what happened."""
@@ -259,16 +291,19 @@ class Mesh:
                     self._start_dial(action)
                 case Disconnect(node_id=node_id, reason=reason):
                     if (peer := self._peers.get(node_id)) is not None:
-                        peer.connection.close(reason)
+                        self._spawn(self._close_when_idle(peer, reason))
         while (event := membership.next_event()) is not None:
             match event:
                 case MemberJoined(info=info, learned_via=via):
                     how = f" (learned via gossip from {self._name_of(via)})" if via else ""
                     self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
+                    self.changed.set()
                 case MemberLost(node_id=node_id, reason=reason):
                     self._say(f"Lost peer {self._name_of(node_id)}: {reason}")
+                    self.changed.set()
                 case MemberLeft(node_id=node_id):
                     self._say(f"Peer {self._name_of(node_id)} left the mesh")
+                    self.changed.set()
                 case MemberUpdated():
                     pass
 
@@ -316,7 +351,6 @@ class Mesh:
         try:
             membership.peer_connected(node_id, time.monotonic())
             self._process()
-            self.changed.set()
             decoder = GossipDecoder()
             while True:
                 decoder.feed(await connection.receive_control())
@@ -331,4 +365,3 @@ class Mesh:
                 await tunnel.close()
                 membership.peer_disconnected(node_id, time.monotonic(), reason)
                 self._process()
-                self.changed.set()

@@ -1,11 +1,10 @@
-"""One node: its rpc-server, its place in the mesh, optionally llama-server and the API port.
+"""One node: its rpc-server, its place in the mesh, and on a serving node the model and API.
 
 Lifecycle (``Node.run``): start the local rpc-server, join the mesh (print the
 ticket, dial the one we were given), publish the control endpoint, and on a
-serving node wait for the peers asked for, then start llama-server over the
-local rpc-server plus one tunnel per peer, and the API proxy; then wait for a
-stop request or a child's death. Whatever happens, children are stopped by pid
-before ``run`` returns.
+serving node hand over to the ServingSupervisor (plan, llama-server, API port);
+then wait for a stop request or the rpc-server's death. Whatever happens,
+children are stopped by pid before ``run`` returns.
 """
 
 from __future__ import annotations
@@ -19,21 +18,23 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .capacity import Capacity, measure, parse_device_listing
 from .control import ControlServer
-from .errors import ChildExitedError, MeshError, PortInUseError, ProcessError
+from .errors import ChildExitedError, MeshError
 from .home import NodeHome
-from .identity import NodeIdentity, short_id
-from .launch import ChildProcess, llama_server_argv, start_llama_server, start_rpc_server
+from .identity import NodeIdentity
+from .launch import ChildProcess, start_rpc_server
 from .llama_build import LlamaBinaries
 from .mesh import Mesh, load_or_create_secret
+from .planner import Plan
 from .ports import LOOPBACK, free_tcp_port
-from .proxy import ApiProxy
+from .serving import ServingSupervisor, cached_estimate, plan_over_mesh
 from .ticket import Ticket
 
 log = logging.getLogger(__name__)
 
 RPC_SERVER_START_ATTEMPTS = 3
-LLAMA_SERVER_RESTART_DELAY_S = 1.0
+DEFAULT_CTX_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class NodeOptions:
     join: Ticket | None = None
     quic_port: int | None = None
     min_peers: int = 0
+    max_memory_bytes: int | None = None
+    ctx_size: int = DEFAULT_CTX_SIZE
 
 
 class _StopRequested(Exception):
@@ -57,7 +60,7 @@ class _StopRequested(Exception):
 class Node:
     """Runs and supervises one node's processes until told to stop."""
 
-    def __init__(self, options: NodeOptions, identity: NodeIdentity, say: Callable[[str], None]) -> None:
+    def __init__(self, options: NodeOptions, identity: NodeIdentity, say: Callable[[Any], None]) -> None:
         self.options = options
         self.identity = identity
         self._say = say
@@ -65,15 +68,18 @@ class Node:
         self._started_at = time.time()
         self.rpc_server: ChildProcess | None = None
         self.rpc_port: int | None = None
-        self.llama_server: ChildProcess | None = None
-        self.llama_port: int | None = None
-        self._proxy: ApiProxy | None = None
         self.mesh: Mesh | None = None
-        self.restarts = 0
-        self._rpc_peers: list[bytes] = []  # the peers in the running llama-server's --rpc list
-        self._control = ControlServer(options.home, self.status_snapshot)
+        self.serving: ServingSupervisor | None = None
+        self._force = False
+        self._closing: asyncio.Task | None = None
+        self._control = ControlServer(options.home, self.status_snapshot, self.plan_snapshot)
 
     def request_stop(self) -> None:
+        """First call: stop gracefully. A second call: stop now, without waiting for peers."""
+        if self._stop.is_set():
+            self._force = True
+            if self._closing is not None:
+                self._closing.cancel()
         self._stop.set()
 
     async def run(self) -> None:
@@ -81,17 +87,15 @@ class Node:
             try:
                 async with asyncio.TaskGroup() as tg:
                     await self._start_rpc_server()
-                    tg.create_task(self._watch(self.rpc_server))
+                    tg.create_task(self._watch_rpc_server())
                     await self._start_mesh()
                     tg.create_task(self.mesh.run())
                     await self._control.start()
                     if self.options.join is not None:
                         await self.mesh.join(self.options.join)
                     if self.options.serve_port is not None:
-                        await self._wait_for_peers()
-                        await self._start_proxy()
-                        await self._start_llama_server()
-                        tg.create_task(self._supervise_llama_server())
+                        self.serving = self._serving_supervisor()
+                        tg.create_task(self.serving.run())
                     await self._stop.wait()
                     raise _StopRequested
             except* _StopRequested:
@@ -113,127 +117,68 @@ class Node:
                     raise
                 continue
             self.rpc_port = port
-            self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only)")
+            self._devices = parse_device_listing(self.rpc_server.log_path.read_text(errors="replace"))
+            self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only); offering "
+                      f"{self.capacity().usable_bytes / 1e9:.2f} GB")
             return
+
+    def capacity(self) -> Capacity:
+        """What this node offers the mesh now."""
+        assert self.rpc_server is not None
+        return measure(self._devices, self.rpc_server.pid, self.options.max_memory_bytes)
 
     async def _start_mesh(self) -> None:
         assert self.rpc_port is not None
         secret = load_or_create_secret(self.options.home, self.options.join)
-        self.mesh = Mesh(self.identity, self.options.name, secret, self.rpc_port,
+        self.mesh = Mesh(self.identity, self.options.name, secret, self.rpc_port, self.capacity,
                          self._say, serving=self.options.serve_port is not None)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
         self._say(f"Node ticket: {ticket}")
         self._say(f"On another machine, run: mesh-inference --join {ticket}")
 
-    async def _wait_for_peers(self) -> None:
-        assert self.mesh is not None
-        while (missing := self.options.min_peers - len(self.mesh.connected_peers())) > 0:
-            self._say(f"Waiting for {missing} more peer(s) before loading the model...")
-            self.mesh.changed.clear()
-            await self.mesh.changed.wait()
+    def _serving_supervisor(self) -> ServingSupervisor:
+        assert self.mesh is not None and self.rpc_port is not None and self.options.serve_port is not None
+        return ServingSupervisor(
+            identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
+            model=self.options.model, ctx_size=self.options.ctx_size, serve_port=self.options.serve_port,
+            min_peers=self.options.min_peers, rpc_port=self.rpc_port, own_capacity=self.capacity,
+            logs=self.options.home.logs, say=self._say,
+        )
 
-    def rpc_endpoints(self) -> list[str]:
-        """The ``--rpc`` list for llama-server: one tunnel per peer, then our own rpc-server.
-
-        Ours goes last because llama.cpp puts the output layer on the last
-        device: the logits (vocabulary x 4 bytes per token, ~200 KB for the
-        default model) then stay on loopback instead of crossing the network.
-        The order is announced to the peers: REGISTER_PEER names peers by index in it.
-        """
-        assert self.mesh is not None
-        peers = self.mesh.connected_peers()
-        self._rpc_peers = peers
-        self.mesh.announce_rpc_order((*peers, self.identity.node_id))
-        return [*(self.mesh.tunnel_endpoint(p) for p in peers), f"{LOOPBACK}:{self.rpc_port}"]
-
-    async def _start_proxy(self) -> None:
-        assert self.options.serve_port is not None
-        self._proxy = ApiProxy(self._upstream_url)
-        try:
-            await self._proxy.start(self.options.serve_port)
-        except OSError as exc:
-            raise PortInUseError(
-                f"Cannot listen on port {self.options.serve_port} ({exc.strerror}). "
-                "Stop the program holding it or choose another with --serve PORT."
-            ) from exc
-
-    async def _start_llama_server(self) -> None:
-        endpoints = self.rpc_endpoints()
-        self._say(f"Loading {self.options.model.name} through {len(endpoints)} rpc-server(s)...")
-        self.llama_port = free_tcp_port()
-        argv = llama_server_argv(self.options.binaries, self.options.model, endpoints, self.llama_port)
-        self.llama_server = await start_llama_server(argv, self.llama_port, self.options.home.logs)
-        self._say(f"OpenAI-compatible API ready on http://localhost:{self.options.serve_port}/v1")
-
-    async def _supervise_llama_server(self) -> None:
-        """Restart llama-server over the peers still connected when it dies or loses one.
-
-        llama.cpp aborts on any RPC transport error, and an idle llama-server
-        would only find out at the next request: so a lost peer in its ``--rpc``
-        list is a reason to restart at once. The API port stays up (answering
-        503) while llama-server comes back.
-        """
-        while True:
-            reason = await self._llama_server_trouble()
-            if self._stop.is_set():
-                return
-            self._say(f"{reason}; restarting llama-server with the peers still connected...")
-            assert self.llama_server is not None
-            await self.llama_server.stop()
-            self.restarts += 1
-            await asyncio.sleep(LLAMA_SERVER_RESTART_DELAY_S)
-            try:
-                await self._start_llama_server()
-            except ProcessError as exc:
-                self._say(f"llama-server failed to start again: {exc}")
-
-    async def _llama_server_trouble(self) -> str:
-        """Wait until llama-server exits or a peer in its ``--rpc`` list is lost; say which."""
-        assert self.llama_server is not None and self.mesh is not None
-        exited = asyncio.ensure_future(self.llama_server.wait())
-        try:
-            while not exited.done():
-                lost = [p for p in self._rpc_peers if p not in self.mesh.connected_peers()]
-                if lost:
-                    return f"Peer {', '.join(short_id(p) for p in lost)} is gone"
-                self.mesh.changed.clear()
-                changed = asyncio.ensure_future(self.mesh.changed.wait())
-                await asyncio.wait({exited, changed}, return_when=asyncio.FIRST_COMPLETED)
-                changed.cancel()
-            return str(self.llama_server.exited_error())
-        finally:
-            exited.cancel()
-
-    def _upstream_url(self) -> str | None:
-        if self.llama_server is None or not self.llama_server.running:
-            return None
-        return f"http://{LOOPBACK}:{self.llama_port}"
-
-    async def _watch(self, child: ChildProcess | None) -> None:
-        assert child is not None
-        await child.wait()
+    async def _watch_rpc_server(self) -> None:
+        assert self.rpc_server is not None
+        await self.rpc_server.wait()
         if not self._stop.is_set():
-            raise child.exited_error()
+            raise self.rpc_server.exited_error()
 
     async def _shutdown(self) -> None:
-        if self._proxy is not None:
-            await self._proxy.close()
-        if self.llama_server is not None:
-            await self.llama_server.stop()
+        if self.serving is not None:
+            await self.serving.close()
         if self.mesh is not None:
-            await self.mesh.close()
+            # Cancelled by a second Ctrl-C; then the mesh closes without waiting.
+            self._closing = asyncio.ensure_future(self.mesh.close(graceful=not self._force))
+            try:
+                await self._closing
+            except asyncio.CancelledError:
+                await self.mesh.close(graceful=False)
         if self.rpc_server is not None:
             await self.rpc_server.stop()
         await self._control.close()
 
+    def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan:
+        """A plan over the members connected now, for `mesh-inference plan` (PlanError if none fits)."""
+        assert self.mesh is not None
+        estimate = cached_estimate(model or self.options.model, ctx_size or self.options.ctx_size)
+        return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), estimate)
+
     def status_snapshot(self) -> dict[str, Any]:
         """Everything ``mesh-inference status`` shows, as JSON-ready data."""
-        processes = []
-        for child, port in ((self.rpc_server, self.rpc_port), (self.llama_server, self.llama_port)):
-            if child is not None:
-                processes.append({"name": child.name, "pid": child.pid, "running": child.running,
-                                  "port": port, "log": str(child.log_path)})
+        children = [(self.rpc_server, self.rpc_port)]
+        if self.serving is not None:
+            children.append((self.serving.llama_server, self.serving.llama_port))
+        processes = [{"name": child.name, "pid": child.pid, "running": child.running, "port": port,
+                      "log": str(child.log_path)} for child, port in children if child is not None]
         return {
             "node": {
                 "id": self.identity.node_id.hex(),
@@ -242,12 +187,12 @@ class Node:
                 "version": __version__,
                 "home": str(self.options.home.root),
                 "uptime_s": round(time.time() - self._started_at, 1),
+                "capacity": self.capacity().__dict__ if self.rpc_server else None,
             },
-            "model": {"path": str(self.options.model), "bytes": self.options.model.stat().st_size},
-            "api": ({"port": self.options.serve_port, "url": f"http://localhost:{self.options.serve_port}/v1"}
-                    if self.options.serve_port is not None else None),
+            "model": {"path": str(self.options.model), "bytes": self.options.model.stat().st_size,
+                      "ctx_size": self.options.ctx_size},
             "processes": processes,
-            "llama_server_restarts": self.restarts,
+            "serving": self.serving.status() if self.serving and self.options.serve_port else None,
             "mesh": {"quic_port": self.mesh.port if self.mesh else None},
             "peers": self.mesh.status() if self.mesh else [],
         }

@@ -92,11 +92,20 @@ class TunnelListener:
         self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._handle, LOOPBACK, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no connection runs through this tunnel."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
 
     async def close(self) -> None:
         """Stop listening and end live connections at once (the peer is gone)."""
@@ -110,6 +119,7 @@ class TunnelListener:
     async def _handle(self, tcp_reader: asyncio.StreamReader, tcp_writer: asyncio.StreamWriter) -> None:
         _nodelay(tcp_writer)
         self._writers.add(tcp_writer)
+        self._idle.clear()
         try:
             try:
                 quic_reader, quic_writer = await self.peer.open_stream()
@@ -125,6 +135,8 @@ class TunnelListener:
             )
         finally:
             self._writers.discard(tcp_writer)
+            if not self._writers:
+                self._idle.set()
 
     def _count_out(self, n: int) -> None:
         self.counters.bytes_to_peer += n

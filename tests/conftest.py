@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +23,13 @@ from mesh_sidecar.model import ensure_model
 from mesh_sidecar.ports import free_tcp_port
 
 NODE_START_TIMEOUT_S = 180.0
+TICKET_LINE = re.compile(r"Node ticket: (meshinf[a-z2-7]+)")
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _quiet(message: str, done: int, total: int) -> None:
@@ -108,6 +117,11 @@ class NodeProcess:
     def text(self) -> str:
         return self.output.read_text(errors="replace")
 
+    def ticket(self) -> str:
+        match = TICKET_LINE.search(self.text())
+        assert match, self.text()
+        return match.group(1)
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -121,7 +135,7 @@ class NodeProcess:
             time.sleep(0.2)
         raise AssertionError(f"node not ready in {NODE_START_TIMEOUT_S} s:\n{self.text()}")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -141,7 +155,8 @@ def start_node(tmp_path: Path, binaries: LlamaBinaries, model_path: Path) -> Ite
         home = tmp_path / name
         home.mkdir()
         port = free_tcp_port() if serve else None
-        argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", name, *args]
+        argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", name,
+                "--port", str(free_udp_port()), *args]
         if port is not None:
             argv += ["--serve", str(port)]
         output = tmp_path / f"{name}.out"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from mesh_sidecar.ticket import PeerAddress, Ticket, decode_ticket, encode_ticket
-from tests.conftest import GREEDY, N_PREDICT, PROMPT, NodeProcess, cli
+from tests.conftest import GREEDY, N_PREDICT, PROMPT, TICKET_LINE, NodeProcess, cli
 from tests.netns import Host, Lab, can_make_namespaces
 
 pytestmark = [
@@ -32,7 +32,6 @@ QUIC_PORT = 47470
 API_PORT = 8080
 FULL_MESH_DEADLINE_S = 5.0  # the acceptance bound, counted from C's launch
 LOSS_DEADLINE_S = 30.0  # transport idle timeout (10 s) plus process and polling slack
-_TICKET = re.compile(r"Node ticket: (meshinf[a-z2-7]+)")
 
 
 def wait_until(condition, deadline_s: float, what: str, poll_s: float = 0.1):
@@ -97,7 +96,7 @@ def start_in(host: Host, home, *args: str) -> NodeProcess:
 
 
 def ticket_of(node: NodeProcess) -> str:
-    match = wait_until(lambda: _TICKET.search(node.text()), 60, "a ticket is printed")
+    match = wait_until(lambda: TICKET_LINE.search(node.text()), 60, "a ticket is printed")
     return match.group(1)
 
 

@@ -1,0 +1,220 @@
+"""Serving the model: plan the layers over the mesh, run llama-server, keep the API up.
+
+The serving node's loop::
+
+    proxy up (holding) -> wait for --min-peers
+    loop:
+        plan over connected members  --PlanError-->  proxy refuses with the shortfall
+        start llama-server with the plan's --rpc order and --tensor-split
+        proxy serves
+        wait for trouble: llama-server exited | a member of the plan is lost
+                          | membership changed and the plan would change
+        drain (bounded), stop llama-server
+
+llama.cpp aborts on any RPC transport error and an idle llama-server only
+notices at its next request, so a lost member of the plan is a reason to
+restart at once. The API port never closes: requests wait while llama-server
+comes back, and get an OpenAI-style 503 naming the shortfall when the mesh
+cannot hold the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .capacity import Capacity
+from .errors import PlanError, PortInUseError, ProcessError
+from .estimate import ModelEstimate, estimate_model
+from .identity import NodeIdentity, short_id
+from .launch import ChildProcess, llama_server_argv, start_llama_server
+from .llama_build import LlamaBinaries
+from .mesh import Mesh
+from .planner import NodeCapacity, Plan, plan_layers
+from .ports import LOOPBACK, free_tcp_port
+from .proxy import ApiProxy
+from .views import plan_table
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 30.0
+RESTART_DELAY_S = 1.0
+
+# Reading a GGUF's tensor table is cheap but not free; a node asks again on every membership change.
+cached_estimate = functools.lru_cache(maxsize=8)(estimate_model)
+
+
+def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, estimate: ModelEstimate) -> Plan:
+    """The plan over the members connected now; PlanError if they cannot hold the model.
+
+    Peers come first (by id) and this node last: llama.cpp puts the output
+    layer on the last device, so the logits (vocabulary x 4 bytes a token)
+    stay on loopback instead of crossing the network.
+    """
+    members = [NodeCapacity(info.node_id, info.name, Capacity.from_gossip(dict(info.capacity)).usable_bytes)
+               for info in mesh.connected_members()]
+    # The serving host also keeps the input embeddings in its own memory.
+    members.append(NodeCapacity(identity.node_id, name, max(0, own.usable_bytes - estimate.host_bytes)))
+    return plan_layers(members, estimate)
+
+
+class ServingSupervisor:
+    """Owns llama-server and the API port of a serving node."""
+
+    def __init__(
+        self,
+        *,
+        identity: NodeIdentity,
+        name: str,
+        mesh: Mesh,
+        binaries: LlamaBinaries,
+        model: Path,
+        ctx_size: int,
+        serve_port: int,
+        min_peers: int,
+        rpc_port: int,
+        own_capacity: Callable[[], Capacity],
+        logs: Path,
+        say: Callable[[Any], None],
+    ) -> None:
+        self._identity = identity
+        self._name = name
+        self._mesh = mesh
+        self._binaries = binaries
+        self._model = model
+        self._ctx_size = ctx_size
+        self._serve_port = serve_port
+        self._min_peers = min_peers
+        self._rpc_port = rpc_port
+        self._own_capacity = own_capacity
+        self._logs = logs
+        self._say = say
+        self._proxy = ApiProxy()
+        self.llama_server: ChildProcess | None = None
+        self.llama_port: int | None = None
+        self.plan: Plan | None = None
+        self.refusal: str | None = None
+        self.restarts = 0
+
+    # --- planning ------------------------------------------------------------------
+
+    def compute_plan(self) -> Plan:
+        return plan_over_mesh(self._mesh, self._identity, self._name, self._own_capacity(),
+                              cached_estimate(self._model, self._ctx_size))
+
+    def _endpoint(self, node_id: bytes) -> str:
+        if node_id == self._identity.node_id:
+            return f"{LOOPBACK}:{self._rpc_port}"
+        return self._mesh.tunnel_endpoint(node_id)
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._proxy.start(self._serve_port)
+        except OSError as exc:
+            raise PortInUseError(
+                f"Cannot listen on port {self._serve_port} ({exc.strerror}). "
+                "Stop the program holding it or choose another with --serve PORT."
+            ) from exc
+        await self._wait_for_peers()
+        while True:
+            await self._apply_plan()
+            reason = await self._trouble()
+            self._say(f"{reason}; replanning...")
+            await self._proxy.drain(DRAIN_TIMEOUT_S)
+            if self.llama_server is not None:
+                await self.llama_server.stop()
+                self.llama_server = None
+                self.restarts += 1
+                await asyncio.sleep(RESTART_DELAY_S)
+
+    async def close(self) -> None:
+        await self._proxy.close()
+        if self.llama_server is not None:
+            await self.llama_server.stop()
+
+    async def _wait_for_peers(self) -> None:
+        while (missing := self._min_peers - len(self._mesh.connected_members())) > 0:
+            self._say(f"Waiting for {missing} more peer(s) before loading the model...")
+            self._mesh.changed.clear()
+            await self._mesh.changed.wait()
+
+    async def _apply_plan(self) -> None:
+        """Start llama-server on a fresh plan, or make the proxy refuse with the reason."""
+        try:
+            self.plan = self.compute_plan()
+        except PlanError as exc:
+            self.plan, self.refusal = None, str(exc)
+            self._say(f"Cannot load the model: {exc}")
+            self._proxy.refuse(str(exc))
+            return
+        self.refusal = None
+        self._say(plan_table(self.plan.to_json(), title=f"Plan for {self._model.name}"))
+        self.llama_port = free_tcp_port()
+        argv = llama_server_argv(
+            self._binaries, self._model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
+            tensor_split=self.plan.tensor_split(), extra=["--ctx-size", str(self._ctx_size)],
+        )
+        # Workers map REGISTER_PEER's peer ids through this order.
+        self._mesh.announce_rpc_order(tuple(n.node_id for n in self.plan.nodes))
+        try:
+            self.llama_server = await start_llama_server(argv, self.llama_port, self._logs)
+        except ProcessError as exc:
+            self.refusal = f"llama-server failed to start: {exc}"
+            self._say(self.refusal)
+            self._proxy.refuse(self.refusal)
+            return
+        self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}")
+        self._say(f"OpenAI-compatible API ready on http://localhost:{self._serve_port}/v1")
+
+    async def _trouble(self) -> str:
+        """Wait until llama-server must be restarted (or started); say why."""
+        exited = asyncio.ensure_future(self.llama_server.wait()) if self.llama_server else None
+        try:
+            while exited is None or not exited.done():
+                if (reason := self._replan_reason()) is not None:
+                    return reason
+                self._mesh.changed.clear()
+                changed = asyncio.ensure_future(self._mesh.changed.wait())
+                await asyncio.wait({changed} | ({exited} if exited else set()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+            assert self.llama_server is not None
+            return str(self.llama_server.exited_error())
+        finally:
+            if exited is not None:
+                exited.cancel()
+
+    def _replan_reason(self) -> str | None:
+        """Why the current state should be replaced, or None if it should stay."""
+        connected = {info.node_id for info in self._mesh.connected_members()} | {self._identity.node_id}
+        if self.plan is not None:
+            lost = [n for n in self.plan.nodes if n.node_id not in connected]
+            if lost:
+                return f"{', '.join(f'{n.name} ({short_id(n.node_id)})' for n in lost)} left the plan"
+        try:
+            candidate = self.compute_plan()
+        except PlanError:
+            return None if self.plan is None else "The mesh can no longer hold the model"
+        if self.plan is None:
+            return "The mesh can hold the model now"
+        if _layout(candidate) != _layout(self.plan):
+            return "Members changed and the layers can be spread better"
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "api": {"port": self._serve_port, "url": f"http://localhost:{self._serve_port}/v1"},
+            "plan": self.plan.to_json() if self.plan else None,
+            "refusal": self.refusal,
+            "llama_server_restarts": self.restarts,
+        }
+
+
+def _layout(plan: Plan) -> list[tuple[bytes, int, int]]:
+    return [(n.node_id, n.start, n.end) for n in plan.nodes]

@@ -1,0 +1,64 @@
+"""Reading an rpc-server's device listing, sizes, and the capacity a node offers."""
+
+from __future__ import annotations
+
+import pytest
+
+from mesh_sidecar.capacity import MIB, Capacity, Device, measure, parse_device_listing, parse_size
+from mesh_sidecar.errors import UsageError
+
+LISTING = """Starting RPC server v7.0.0
+  endpoint       : 127.0.0.1:50052
+  local cache    : n/a
+Devices:
+  CPU: AMD EPYC (24105 MiB, 23000 MiB free)
+  CUDA0: NVIDIA GeForce RTX 3060 (12036 MiB, 11800 MiB free)
+  transport      : TCP
+Accepted client connection
+"""
+
+
+def test_device_listing_is_parsed() -> None:
+    devices = parse_device_listing(LISTING)
+    assert devices == (
+        Device("CPU", "AMD EPYC", 24105 * MIB, 23000 * MIB),
+        Device("CUDA0", "NVIDIA GeForce RTX 3060", 12036 * MIB, 11800 * MIB),
+    )
+    assert devices[0].is_cpu and not devices[1].is_cpu
+
+
+def test_listing_not_printed_yet() -> None:
+    assert parse_device_listing("Starting RPC server v7.0.0\n") == ()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1024", 1024), ("512M", 512 * MIB), ("2G", 2 * 1024**3), ("1.5GB", int(1.5 * 1024**3)),
+    ("100 MiB", 100 * MIB), ("3k", 3 * 1024),
+])
+def test_sizes(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1G", "1.2.3M", "5X"])
+def test_bad_sizes_are_usage_errors(text: str) -> None:
+    with pytest.raises(UsageError, match="not a size"):
+        parse_size(text)
+
+
+def test_cap_limits_what_is_offered() -> None:
+    cpu = (Device("CPU", "cpu", 64 * 1024 * MIB, 32 * 1024 * MIB),)
+    capped = measure(cpu, None, 300 * MIB)
+    assert capped.usable_bytes == 300 * MIB and capped.max_memory_bytes == 300 * MIB
+    uncapped = measure(cpu, None, None)
+    assert uncapped.usable_bytes == uncapped.device_free_bytes > 300 * MIB
+
+
+def test_gpu_memory_counts_from_the_listing() -> None:
+    gpu_only = (Device("CUDA0", "gpu", 12 * 1024 * MIB, 11 * 1024 * MIB),)
+    assert measure(gpu_only, None, None).usable_bytes == 11 * 1024 * MIB
+
+
+def test_gossip_round_trip() -> None:
+    capacity = Capacity(5, 6, 7, 8)
+    assert Capacity.from_gossip(dict(capacity.to_gossip())) == capacity
+    assert Capacity.from_gossip({}).usable_bytes == 0

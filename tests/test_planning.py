@@ -1,0 +1,124 @@
+"""Capacity-weighted plans with real processes: proportions, joins and leaves while serving, refusal."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import GREEDY, PROMPT, api_healthy, cli, complete
+
+pytestmark = pytest.mark.slow
+
+CHANGE_TIMEOUT_S = 120.0
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def plan_json(node) -> dict:
+    result = cli("plan", "--home", str(node.home), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def layer_counts(plan: dict) -> dict[str, int]:
+    return {n["name"]: n["layers"][1] - n["layers"][0] for n in plan["nodes"]}
+
+
+def serving_plan(node) -> dict | None:
+    return node.status()["serving"]["plan"]
+
+
+def rpc_rss(node) -> int:
+    rpc = next(p for p in node.status()["processes"] if p["name"] == "ggml-rpc-server")
+    return psutil.Process(rpc["pid"]).memory_info().rss
+
+
+def test_layers_follow_max_memory(start_node, reference_text):
+    small = start_node("small", "--max-memory", "100M")
+    big = start_node("big", "--max-memory", "200M", "--join", small.ticket())
+    server = start_node("server", "--max-memory", "200M", "--join", big.ticket(), "--min-peers", "2",
+                        serve=True)
+    counts = layer_counts(plan_json(server))
+    assert set(counts) == {"small", "big", "server"} and sum(counts.values()) == 30
+    # Half the memory, about half the layers (one layer of rounding either way).
+    assert abs(2 * counts["small"] - counts["big"]) <= 2 and counts["small"] < counts["big"]
+    assert layer_counts(serving_plan(server)) == counts
+    assert complete(server.serve_port) == reference_text
+    # llama-server got the split that produces exactly these counts...
+    llama = next(p for p in server.status()["processes"] if p["name"] == "llama-server")
+    argv = psutil.Process(llama["pid"]).cmdline()
+    split = [int(x) for x in argv[argv.index("--tensor-split") + 1].split(",")]
+    assert split[:-1] == [counts[n["name"]] for n in serving_plan(server)["nodes"]][:-1]
+    # ...and each rpc-server holds memory in the same order as its share of the layers.
+    assert rpc_rss(small) < rpc_rss(big)
+
+
+def test_join_and_leave_while_serving(start_node, reference_text):
+    first = start_node("first")
+    server = start_node("server", "--join", first.ticket(), "--min-peers", "1", serve=True)
+    assert len(serving_plan(server)["nodes"]) == 2
+
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def keep_asking() -> None:
+        # Short requests all through both changes: each must get an answer, never a connection error.
+        while not stop.is_set():
+            try:
+                r = httpx.post(f"http://127.0.0.1:{server.serve_port}/v1/completions", timeout=300,
+                               json={"prompt": PROMPT, "max_tokens": 8, **GREEDY})
+                outcomes.append(str(r.status_code))
+            except httpx.HTTPError as exc:
+                outcomes.append(type(exc).__name__)
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        third = start_node("third", "--join", first.ticket())
+        wait_for(lambda: (p := serving_plan(server)) and len(p["nodes"]) == 3, CHANGE_TIMEOUT_S,
+                 "the plan grows to three nodes")
+        assert complete(server.serve_port) == reference_text
+        assert rpc_rss(third) > 10 * 1024 * 1024  # its share of the weights arrived
+
+        assert third.stop() == 0  # a graceful leave
+        wait_for(lambda: (p := serving_plan(server)) and len(p["nodes"]) == 2, CHANGE_TIMEOUT_S,
+                 "the plan shrinks back to two nodes")
+        assert complete(server.serve_port) == reference_text
+    finally:
+        stop.set()
+        asker.join()
+    assert outcomes and set(outcomes) == {"200"}, outcomes
+    assert server.status()["serving"]["llama_server_restarts"] >= 2
+
+
+def test_too_small_mesh_is_refused_clearly_and_recovers(start_node, reference_text):
+    server = start_node("tiny", "--max-memory", "60M", serve=True, wait=False)
+    wait_for(lambda: "Cannot load the model" in server.text(), 60, "the refusal is printed")
+    assert re.search(r"\d+\.\d+ GB short", server.text()), server.text()
+
+    response = httpx.post(f"http://127.0.0.1:{server.serve_port}/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "insufficient_capacity" and "short" in error["message"]
+
+    refused = cli("plan", "--home", str(server.home))
+    assert refused.returncode != 0 and "short" in refused.stderr and "Traceback" not in refused.stderr
+
+    # Capacity arrives: the same node starts serving without a restart of its own.
+    start_node("helper", "--join", server.ticket())
+    wait_for(lambda: api_healthy(server.serve_port), CHANGE_TIMEOUT_S, "the model loads once capacity arrives")
+    assert complete(server.serve_port) == reference_text
