@@ -37,6 +37,9 @@ RPC_SERVER_READY_TIMEOUT_S = 30.0
 LLAMA_SERVER_READY_TIMEOUT_S = 300.0
 LOG_TAIL_LINES = 15
 OFFLOAD_ALL_LAYERS = "99"
+# Level 4 logs each device's model, KV and compute buffer sizes (which machine
+# holds what); it never logs prompt text.
+LLAMA_SERVER_LOG_VERBOSITY = "4"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -66,6 +69,7 @@ def llama_server_argv(
         "-ngl", OFFLOAD_ALL_LAYERS,
         "--alias", model.stem,
         "--metrics",
+        "--log-verbosity", LLAMA_SERVER_LOG_VERBOSITY,
     ]
     if tensor_split:
         argv += ["--tensor-split", ",".join(f"{w:g}" for w in tensor_split)]

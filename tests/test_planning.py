@@ -41,6 +41,10 @@ def serving_plan(node) -> dict | None:
     return node.status()["serving"]["plan"]
 
 
+def llama_log(node) -> str:
+    return next(p for p in node.status()["processes"] if p["name"] == "llama-server")["log"]
+
+
 def rpc_rss(node) -> int:
     rpc = next(p for p in node.status()["processes"] if p["name"] == "ggml-rpc-server")
     return psutil.Process(rpc["pid"]).memory_info().rss
@@ -62,6 +66,16 @@ def test_layers_follow_max_memory(start_node, reference_text):
     argv = psutil.Process(llama["pid"]).cmdline()
     split = [int(x) for x in argv[argv.index("--tensor-split") + 1].split(",")]
     assert split[:-1] == [counts[n["name"]] for n in serving_plan(server)["nodes"]][:-1]
+    # ...llama-server's log shows each endpoint's weights as planned (--rpc entry i = plan node i)...
+    log_text = open(llama_log(server)).read()
+    logged = {endpoint: float(mib) for endpoint, mib in
+              re.findall(r"RPC\d+\[([^]]+)\] model buffer size =\s+([\d.]+) MiB", log_text)}
+    endpoints = argv[argv.index("--rpc") + 1].split(",")
+    planned = serving_plan(server)["nodes"]
+    assert sorted(logged) == sorted(endpoints) and len(endpoints) == len(planned)
+    for endpoint, node in zip(endpoints, planned):
+        expected_mib = (node["weights_bytes"] + node["output_bytes"]) / 2**20
+        assert abs(logged[endpoint] - expected_mib) <= 0.05 * expected_mib, (node["name"], logged, expected_mib)
     # ...and each rpc-server holds memory in the same order as its share of the layers.
     assert rpc_rss(small) < rpc_rss(big)
 
