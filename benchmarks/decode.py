@@ -39,6 +39,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tests.waiting import wait_until
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "decode.json"
 QUIC_PORT = 47470
@@ -165,15 +167,6 @@ class Started:
         self.extra_pids.clear()
 
 
-def _wait(condition, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(poll)
-    raise RuntimeError(f"not within {timeout:.0f} s: {what}")
-
-
 def _run_client(host, spec: dict[str, Any], watched: list[tuple[str, subprocess.Popen, Path]]) -> dict:
     """Run the client in ``host``'s namespace; give up if a watched process dies meanwhile."""
     argv = host.exec_argv(sys.executable, "-m", "benchmarks.decode", "--client", json.dumps(spec))
@@ -218,7 +211,7 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any]) -
         return started.popen(f"mesh node {name}", argv, log), log
 
     def ticket(log: Path) -> str:
-        return _wait(lambda: _TICKET.search(log.read_text(errors="replace")), 60, "a ticket").group(1)
+        return wait_until(lambda: _TICKET.search(log.read_text(errors="replace")), 60, "a ticket").group(1)
 
     procs = {}
     procs["a"] = start("a")
@@ -233,7 +226,7 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any]) -
                 raise RuntimeError(f"mesh node {name} exited:\n{log.read_text()[-3000:]}")
         return "API ready" in procs["c"][1].read_text(errors="replace")
 
-    _wait(api_ready, START_TIMEOUT_S, "c loads the model through the mesh")
+    wait_until(api_ready, START_TIMEOUT_S, "c loads the model through the mesh")
     for name in "abc":
         started.extra_pids += [p["pid"] for p in _status(lab_hosts[name], homes[name])["processes"]]
 
@@ -262,7 +255,7 @@ def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
         argv = host.exec_argv(str(binaries.rpc_server), "-H", host.ip, "-p", str(DIRECT_RPC_PORT))
         watched.append((f"direct rpc-server {name}", started.popen(f"rpc {name}", argv, log), log))
     for name in "abc":
-        _wait(lambda: _listening(lab_hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name} listens")
+        wait_until(lambda: _listening(lab_hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name} listens")
     endpoints = [f"{lab_hosts[n].ip}:{DIRECT_RPC_PORT}" for n in order]
     # The very argv the mesh gives its llama-server, but with TCP endpoints instead of tunnels.
     argv = lab_hosts["c"].exec_argv(*llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT))

@@ -21,19 +21,18 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .control import read_status
+from .capacity import parse_size
+from .control import read_plan, read_status
 from .errors import MeshError
 from .home import NodeHome
 from .identity import load_or_create_identity
 from .llama_build import ensure_binaries
 from .mesh import DEFAULT_QUIC_PORT
 from .model import check_gguf, ensure_model
-from .capacity import parse_size
-from .control import read_plan
 from .node import DEFAULT_CTX_SIZE, Node, NodeOptions
-from .views import plan_table
 from .ports import LOOPBACK, check_tcp_port_free
 from .ticket import decode_ticket
+from .views import plan_table
 
 SIDECAR_LOG_NAME = "sidecar.log"
 SIDECAR_LOG_MAX_BYTES = 10 * 1024 * 1024

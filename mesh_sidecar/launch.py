@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence

@@ -36,9 +36,9 @@ from .gossip import (
     MemberJoined,
     MemberLeft,
     MemberLost,
+    Membership,
     MemberState,
     MemberUpdated,
-    Membership,
     Send,
     encode_message,
 )

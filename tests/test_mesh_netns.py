@@ -21,6 +21,7 @@ import pytest
 from mesh_sidecar.ticket import PeerAddress, Ticket, decode_ticket, encode_ticket
 from tests.conftest import GREEDY, N_PREDICT, PROMPT, TICKET_LINE, NodeProcess, cli
 from tests.netns import Host, Lab, can_make_namespaces
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,15 +33,6 @@ QUIC_PORT = 47470
 API_PORT = 8080
 FULL_MESH_DEADLINE_S = 5.0  # the acceptance bound, counted from C's launch
 LOSS_DEADLINE_S = 30.0  # transport idle timeout (10 s) plus process and polling slack
-
-
-def wait_until(condition, deadline_s: float, what: str, poll_s: float = 0.1):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(poll_s)
-    raise AssertionError(f"not within {deadline_s} s: {what}")
 
 
 def ns_python(host: Host, code: str, timeout: float = 120) -> str:

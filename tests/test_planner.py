@@ -16,7 +16,6 @@ from mesh_sidecar.errors import PlanError, SetupError
 from mesh_sidecar.estimate import ModelEstimate, assign_layers
 from mesh_sidecar.planner import BYTES_PER_GB, NodeCapacity, Plan, plan_layers
 
-
 GB = BYTES_PER_GB
 N_CTX = 4096
 

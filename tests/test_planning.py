@@ -5,26 +5,17 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
 from tests.conftest import GREEDY, PROMPT, api_healthy, cli, complete
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 CHANGE_TIMEOUT_S = 120.0
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 def plan_json(node) -> dict:
@@ -80,47 +71,64 @@ def test_layers_follow_max_memory(start_node, reference_text):
     assert rpc_rss(small) < rpc_rss(big)
 
 
+class BackgroundRequests:
+    """Short requests, one after another, while a membership change happens.
+
+    Each must get an answer, never a connection error. (Stopped before a
+    greedy comparison: llama-server batches concurrent requests together, and
+    a different batch shape changes the arithmetic enough to flip a near-tie.)
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.outcomes: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> "BackgroundRequests":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = httpx.post(f"http://127.0.0.1:{self.port}/v1/completions", timeout=300,
+                               json={"prompt": PROMPT, "max_tokens": 8, **GREEDY})
+                self.outcomes.append(str(r.status_code))
+            except httpx.HTTPError as exc:
+                self.outcomes.append(type(exc).__name__)
+
+
 def test_join_and_leave_while_serving(start_node, reference_text):
     first = start_node("first")
     server = start_node("server", "--join", first.ticket(), "--min-peers", "1", serve=True)
     assert len(serving_plan(server)["nodes"]) == 2
 
-    outcomes: list[str] = []
-    stop = threading.Event()
-
-    def keep_asking() -> None:
-        # Short requests all through both changes: each must get an answer, never a connection error.
-        while not stop.is_set():
-            try:
-                r = httpx.post(f"http://127.0.0.1:{server.serve_port}/v1/completions", timeout=300,
-                               json={"prompt": PROMPT, "max_tokens": 8, **GREEDY})
-                outcomes.append(str(r.status_code))
-            except httpx.HTTPError as exc:
-                outcomes.append(type(exc).__name__)
-
-    asker = threading.Thread(target=keep_asking)
-    asker.start()
-    try:
+    with BackgroundRequests(server.serve_port) as during_join:
         third = start_node("third", "--join", first.ticket())
-        wait_for(lambda: (p := serving_plan(server)) and len(p["nodes"]) == 3, CHANGE_TIMEOUT_S,
-                 "the plan grows to three nodes")
-        assert complete(server.serve_port) == reference_text
-        assert rpc_rss(third) > 10 * 1024 * 1024  # its share of the weights arrived
+        wait_until(lambda: (p := serving_plan(server)) and len(p["nodes"]) == 3, CHANGE_TIMEOUT_S,
+                   "the plan grows to three nodes")
+    assert complete(server.serve_port) == reference_text
+    assert rpc_rss(third) > 10 * 1024 * 1024  # its share of the weights arrived
 
+    with BackgroundRequests(server.serve_port) as during_leave:
         assert third.stop() == 0  # a graceful leave
-        wait_for(lambda: (p := serving_plan(server)) and len(p["nodes"]) == 2, CHANGE_TIMEOUT_S,
-                 "the plan shrinks back to two nodes")
-        assert complete(server.serve_port) == reference_text
-    finally:
-        stop.set()
-        asker.join()
-    assert outcomes and set(outcomes) == {"200"}, outcomes
+        wait_until(lambda: (p := serving_plan(server)) and len(p["nodes"]) == 2, CHANGE_TIMEOUT_S,
+                   "the plan shrinks back to two nodes")
+    assert complete(server.serve_port) == reference_text
+
+    for outcomes in (during_join.outcomes, during_leave.outcomes):
+        assert outcomes and set(outcomes) == {"200"}, outcomes
     assert server.status()["serving"]["llama_server_restarts"] >= 2
 
 
 def test_too_small_mesh_is_refused_clearly_and_recovers(start_node, reference_text):
     server = start_node("tiny", "--max-memory", "60M", serve=True, wait=False)
-    wait_for(lambda: "Cannot load the model" in server.text(), 60, "the refusal is printed")
+    wait_until(lambda: "Cannot load the model" in server.text(), 60, "the refusal is printed")
     assert re.search(r"\d+\.\d+ GB short", server.text()), server.text()
 
     response = httpx.post(f"http://127.0.0.1:{server.serve_port}/v1/chat/completions", timeout=30,
@@ -134,5 +142,5 @@ def test_too_small_mesh_is_refused_clearly_and_recovers(start_node, reference_te
 
     # Capacity arrives: the same node starts serving without a restart of its own.
     start_node("helper", "--join", server.ticket())
-    wait_for(lambda: api_healthy(server.serve_port), CHANGE_TIMEOUT_S, "the model loads once capacity arrives")
+    wait_until(lambda: api_healthy(server.serve_port), CHANGE_TIMEOUT_S, "the model loads once capacity arrives")
     assert complete(server.serve_port) == reference_text
