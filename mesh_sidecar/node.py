@@ -26,6 +26,7 @@ from .identity import NodeIdentity
 from .launch import ChildProcess, start_rpc_server
 from .llama_build import LlamaBinaries
 from .mesh import Mesh, load_or_create_secret
+from .metrics import Metrics
 from .planner import Plan
 from .ports import LOOPBACK, free_tcp_port
 from .serving import ServingSupervisor, cached_estimate, plan_over_mesh
@@ -70,6 +71,7 @@ class Node:
         self.rpc_port: int | None = None
         self.mesh: Mesh | None = None
         self.serving: ServingSupervisor | None = None
+        self.metrics = Metrics(self.status_snapshot)
         self._force = False
         self._closing: asyncio.Task | None = None
         self._control = ControlServer(options.home, self.status_snapshot, self.plan_snapshot)
@@ -143,7 +145,7 @@ class Node:
             identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
             model=self.options.model, ctx_size=self.options.ctx_size, serve_port=self.options.serve_port,
             min_peers=self.options.min_peers, rpc_port=self.rpc_port, own_capacity=self.capacity,
-            logs=self.options.home.logs, say=self._say,
+            logs=self.options.home.logs, metrics=self.metrics, say=self._say,
         )
 
     async def _watch_rpc_server(self) -> None:

@@ -14,6 +14,12 @@ The node drives the proxy through three states:
 ``drain()`` switches to holding and waits (bounded) for in-flight requests to end,
 so a replan never cuts a request short that it could have let finish.
 
+Requests survive a failover. Generation requests get a pinned seed (see
+replay.py), so when llama-server dies under a request (a member was lost), the
+proxy waits for the next llama-server and asks again: a request whose answer
+had not started is retried whole; a stream that had started is replayed and
+continues on the same connection with exactly the text that was still missing.
+
 aiohttp serves (it embeds in our event loop without taking over signals and
 streams responses); httpx is the client to the internal llama-server.
 """
@@ -21,17 +27,23 @@ streams responses); httpx is the client to the internal llama-server.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
 
 import httpx
 from aiohttp import web
 
+from .errors import MeshError
+from .metrics import Metrics
 from .ports import LOOPBACK
+from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
+MAX_FAILOVERS_PER_REQUEST = 2
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=60.0, pool=None)
@@ -41,6 +53,7 @@ HOP_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
     "trailer", "transfer-encoding", "upgrade", "host", "content-length",
 })
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def openai_error(status: int, message: str, error_type: str, code: str) -> web.Response:
@@ -50,32 +63,59 @@ def openai_error(status: int, message: str, error_type: str, code: str) -> web.R
     )
 
 
-class ApiProxy:
-    """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current."""
+def _sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
-    def __init__(self) -> None:
+
+class _Unavailable(MeshError):
+    """No llama-server to send to: the proxy is refusing, or held past its timeout."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ApiProxy:
+    """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
         self._client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT)
         self._runner: web.AppRunner | None = None
         self._upstream: str | None = None
         self._refusal: str | None = None
+        self._generation = 0  # bumped on every serve/refuse: "a new llama-server" even on the same port
         self._settled = asyncio.Event()  # set while serving or refusing
+        self._changed = asyncio.Condition()  # notified on every serve/refuse
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES)
         self.app.router.add_route("*", "/v1/{tail:.*}", self._forward)
         self.app.router.add_route("GET", "/health", self._forward)
+        self.app.router.add_route("GET", "/metrics", self._metrics)
+
+    # --- states, driven by the serving loop -----------------------------------------
 
     def serve(self, upstream_url: str) -> None:
-        self._upstream, self._refusal = upstream_url, None
-        self._settled.set()
+        self._set(upstream_url, None)
 
     def refuse(self, reason: str) -> None:
-        self._upstream, self._refusal = None, reason
-        self._settled.set()
+        self._set(None, reason)
 
     def hold(self) -> None:
         self._settled.clear()
+
+    def _set(self, upstream: str | None, refusal: str | None) -> None:
+        self._upstream, self._refusal = upstream, refusal
+        self._generation += 1
+        self._settled.set()
+        asyncio.ensure_future(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
     async def drain(self, timeout_s: float) -> None:
         """Hold new requests and wait up to ``timeout_s`` for those in flight to finish."""
@@ -95,47 +135,156 @@ class ApiProxy:
             await self._runner.cleanup()
         await self._client.aclose()
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        loading = openai_error(503, "The model is still being loaded on the mesh; retry in a moment.",
-                               "unavailable", "model_loading")
-        if not self._settled.is_set():
-            if request.path == "/health":
-                return loading  # health checks want an answer now, not a held request
-            try:
-                await asyncio.wait_for(self._settled.wait(), HOLD_TIMEOUT_S)
-            except TimeoutError:
-                return loading
+    # --- choosing an upstream ---------------------------------------------------------
+
+    async def _upstream_for(self, failed: int | None) -> tuple[str, int]:
+        """A llama-server URL and its generation, newer than ``failed``; waits while holding."""
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        async with self._changed:
+            while not self._settled.is_set() or self._generation == failed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _Unavailable("The model is still being loaded on the mesh; retry in a moment.",
+                                       "model_loading")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except TimeoutError:
+                    pass
         if self._upstream is None:
-            return openai_error(503, self._refusal or "No llama-server is running.",
-                                "unavailable", "insufficient_capacity")
+            raise _Unavailable(self._refusal or "No llama-server is running.", "insufficient_capacity")
+        return self._upstream, self._generation
+
+    # --- request handling -------------------------------------------------------------
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = self.metrics.exposition()
+        if self._upstream is not None:
+            try:
+                upstream = await self._client.get(self._upstream + "/metrics", timeout=5.0)
+                if upstream.status_code == 200:
+                    text += upstream.content
+            except httpx.HTTPError:
+                pass  # our own figures still count
+        return web.Response(body=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/health" and not self._settled.is_set():
+            # Health checks want an answer now, not a held request.
+            return self._count(request, openai_error(
+                503, "The model is still being loaded on the mesh; retry in a moment.", "unavailable",
+                "model_loading"))
+        body = await request.read()
+        streaming = False
+        if request.method == "POST" and request.path in GENERATION_PATHS:
+            body, streaming = pin_seed(body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        try:
+            upstream = await self._upstream_for(None)
+        except _Unavailable as exc:
+            return self._count(request, openai_error(503, str(exc), "unavailable", exc.code))
         self._in_flight += 1
         self._idle.clear()
         try:
-            return await self._relay(request, self._upstream)
+            return self._count(request, await self._exchange(request, upstream, headers, body, streaming))
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
 
-    async def _relay(self, request: web.Request, base: str) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        upstream_request = self._client.build_request(
-            request.method, base + request.rel_url.path_qs, headers=headers, content=await request.read()
-        )
+    def _count(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+        self.metrics.requests.labels(request.path, str(response.status)).inc()
+        return response
+
+    async def _exchange(self, request: web.Request, upstream_at: tuple[str, int], headers: dict[str, str],
+                        body: bytes, streaming: bool) -> web.StreamResponse:
+        """Send to llama-server; on its failure wait for the next one and retry or replay."""
+        started = time.monotonic()
+        first_text_seen = False
+        response: web.StreamResponse | None = None
+        ledger = StreamLedger()
+        replay: Replay | None = None
+        failovers = 0
+        base, generation = upstream_at
+        while True:
+            try:
+                upstream = await self._client.send(self._client.build_request(
+                    request.method, base + request.rel_url.path_qs, headers=headers, content=body), stream=True)
+                try:
+                    if not streaming:
+                        # Read it all before answering: a failure then can still be retried whole.
+                        content = await upstream.aread()
+                        self._observe_timings(content)
+                        return web.Response(status=upstream.status_code, body=content, headers=self._headers(upstream))
+                    if response is None:
+                        response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
+                        await response.prepare(request)
+                    splitter = EventSplitter()
+                    async for chunk in upstream.aiter_raw():
+                        for event in splitter.feed(chunk):
+                            out = event if replay is None else replay.filter(event)
+                            if out is None:
+                                continue
+                            if replay is None:
+                                ledger.record(event)
+                            if not first_text_seen and ledger.delivered:
+                                first_text_seen = True
+                                self.metrics.first_token.observe(time.monotonic() - started)
+                            self._observe_timings(out)
+                            await response.write(out)
+                    await response.write_eof()
+                    return response
+                finally:
+                    await upstream.aclose()
+            except httpx.TransportError as exc:
+                failovers += 1
+                if failovers > MAX_FAILOVERS_PER_REQUEST:
+                    return await self._give_up(response, f"llama-server failed again ({exc!r})")
+                log.warning("llama-server failed under %s (%r); waiting for the next one", request.path, exc)
+                self.metrics.retries.inc()
+                try:
+                    base, generation = await self._wait_elsewhere(generation)
+                except _Unavailable as unavailable:
+                    return await self._give_up(response, str(unavailable), unavailable.code)
+                if response is not None:
+                    replay = Replay(ledger)
+            except MeshError as exc:  # ReplayMismatch, an oversized event
+                return await self._give_up(response, str(exc))
+
+    async def _wait_elsewhere(self, failed: int) -> tuple[str, int]:
+        """The next llama-server; while waiting this request does not count as in flight,
+        so it cannot hold up the very replan it waits for."""
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
         try:
-            upstream = await self._client.send(upstream_request, stream=True)
-        except httpx.HTTPError as exc:
-            log.warning("llama-server unreachable for %s: %s", request.rel_url.path, exc)
-            return openai_error(502, f"llama-server did not answer ({type(exc).__name__}); "
-                                "see `mesh-inference status`.", "server_error", "upstream_unreachable")
-        try:
-            response = web.StreamResponse(status=upstream.status_code, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS
-            })
-            await response.prepare(request)
-            async for chunk in upstream.aiter_raw():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
+            return await self._upstream_for(failed)
         finally:
-            await upstream.aclose()
+            self._in_flight += 1
+            self._idle.clear()
+
+    @staticmethod
+    def _headers(upstream: httpx.Response) -> dict[str, str]:
+        return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+
+    async def _give_up(self, response: web.StreamResponse | None, message: str,
+                       code: str = "upstream_failed") -> web.StreamResponse:
+        """An OpenAI-style error, or an error event ending a stream that had begun."""
+        if response is None:
+            return openai_error(503 if code != "upstream_failed" else 502, message, "server_error", code)
+        await response.write(_sse_error(message, code))
+        await response.write_eof()
+        return response
+
+    def _observe_timings(self, content: bytes) -> None:
+        """Record llama-server's decode speed from a response or final stream chunk."""
+        if b'"timings"' not in content:
+            return
+        text = content.strip()
+        if text.startswith(b"data: "):
+            text = text[len(b"data: "):]
+        try:
+            speed = json.loads(text)["timings"]["predicted_per_second"]
+        except (ValueError, KeyError, TypeError):
+            return
+        if isinstance(speed, (int, float)) and speed > 0:
+            self.metrics.tokens_per_second.observe(speed)

@@ -34,6 +34,7 @@ from .identity import NodeIdentity, short_id
 from .launch import ChildProcess, llama_server_argv, start_llama_server
 from .llama_build import LlamaBinaries
 from .mesh import Mesh
+from .metrics import Metrics
 from .planner import NodeCapacity, Plan, plan_layers
 from .ports import LOOPBACK, free_tcp_port
 from .proxy import ApiProxy
@@ -79,6 +80,7 @@ class ServingSupervisor:
         rpc_port: int,
         own_capacity: Callable[[], Capacity],
         logs: Path,
+        metrics: Metrics,
         say: Callable[[Any], None],
     ) -> None:
         self._identity = identity
@@ -93,7 +95,8 @@ class ServingSupervisor:
         self._own_capacity = own_capacity
         self._logs = logs
         self._say = say
-        self._proxy = ApiProxy()
+        self._metrics = metrics
+        self._proxy = ApiProxy(metrics)
         self.llama_server: ChildProcess | None = None
         self.llama_port: int | None = None
         self.plan: Plan | None = None
@@ -124,13 +127,16 @@ class ServingSupervisor:
         await self._wait_for_peers()
         while True:
             await self._apply_plan()
-            reason = await self._trouble()
+            reason, failover = await self._trouble()
             self._say(f"{reason}; replanning...")
+            if failover:
+                self._metrics.failovers.inc()
             await self._proxy.drain(DRAIN_TIMEOUT_S)
             if self.llama_server is not None:
                 await self.llama_server.stop()
                 self.llama_server = None
                 self.restarts += 1
+                self._metrics.restarts.inc()
                 await asyncio.sleep(RESTART_DELAY_S)
 
     async def close(self) -> None:
@@ -172,39 +178,39 @@ class ServingSupervisor:
         self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}")
         self._say(f"OpenAI-compatible API ready on http://localhost:{self._serve_port}/v1")
 
-    async def _trouble(self) -> str:
-        """Wait until llama-server must be restarted (or started); say why."""
+    async def _trouble(self) -> tuple[str, bool]:
+        """Wait until llama-server must be restarted (or started); say why, and if it is a failover."""
         exited = asyncio.ensure_future(self.llama_server.wait()) if self.llama_server else None
         try:
             while exited is None or not exited.done():
-                if (reason := self._replan_reason()) is not None:
-                    return reason
+                if (trouble := self._replan_reason()) is not None:
+                    return trouble
                 self._mesh.changed.clear()
                 changed = asyncio.ensure_future(self._mesh.changed.wait())
                 await asyncio.wait({changed} | ({exited} if exited else set()),
                                    return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
             assert self.llama_server is not None
-            return str(self.llama_server.exited_error())
+            return str(self.llama_server.exited_error()), True
         finally:
             if exited is not None:
                 exited.cancel()
 
-    def _replan_reason(self) -> str | None:
-        """Why the current state should be replaced, or None if it should stay."""
+    def _replan_reason(self) -> tuple[str, bool] | None:
+        """Why the current state should be replaced (and if that is a failover), or None."""
         connected = {info.node_id for info in self._mesh.connected_members()} | {self._identity.node_id}
         if self.plan is not None:
             lost = [n for n in self.plan.nodes if n.node_id not in connected]
             if lost:
-                return f"{', '.join(f'{n.name} ({short_id(n.node_id)})' for n in lost)} left the plan"
+                return f"{', '.join(f'{n.name} ({short_id(n.node_id)})' for n in lost)} left the plan", True
         try:
             candidate = self.compute_plan()
         except PlanError:
-            return None if self.plan is None else "The mesh can no longer hold the model"
+            return None if self.plan is None else ("The mesh can no longer hold the model", True)
         if self.plan is None:
-            return "The mesh can hold the model now"
+            return "The mesh can hold the model now", False
         if _layout(candidate) != _layout(self.plan):
-            return "Members changed and the layers can be spread better"
+            return "Members changed and the layers can be spread better", False
         return None
 
     def status(self) -> dict[str, Any]:

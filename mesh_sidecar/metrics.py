@@ -1,0 +1,64 @@
+"""Prometheus metrics of a node, served on the API port at /metrics.
+
+Counters and histograms are updated where things happen (the proxy, the
+serving loop); mesh-wide gauges (members, per-peer RTT and bytes) are read from
+the node's status at scrape time, so they can never drift from `status`.
+llama-server's own metrics (``llamacpp:*``) are appended by the proxy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "mesh_"
+FIRST_TOKEN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+class _MeshCollector(Collector):
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Any]:
+        peers = self._status()["peers"]
+        members = GaugeMetricFamily(PREFIX + "members", "Mesh members connected to this node, itself included")
+        members.add_metric([], 1 + sum(p["state"] == "connected" for p in peers))
+        yield members
+        rtt = GaugeMetricFamily(PREFIX + "peer_rtt_seconds", "Last heartbeat round trip to a peer", labels=["peer"])
+        sent = CounterMetricFamily(PREFIX + "peer_tunnel_bytes", "Bytes through the tunnel to a peer",
+                                   labels=["peer", "direction"])
+        for peer in peers:
+            if peer["rtt_ms"] is not None:
+                rtt.add_metric([peer["name"]], peer["rtt_ms"] / 1000)
+            sent.add_metric([peer["name"], "to_peer"], peer["bytes_to_peer"])
+            sent.add_metric([peer["name"], "from_peer"], peer["bytes_from_peer"])
+        yield rtt
+        yield sent
+
+
+class Metrics:
+    """One node's registry."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "API requests by path and HTTP status",
+                                ["path", "status"], registry=self.registry)
+        self.failovers = Counter(PREFIX + "failovers", "llama-server restarts forced by a lost member or its death",
+                                 registry=self.registry)
+        self.retries = Counter(PREFIX + "retries", "Requests retried or streams replayed after a failover",
+                               registry=self.registry)
+        self.restarts = Counter(PREFIX + "restarts", "llama-server restarts for any reason (replans included)",
+                                registry=self.registry)
+        self.first_token = Histogram(PREFIX + "first_token_seconds", "Time to the first streamed text",
+                                     buckets=FIRST_TOKEN_BUCKETS_S, registry=self.registry)
+        self.tokens_per_second = Histogram(PREFIX + "tokens_per_second", "Decode speed per request",
+                                           buckets=TOKENS_PER_SECOND_BUCKETS, registry=self.registry)
+        self.registry.register(_MeshCollector(status))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
