@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from aiohttp import web
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
 MAX_FAILOVERS_PER_REQUEST = 2
+# A stream with no byte for this long is stuck (a member stopped answering without
+# being lost yet): llama-server is restarted and the stream replayed.
+STALL_TIMEOUT_S = 60.0
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=60.0, pool=None)
@@ -79,8 +83,11 @@ class _Unavailable(MeshError):
 class ApiProxy:
     """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, on_stall: Callable[[str], None],
+                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.metrics = metrics
+        self._on_stall = on_stall
+        self._stall_timeout_s = stall_timeout_s
         self._client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT)
         self._runner: web.AppRunner | None = None
         self._upstream: str | None = None
@@ -219,7 +226,7 @@ class ApiProxy:
                         response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
                         await response.prepare(request)
                     splitter = EventSplitter()
-                    async for chunk in upstream.aiter_raw():
+                    async for chunk in self._unless_stalled(upstream.aiter_raw(), request.path):
                         for event in splitter.feed(chunk):
                             out = event if replay is None else replay.filter(event)
                             if out is None:
@@ -249,6 +256,17 @@ class ApiProxy:
                     replay = Replay(ledger)
             except MeshError as exc:  # ReplayMismatch, an oversized event
                 return await self._give_up(response, str(exc))
+
+    async def _unless_stalled(self, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
+        """The chunks, until one takes longer than the stall timeout: then ask for a restart."""
+        while True:
+            try:
+                yield await asyncio.wait_for(anext(chunks), self._stall_timeout_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                self._on_stall(f"No progress on a {path} stream for {self._stall_timeout_s:.0f} s")
+                raise httpx.ReadTimeout("llama-server stalled") from None
 
     async def _wait_elsewhere(self, failed: int) -> tuple[str, int]:
         """The next llama-server; while waiting this request does not count as in flight,

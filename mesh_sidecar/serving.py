@@ -96,7 +96,9 @@ class ServingSupervisor:
         self._logs = logs
         self._say = say
         self._metrics = metrics
-        self._proxy = ApiProxy(metrics)
+        self._proxy = ApiProxy(metrics, self.request_restart)
+        self._restart_reason: str | None = None
+        self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
         self.llama_port: int | None = None
         self.plan: Plan | None = None
@@ -138,6 +140,11 @@ class ServingSupervisor:
                 self.restarts += 1
                 self._metrics.restarts.inc()
                 await asyncio.sleep(RESTART_DELAY_S)
+
+    def request_restart(self, reason: str) -> None:
+        """Restart llama-server at once (the proxy saw it stall)."""
+        self._restart_reason = reason
+        self._wakeup.set()
 
     async def close(self) -> None:
         await self._proxy.close()
@@ -186,10 +193,11 @@ class ServingSupervisor:
                 if (trouble := self._replan_reason()) is not None:
                     return trouble
                 self._mesh.changed.clear()
-                changed = asyncio.ensure_future(self._mesh.changed.wait())
-                await asyncio.wait({changed} | ({exited} if exited else set()),
-                                   return_when=asyncio.FIRST_COMPLETED)
-                changed.cancel()
+                self._wakeup.clear()
+                woken = {asyncio.ensure_future(self._mesh.changed.wait()), asyncio.ensure_future(self._wakeup.wait())}
+                await asyncio.wait(woken | ({exited} if exited else set()), return_when=asyncio.FIRST_COMPLETED)
+                for task in woken:
+                    task.cancel()
             assert self.llama_server is not None
             return str(self.llama_server.exited_error()), True
         finally:
@@ -198,6 +206,9 @@ class ServingSupervisor:
 
     def _replan_reason(self) -> tuple[str, bool] | None:
         """Why the current state should be replaced (and if that is a failover), or None."""
+        if self._restart_reason is not None:
+            reason, self._restart_reason = self._restart_reason, None
+            return reason, True
         connected = {info.node_id for info in self._mesh.connected_members()} | {self._identity.node_id}
         if self.plan is not None:
             lost = [n for n in self.plan.nodes if n.node_id not in connected]

@@ -1,0 +1,99 @@
+"""The API proxy against stand-in upstreams on real sockets: stalls, failover, refusal.
+
+The stand-ins replace llama-server only to produce faults on cue (a stream that
+stops mid-way); the real end-to-end failover runs in test_failover.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from aiohttp import web
+
+from mesh_sidecar.metrics import Metrics
+from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.proxy import ApiProxy
+
+PIECES = ["The", " keeper", " lit", " the", " lamp", "."]
+
+
+def event(text: str, id_: str) -> bytes:
+    return b"data: " + json.dumps({"id": id_, "choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
+
+
+async def upstream(stall_after: int | None, id_: str, seeds: list[int]) -> tuple[web.AppRunner, str]:
+    """A stand-in llama-server streaming PIECES; it stops sending after ``stall_after`` pieces."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seeds.append((await request.json())["seed"])
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, piece in enumerate(PIECES):
+            if stall_after is not None and i == stall_after:
+                await asyncio.sleep(3600)
+            await response.write(event(piece, id_))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_tcp_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def proxy_port():
+    stalls: list[str] = []
+    proxy = ApiProxy(Metrics(lambda: {"peers": []}), stalls.append, stall_timeout_s=0.5)
+    port = free_tcp_port()
+    await proxy.start(port)
+    yield proxy, port, stalls
+    await proxy.close()
+
+
+async def test_a_stalled_stream_is_restarted_and_replayed_exactly(proxy_port):
+    proxy, port, stalls = proxy_port
+    seeds: list[int] = []
+    stuck, stuck_url = await upstream(stall_after=3, id_="first", seeds=seeds)
+    fresh, fresh_url = await upstream(stall_after=None, id_="second", seeds=seeds)
+    proxy.serve(stuck_url)
+
+    async def restart_when_asked() -> None:
+        while not stalls:
+            await asyncio.sleep(0.05)
+        proxy.serve(fresh_url)  # what the serving loop does after restarting llama-server
+
+    restarter = asyncio.create_task(restart_when_asked())
+    text, ids = "", set()
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                                 json={"prompt": "x", "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    body = json.loads(line[6:])
+                    text += body["choices"][0]["text"]
+                    ids.add(body["id"])
+    await restarter
+    assert text == "".join(PIECES)
+    assert ids == {"first"}
+    assert len(stalls) == 1 and len(seeds) == 2 and seeds[0] == seeds[1]  # the same seed, pinned by the proxy
+    assert proxy.metrics.registry.get_sample_value("mesh_retries_total") == 1
+    await stuck.cleanup()
+    await fresh.cleanup()
+
+
+async def test_refusing_answers_with_an_openai_error(proxy_port):
+    proxy, port, _ = proxy_port
+    proxy.refuse("The mesh has 0.10 GB free for this model but needs 0.30 GB (0.20 GB short).")
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": []})
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "insufficient_capacity"
+        health = await client.get(f"http://127.0.0.1:{port}/health")
+        assert health.status_code == 503
