@@ -13,18 +13,24 @@ import logging.handlers
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.console import Group
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from .capacity import parse_size
 from .control import read_plan, read_status
-from .errors import MeshError
+from .errors import MeshError, UsageError
 from .home import NodeHome
+from .logs import follow as follow_logs
+from .logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
 from .identity import load_or_create_identity
 from .llama_build import ensure_binaries
 from .mesh import DEFAULT_QUIC_PORT
@@ -34,9 +40,7 @@ from .ports import LOOPBACK, check_tcp_port_free
 from .ticket import decode_ticket
 from .views import plan_table
 
-SIDECAR_LOG_NAME = "sidecar.log"
-SIDECAR_LOG_MAX_BYTES = 10 * 1024 * 1024
-SIDECAR_LOG_BACKUPS = 2
+STATUS_WATCH_INTERVAL_S = 1.0
 
 console = Console()
 err_console = Console(stderr=True)
@@ -97,7 +101,7 @@ def _prepare(llama_bin: Path | None, model: Path | None):
 
 def _configure_logging(home: NodeHome, verbose: bool) -> None:
     file_handler = logging.handlers.RotatingFileHandler(
-        home.logs / SIDECAR_LOG_NAME, maxBytes=SIDECAR_LOG_MAX_BYTES, backupCount=SIDECAR_LOG_BACKUPS
+        home.logs / SIDECAR_LOG_NAME, maxBytes=CHILD_LOG_MAX_BYTES, backupCount=CHILD_LOG_BACKUPS
     )
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     stderr_handler = logging.StreamHandler(sys.stderr)
@@ -179,44 +183,91 @@ def setup(
 def status(
     home: HomeOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object, for scripts.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh every second until Ctrl-C.")] = False,
 ) -> None:
-    """Show the running node: its processes, ports, model and peers."""
+    """Show the running node: its processes, ports, model, plan, peers and counters."""
+    node_home = NodeHome.resolve(home)
     try:
-        snapshot = read_status(NodeHome.resolve(home))
+        snapshot = read_status(node_home)
+        if as_json:
+            print(json.dumps(snapshot, indent=2))
+        elif watch:
+            with Live(_status_view(snapshot), console=console, refresh_per_second=2) as live:
+                while True:
+                    time.sleep(STATUS_WATCH_INTERVAL_S)
+                    live.update(_status_view(read_status(node_home)))
+        else:
+            console.print(_status_view(snapshot))
     except MeshError as exc:
         _fail(exc)
-    if as_json:
-        print(json.dumps(snapshot, indent=2))
-        return
+    except KeyboardInterrupt:
+        pass
+
+
+def _status_view(snapshot: dict) -> Group:
+    parts: list = []
     node = snapshot["node"]
-    console.print(f"[bold]{node['name']}[/] {node['short_id']}  home {node['home']}", highlight=False)
-    console.print(f"model: {snapshot['model']['path']} (context {snapshot['model']['ctx_size']})", highlight=False)
+    parts.append(Text(f"{node['name']} {node['short_id']}  home {node['home']}", style="bold"))
+    parts.append(Text(f"model: {snapshot['model']['path']} (context {snapshot['model']['ctx_size']})"))
     if node["capacity"]:
-        console.print(f"offers: {node['capacity']['usable_bytes'] / 1e9:.2f} GB", highlight=False)
+        parts.append(Text(f"offers: {node['capacity']['usable_bytes'] / 1e9:.2f} GB"))
     serving = snapshot["serving"]
     if serving:
-        console.print(f"API: {serving['api']['url']} (llama-server restarts: {serving['llama_server_restarts']})",
-                      highlight=False)
+        c = serving["counters"]
+        parts.append(Text(f"API: {serving['api']['url']}  requests {c['requests']:.0f}, failovers "
+                          f"{c['failovers']:.0f}, retries {c['retries']:.0f}, restarts {c['restarts']:.0f}"))
         if serving["plan"]:
-            console.print(plan_table(serving["plan"], title="Current plan"))
+            parts.append(plan_table(serving["plan"], title="Current plan"))
         elif serving["refusal"]:
-            console.print(f"[bold red]Not serving:[/] {serving['refusal']}", highlight=False)
+            parts.append(Text(f"Not serving: {serving['refusal']}", style="bold red"))
     processes = Table("process", "pid", "state", "port", "log")
     for p in snapshot["processes"]:
         processes.add_row(p["name"], str(p["pid"]), "running" if p["running"] else "exited",
                           str(p["port"]), p["log"])
-    console.print(processes)
-    peers = Table("peer", "id", "address", "state", "rtt ms", "tunnel port", "rpc-server", "offers GB")
-    for peer in snapshot["peers"]:
-        offers = peer["capacity"].get("usable_bytes")
-        peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), peer["state"],
-                      "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}",
-                      str(peer["tunnel_port"] or "-"), "up" if peer["rpc_server_up"] else "down",
-                      "-" if offers is None else f"{offers / 1e9:.2f}")
+    parts.append(processes)
     connected = sum(p["state"] == "connected" for p in snapshot["peers"])
-    console.print(f"Mesh: {connected} peer(s) connected, UDP port {snapshot['mesh']['quic_port']}")
+    parts.append(Text(f"Mesh: {connected} peer(s) connected, UDP port {snapshot['mesh']['quic_port']}"))
     if snapshot["peers"]:
-        console.print(peers)
+        peers = Table("peer", "id", "address", "state", "health", "rtt ms (p50/p95)", "tunnel port",
+                      "rpc-server", "offers GB", "MB to/from")
+        for peer in snapshot["peers"]:
+            offers = peer["capacity"].get("usable_bytes")
+            rtt = "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}"
+            if peer.get("rtt_p50_ms") is not None:
+                rtt += f" ({peer['rtt_p50_ms']:.1f}/{peer['rtt_p95_ms']:.1f})"
+            peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), peer["state"],
+                          str(peer.get("health", "-")), rtt, str(peer["tunnel_port"] or "-"),
+                          "up" if peer["rpc_server_up"] else "down",
+                          "-" if offers is None else f"{offers / 1e9:.2f}",
+                          f"{peer['bytes_to_peer'] / 1e6:.1f}/{peer['bytes_from_peer'] / 1e6:.1f}")
+        parts.append(peers)
+    return Group(*parts)
+
+
+@app.command()
+def logs(
+    home: HomeOption = None,
+    process: Annotated[Optional[str], typer.Option("--process", "-p", help="Only this process: sidecar, rpc-server, llama-server.")] = None,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="How many recent lines to show.")] = 40,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until Ctrl-C.")] = False,
+) -> None:
+    """Show the node's logs: one file per process, size-capped, in <home>/logs."""
+    node_home = NodeHome.resolve(home)
+    files = [f for f in log_files(node_home.logs) if process is None or f.name.startswith(process)]
+    if not files:
+        _fail(UsageError(f"No logs{' for ' + process if process else ''} in {node_home.logs}. "
+                         "Has a node run with this home (--home)?"))
+    try:
+        if follow:
+            for path, line in follow_logs(files, lines=lines):
+                print(f"{path.stem}: {line}", flush=True)
+        else:
+            for path in files:
+                console.print(f"== {path.name} ==", style="bold", highlight=False)
+                for line in tail(path, lines):
+                    print(line)
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()

@@ -62,3 +62,14 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def summary(self) -> dict[str, float]:
+        """The counters people care about, for `status`."""
+        get = self.registry.get_sample_value
+        requests = sum(s.value for m in self.requests.collect() for s in m.samples if s.name.endswith("_total"))
+        return {
+            "requests": requests,
+            "failovers": get(PREFIX + "failovers_total") or 0,
+            "retries": get(PREFIX + "retries_total") or 0,
+            "restarts": get(PREFIX + "restarts_total") or 0,
+        }

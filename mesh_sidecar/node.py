@@ -194,7 +194,8 @@ class Node:
             "model": {"path": str(self.options.model), "bytes": self.options.model.stat().st_size,
                       "ctx_size": self.options.ctx_size},
             "processes": processes,
-            "serving": self.serving.status() if self.serving and self.options.serve_port else None,
+            "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
+                        if self.serving and self.options.serve_port else None),
             "mesh": {"quic_port": self.mesh.port if self.mesh else None},
             "peers": self.mesh.status() if self.mesh else [],
         }

@@ -8,7 +8,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import GREEDY, complete
+from tests.conftest import GREEDY, cli, complete
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +67,22 @@ def test_status_json_shape(start_node):
     assert len(status["node"]["id"]) == 64
     assert isinstance(status["peers"], list)
     assert [p["name"] for p in status["processes"]] == ["ggml-rpc-server"]
+
+
+def test_logs_command_shows_each_process(start_node):
+    node = start_node("logger", serve=True)
+    result = cli("logs", "--home", str(node.home), "-n", "200")
+    assert result.returncode == 0, result.stderr
+    for name in ("sidecar.log", "rpc-server.log", "llama-server.log"):
+        assert f"== {name} ==" in result.stdout
+    assert "Starting RPC server" in result.stdout
+    only = cli("logs", "--home", str(node.home), "--process", "rpc-server", "-n", "200")
+    assert "Starting RPC server" in only.stdout and "llama-server.log" not in only.stdout
+
+
+def test_status_table_for_people(start_node):
+    node = start_node("people", serve=True)
+    result = cli("status", "--home", str(node.home))
+    assert result.returncode == 0, result.stderr
+    for phrase in ("people", "Current plan", "ggml-rpc-server", "llama-server", "failovers 0", "Mesh: 0 peer(s)"):
+        assert phrase in result.stdout, phrase
