@@ -6,6 +6,7 @@ This is the asyncio edge that joins the pure parts together:
         control frames -> GossipDecoder -> Membership.receive
         Membership actions -> send_control / dial / close
         Membership events  -> messages to people, tunnels opened and closed
+        Pings sent, Pongs received -> PeerHealth (health.py); lost -> close the connection
     inbound QUIC streams -> serve_inbound_stream -> local rpc-server
 
 Two nodes may dial each other at once; both connections are admitted and the
@@ -39,9 +40,12 @@ from .gossip import (
     Membership,
     MemberState,
     MemberUpdated,
+    Ping,
+    Pong,
     Send,
     encode_message,
 )
+from .health import PeerDegraded, PeerHealth, PeerLost, PeerRecovered
 from .home import NodeHome
 from .identity import NodeIdentity, short_id
 from .ports import LOOPBACK
@@ -54,6 +58,9 @@ log = logging.getLogger(__name__)
 DEFAULT_QUIC_PORT = 47470
 LISTEN_HOST = "0.0.0.0"
 HEARTBEAT_INTERVAL_S = 1.0
+# A heartbeat due after a gap longer than this means our own event loop stalled:
+# Pongs may be waiting unread, so peers are not judged on that heartbeat.
+LOOP_STALL_S = 2.0
 CAPACITY_REFRESH_S = 5.0
 # When two members learn of each other at once, the lower id dials; the higher
 # one dials only if no connection came in this long (a lost or blocked dial).
@@ -63,6 +70,10 @@ HIGHER_ID_DIAL_DELAY_S = 3.0
 # drains its requests and moves its layers off). Longer than serving's drain.
 LEAVE_GRACE_S = 40.0
 MESH_FILE_NAME = "mesh.json"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
 
 
 def load_or_create_secret(home: NodeHome, ticket: Ticket | None) -> bytes:
@@ -91,6 +102,7 @@ class _Peer:
 
     connection: PeerConnection
     tunnel: TunnelListener
+    health: PeerHealth
 
 
 class Mesh:
@@ -118,6 +130,7 @@ class Mesh:
         self._peers: dict[bytes, _Peer] = {}
         self._membership: Membership | None = None
         self._tasks: set[asyncio.Task] = set()  # dials and deferred closes
+        self._leaving = False
         self.port: int | None = None
         self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
 
@@ -147,18 +160,25 @@ class Mesh:
     async def run(self) -> None:
         """Heartbeats, and fresh capacity figures in gossip, until cancelled."""
         assert self._membership is not None
-        last_refresh = time.monotonic()
+        last_refresh = last_beat = time.monotonic()
         while True:
             now = time.monotonic()
+            stalled = now - last_beat > LOOP_STALL_S
+            last_beat = now
             self._membership.heartbeat(now)
             if now - last_refresh >= CAPACITY_REFRESH_S:
                 self._membership.update_self(self._self_info())
                 last_refresh = now
             self._process()
+            if stalled:
+                log.warning("event loop stalled; peer health not judged on this heartbeat")
+            else:
+                self._check_health(now)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def close(self, *, graceful: bool = True) -> None:
         """Say goodbye to every peer, give them time to move off us, then close everything."""
+        self._leaving = True  # peers stop answering our Pings once we say Leave
         if self._membership is not None:
             self._membership.leave("node stopped")
             self._process()
@@ -201,7 +221,8 @@ class Mesh:
         for member in self._membership.members():
             node_id = member.info.node_id
             peer = self._peers.get(node_id)
-            rtt = peer.connection.rtt if peer else None
+            health = peer.health if peer else None
+            counters = peer.tunnel.counters if peer else None
             rows.append({
                 "id": node_id.hex(),
                 "short_id": short_id(node_id),
@@ -209,14 +230,25 @@ class Mesh:
                 "state": member.state.value,
                 "address": (str(PeerAddress(*peer.connection.remote_address)) if peer
                             else (member.info.addresses or [None])[0]),
-                "rtt_ms": round(rtt * 1000, 2) if rtt is not None else None,
+                "health": (health.state.value if health is not None
+                           else "lost" if member.state is MemberState.LOST else None),
+                "rtt_ms": _ms(health.rtt_last_s) if health else None,  # the last heartbeat's
+                "rtt_p50_ms": _ms(health.rtt_p50_s) if health else None,
+                "rtt_p95_ms": _ms(health.rtt_p95_s) if health else None,
+                "quic_rtt_ms": _ms(peer.connection.rtt) if peer else None,  # QUIC's smoothed estimate
+                "missed_heartbeats": health.missed if health else None,
                 "tunnel_port": peer.tunnel.port if peer else None,
                 "rpc_server_up": member.info.rpc_ready,
                 "serving": member.info.serving,
                 "capacity": dict(member.info.capacity),
                 "learned_via": short_id(member.learned_via) if member.learned_via else None,
-                "bytes_to_peer": peer.tunnel.counters.bytes_to_peer if peer else 0,
-                "bytes_from_peer": peer.tunnel.counters.bytes_from_peer if peer else 0,
+                # Our tunnel to its rpc-server...
+                "bytes_to_peer": counters.bytes_to_peer if counters else 0,
+                "bytes_from_peer": counters.bytes_from_peer if counters else 0,
+                # ...and its streams into ours: bytes and RPC commands.
+                "bytes_from_peer_in": counters.inbound_bytes_from_peer if counters else 0,
+                "bytes_to_peer_in": counters.inbound_bytes_to_peer if counters else 0,
+                "rpc_commands": counters.rpc_commands if counters else 0,
             })
         return rows
 
@@ -287,6 +319,8 @@ class Mesh:
                     peer = self._peers.get(to)
                     if peer is not None and not peer.connection.closed:
                         peer.connection.send_control(encode_message(msg))
+                        if isinstance(msg, Ping):
+                            peer.health.ping_sent(msg.nonce, msg.sent_at)
                 case Dial():
                     self._start_dial(action)
                 case Disconnect(node_id=node_id, reason=reason):
@@ -306,6 +340,32 @@ class Mesh:
                     self.changed.set()
                 case MemberUpdated():
                     pass
+
+    def _check_health(self, now: float) -> None:
+        """Judge each pinged peer by its heartbeats; close the connection to a lost one."""
+        if self._leaving:
+            return
+        assert self._membership is not None
+        pinged = {m.info.node_id for m in self._membership.members() if m.state is MemberState.CONNECTED}
+        for node_id, peer in list(self._peers.items()):
+            if node_id not in pinged or peer.connection.closed:
+                continue
+            match peer.health.tick(now):
+                case PeerDegraded(silent_s=silent_s, missed=missed):
+                    log.warning("peer %s degraded: a heartbeat unanswered for %.1f s (%d missed)",
+                                short_id(node_id), silent_s, missed)
+                    self._say(f"Peer {self._name_of(node_id)} is slow to answer: no heartbeat answer "
+                              f"for {silent_s:.1f} s ({missed} missed)")
+                case PeerRecovered(degraded_for_s=degraded_for_s, rtt_s=rtt_s):
+                    rtt = "-" if rtt_s is None else f"{rtt_s * 1000:.1f} ms"
+                    log.info("peer %s recovered after %.1f s; round trip %s",
+                             short_id(node_id), degraded_for_s, rtt)
+                    self._say(f"Peer {self._name_of(node_id)} answers heartbeats again (round trip {rtt})")
+                case PeerLost(silent_s=silent_s, missed=missed):
+                    reason = f"no heartbeat answer for {silent_s:.1f} s"
+                    log.warning("peer %s lost: %s (%d missed)", short_id(node_id), reason, missed)
+                    # _serve_peer sees the close, marks the member lost and closes its tunnel.
+                    peer.connection.close(reason)
 
     def _name_of(self, node_id: bytes) -> str:
         assert self._membership is not None
@@ -340,12 +400,13 @@ class Mesh:
             membership.peer_disconnected(node_id, time.monotonic(), "replaced by a simultaneous connection")
         tunnel = TunnelListener(connection)
         await tunnel.start()
-        peer = _Peer(connection, tunnel)
+        peer = _Peer(connection, tunnel, PeerHealth(node_id))
         self._peers[node_id] = peer
         name = short_id(node_id)
         connection.set_stream_handler(
             lambda reader, writer: serve_inbound_stream(reader, writer, self._rpc_port,
-                                                        self._resolve_endpoint, name)
+                                                        self._resolve_endpoint, name,
+                                                        counters=tunnel.counters)
         )
         reason = "connection closed"
         try:
@@ -355,11 +416,16 @@ class Mesh:
             while True:
                 decoder.feed(await connection.receive_control())
                 while (msg := decoder.next_message()) is not None:
-                    membership.receive(node_id, msg, time.monotonic())
+                    now = time.monotonic()
+                    if isinstance(msg, Pong):
+                        peer.health.pong_received(msg.nonce, now)
+                    membership.receive(node_id, msg, now)
                     self._process()
         except MeshError as exc:
             reason = connection.close_reason or str(exc)
         finally:
+            # A close from our side (a lost heartbeat) cancels this task: its reason is the one.
+            reason = connection.close_reason or reason
             if self._peers.get(node_id) is peer:
                 del self._peers[node_id]
                 await tunnel.close()

@@ -43,6 +43,11 @@ class TunnelCounters:
     bytes_to_peer: int = 0
     bytes_from_peer: int = 0
     streams: int = 0
+    # The other way: streams the peer opened into our rpc-server (serve_inbound_stream).
+    inbound_streams: int = 0
+    inbound_bytes_from_peer: int = 0
+    inbound_bytes_to_peer: int = 0
+    rpc_commands: int = 0  # RPC frames the peer sent our rpc-server, HELLO included
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
@@ -151,8 +156,13 @@ async def serve_inbound_stream(
     rpc_port: int,
     resolve_endpoint: Callable[[int], str | None],
     peer_name: str,
+    *,
+    counters: TunnelCounters | None = None,
 ) -> None:
-    """Connect one stream from a peer to the local rpc-server, through the RPC filter."""
+    """Connect one stream from a peer to the local rpc-server, through the RPC filter.
+
+    ``counters``, when given, gets this stream's inbound_* bytes and its rpc_commands.
+    """
     try:
         tcp_reader, tcp_writer = await asyncio.open_connection(LOOPBACK, rpc_port)
     except OSError as exc:
@@ -161,8 +171,14 @@ async def serve_inbound_stream(
         return
     _nodelay(tcp_writer)
     rpc_filter = RpcStreamFilter(resolve_endpoint)
+    counts = counters if counters is not None else TunnelCounters()
+    counts.inbound_streams += 1
+    frames_counted = 0
 
     def forward_to_server() -> None:
+        nonlocal frames_counted
+        counts.rpc_commands += rpc_filter.frames_seen - frames_counted
+        frames_counted = rpc_filter.frames_seen
         if out := rpc_filter.data_to_server():
             tcp_writer.write(out)
         while (event := rpc_filter.next_event()) is not None:
@@ -170,6 +186,7 @@ async def serve_inbound_stream(
 
     async def client_to_server() -> None:
         while data := await quic_reader.read(RELAY_CHUNK_BYTES):
+            counts.inbound_bytes_from_peer += len(data)
             rpc_filter.receive_from_client(data)
             forward_to_server()
             await tcp_writer.drain()
@@ -179,6 +196,7 @@ async def serve_inbound_stream(
         while data := await tcp_reader.read(RELAY_CHUNK_BYTES):
             # The server's HELLO reply tells the filter the dialect; client
             # bytes it held until then are released now.
+            counts.inbound_bytes_to_peer += len(data)
             rpc_filter.receive_from_server(data)
             forward_to_server()
             quic_writer.write(data)

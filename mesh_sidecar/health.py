@@ -1,0 +1,194 @@
+"""Peer health from heartbeats: round-trip times, missed heartbeats, connected/degraded/lost.
+
+Sans-I/O like gossip: no clock, no event loop. The mesh tells a :class:`PeerHealth`
+each Ping it sent (``ping_sent``) and each Pong that came back (``pong_received``),
+passing ``now`` (seconds, the same monotonic clock throughout), and calls
+``tick(now)`` once per heartbeat to learn of changes of state.
+
+A peer's state follows the oldest Ping still waiting for its Pong (a Pong answers its
+own Ping and every earlier one: the control stream is ordered, so the earlier Pongs
+either came first or never will)::
+
+    connected --(a Ping unanswered DEGRADED_AFTER_S)--> degraded --(LOST_AFTER_S)--> lost
+        ^                                                   |
+        +---------------(a Pong arrives)--------------------+
+
+``lost`` is final: the mesh closes the connection, and a new connection gets a new
+PeerHealth. With nothing outstanding a peer stays connected, so a peer that is not
+pinged (not yet identified, or leaving) is never judged.
+
+Gossip's Membership keeps only the latest Ping per peer for its own ``rtt_s``; this
+keeps the last MAX_OUTSTANDING_PINGS, so a Pong slower than one heartbeat still
+gives a sample and still counts as an answer.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+DEGRADED_AFTER_S = 2.5  # a Ping this long without a Pong: the peer is degraded
+LOST_AFTER_S = 5.0  # ...this long: the peer is lost and its connection closed
+RTT_WINDOW = 64  # RTT samples kept for the percentiles
+MAX_OUTSTANDING_PINGS = 32  # unanswered Pings remembered; older ones no longer count as answered
+
+
+class HealthState(enum.StrEnum):
+    CONNECTED = "connected"  # every Ping answered within DEGRADED_AFTER_S
+    DEGRADED = "degraded"  # a Ping has waited DEGRADED_AFTER_S or more
+    LOST = "lost"  # a Ping has waited LOST_AFTER_S or more; final
+
+
+@dataclass(frozen=True)
+class PeerDegraded:
+    node_id: bytes
+    silent_s: float  # how long the oldest unanswered Ping has waited
+    missed: int
+
+
+@dataclass(frozen=True)
+class PeerRecovered:
+    node_id: bytes
+    degraded_for_s: float  # from the tick that saw it degraded to the one that saw it recover
+    rtt_s: float | None  # the last round trip
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    node_id: bytes
+    silent_s: float
+    missed: int
+
+
+HealthEvent: TypeAlias = PeerDegraded | PeerRecovered | PeerLost
+
+
+def percentile(samples: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100) of ``samples``: always one of them; None if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is not between 0 and 100")
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+class PeerHealth:
+    """Heartbeat bookkeeping for one connection to one peer."""
+
+    def __init__(
+        self,
+        node_id: bytes,
+        *,
+        degraded_after_s: float = DEGRADED_AFTER_S,
+        lost_after_s: float = LOST_AFTER_S,
+        window: int = RTT_WINDOW,
+        max_outstanding: int = MAX_OUTSTANDING_PINGS,
+    ) -> None:
+        if not 0 < degraded_after_s < lost_after_s:
+            raise ValueError("need 0 < degraded_after_s < lost_after_s")
+        if window < 1 or max_outstanding < 1:
+            raise ValueError("window and max_outstanding must be at least 1")
+        self.node_id = node_id
+        self.degraded_after_s = degraded_after_s
+        self.lost_after_s = lost_after_s
+        self._max_outstanding = max_outstanding
+        self._outstanding: OrderedDict[int, float] = OrderedDict()  # nonce -> sent at, oldest first
+        self._rtts: deque[float] = deque(maxlen=window)
+        self._state = HealthState.CONNECTED
+        self._degraded_at: float | None = None
+        self._missed = 0
+        self.pings_sent = 0
+        self.pongs_received = 0
+
+    # --- what it knows ---
+
+    @property
+    def state(self) -> HealthState:
+        """As of the last ``tick``."""
+        return self._state
+
+    @property
+    def missed(self) -> int:
+        """Consecutive Pings not answered before the next one was sent."""
+        return self._missed
+
+    @property
+    def rtt_samples(self) -> tuple[float, ...]:
+        """The last RTT_WINDOW round trips, oldest first."""
+        return tuple(self._rtts)
+
+    @property
+    def rtt_last_s(self) -> float | None:
+        return self._rtts[-1] if self._rtts else None
+
+    @property
+    def rtt_p50_s(self) -> float | None:
+        return percentile(self._rtts, 50)
+
+    @property
+    def rtt_p95_s(self) -> float | None:
+        return percentile(self._rtts, 95)
+
+    def silent_s(self, now: float) -> float:
+        """How long the oldest unanswered Ping has waited; 0 when none is."""
+        if not self._outstanding:
+            return 0.0
+        return max(0.0, now - next(iter(self._outstanding.values())))
+
+    # --- inputs ---
+
+    def ping_sent(self, nonce: int, now: float) -> None:
+        """A Ping with ``nonce`` went out at ``now``. A nonce already waiting is ignored."""
+        if self._state is HealthState.LOST or nonce in self._outstanding:
+            return
+        if self._outstanding:
+            self._missed += 1
+        self._outstanding[nonce] = now
+        while len(self._outstanding) > self._max_outstanding:
+            self._outstanding.popitem(last=False)
+        self.pings_sent += 1
+
+    def pong_received(self, nonce: int, now: float) -> float | None:
+        """A Pong for ``nonce`` arrived; returns its RTT, or None if it was ignored.
+
+        Ignored: a nonce never sent, already answered, forgotten (over
+        MAX_OUTSTANDING_PINGS) or superseded by a later Pong, and anything once lost.
+        """
+        if self._state is HealthState.LOST or nonce not in self._outstanding:
+            return None
+        while True:  # this Ping and every earlier one are answered
+            sent_nonce, sent_at = self._outstanding.popitem(last=False)
+            if sent_nonce == nonce:
+                break
+        rtt = max(0.0, now - sent_at)
+        self._rtts.append(rtt)
+        self.pongs_received += 1
+        # The Pings after this one that were followed by another Ping are missed.
+        self._missed = max(0, len(self._outstanding) - 1)
+        return rtt
+
+    def tick(self, now: float) -> HealthEvent | None:
+        """Re-judge the state; the event if it changed."""
+        if self._state is HealthState.LOST:
+            return None
+        silent = self.silent_s(now)
+        if silent >= self.lost_after_s:
+            self._state = HealthState.LOST
+            return PeerLost(self.node_id, silent, self._missed)
+        new = HealthState.DEGRADED if silent >= self.degraded_after_s else HealthState.CONNECTED
+        if new is self._state:
+            return None
+        self._state = new
+        if new is HealthState.DEGRADED:
+            self._degraded_at = now
+            return PeerDegraded(self.node_id, silent, self._missed)
+        assert self._degraded_at is not None
+        degraded_for = now - self._degraded_at
+        self._degraded_at = None
+        return PeerRecovered(self.node_id, degraded_for, self.rtt_last_s)
