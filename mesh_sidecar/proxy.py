@@ -58,6 +58,7 @@ HOP_HEADERS = frozenset({
     "trailer", "transfer-encoding", "upgrade", "host", "content-length",
 })
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
 
 
 def openai_error(status: int, message: str, error_type: str, code: str) -> web.Response:
@@ -133,7 +134,8 @@ class ApiProxy:
             log.warning("%d request(s) still running after %.0f s; restarting anyway", self._in_flight, timeout_s)
 
     async def start(self, port: int, host: str = LOOPBACK) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
 
@@ -256,6 +258,10 @@ class ApiProxy:
                     replay = Replay(ledger)
             except MeshError as exc:  # ReplayMismatch, an oversized event
                 return await self._give_up(response, str(exc))
+            except ConnectionResetError:
+                # The client went away (often right after [DONE]): nothing left to deliver.
+                assert response is not None
+                return response
 
     async def _unless_stalled(self, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
         """The chunks, until one takes longer than the stall timeout: then ask for a restart."""

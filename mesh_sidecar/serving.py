@@ -147,6 +147,8 @@ class ServingSupervisor:
         self._wakeup.set()
 
     async def close(self) -> None:
+        # Held requests get their answer now instead of keeping the node alive.
+        self._proxy.refuse("This node is shutting down; retry against another serving node or later.")
         await self._proxy.close()
         if self.llama_server is not None:
             await self.llama_server.stop()

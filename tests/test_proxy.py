@@ -97,3 +97,14 @@ async def test_refusing_answers_with_an_openai_error(proxy_port):
         assert response.json()["error"]["code"] == "insufficient_capacity"
         health = await client.get(f"http://127.0.0.1:{port}/health")
         assert health.status_code == 503
+
+
+async def test_a_held_request_is_answered_when_the_proxy_starts_refusing(proxy_port):
+    proxy, port, _ = proxy_port  # never served: requests are held
+    async with httpx.AsyncClient(timeout=30) as client:
+        held = asyncio.create_task(client.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        proxy.refuse("This node is shutting down.")
+        response = await asyncio.wait_for(held, 5)
+    assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
