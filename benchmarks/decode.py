@@ -238,8 +238,13 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any]) -
     by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"
     order = [by_port[int(e.rsplit(":", 1)[1])] for e in rpc_list]
 
+    # RPC commands are counted where they arrive: each worker's row for c.
+    commands_before = {n: _commands_from_c(_status(lab_hosts[n], homes[n])) for n in "ab"}
     result = _run_client(lab_hosts["c"], {**spec, "port": MESH_API_PORT, "status_home": str(homes["c"])},
                          [(f"mesh node {n}", p, log) for n, (p, log) in procs.items()])
+    # Over the warm-up and the timed repetitions: a plain and a streamed request each.
+    result["rpc_commands"] = {n: _commands_from_c(_status(lab_hosts[n], homes[n])) - commands_before[n]
+                              for n in "ab"}
     info = {"rpc_list": rpc_list, "order": order}
     return result, order, info
 
@@ -284,6 +289,10 @@ def _summary(result: dict) -> dict[str, Any]:
     }
 
 
+def _commands_from_c(status: dict[str, Any]) -> int:
+    return next(p["rpc_commands"] for p in status["peers"] if p["name"] == "c")
+
+
 def _tunnel_bytes(result: dict) -> dict[str, Any]:
     """Bytes per generated token on each of c's tunnels over the timed repetitions."""
     tokens = sum(r["completion_tokens"] for r in result["reps"]) * 2  # a plain and a streamed request each
@@ -293,9 +302,13 @@ def _tunnel_bytes(result: dict) -> dict[str, Any]:
         b = before[peer["name"]]
         to_peer = peer["bytes_to_peer"] - b["bytes_to_peer"]
         from_peer = peer["bytes_from_peer"] - b["bytes_from_peer"]
+        # The command count also covers the warm-up requests: one more round of each.
+        tokens_with_warmup = tokens * (len(result["reps"]) + 1) / len(result["reps"])
         rows[f"c<->{peer['name']}"] = {"bytes_to_peer": to_peer, "bytes_from_peer": from_peer,
                                      "tokens": tokens, "to_peer_per_token": to_peer / tokens,
-                                     "from_peer_per_token": from_peer / tokens}
+                                     "from_peer_per_token": from_peer / tokens,
+                                     "rpc_commands_per_token": result["rpc_commands"][peer["name"]]
+                                     / tokens_with_warmup}
     return rows
 
 
@@ -317,10 +330,11 @@ def _print(report: dict[str, Any]) -> None:
                       f"{s['ttft_ms']['median']:.1f}", ratio)
     console.print(table)
     tunnels = Table(title="mesh tunnels on c, over the timed repetitions")
-    for col in ("tunnel", "bytes c→peer / token", "bytes peer→c / token"):
+    for col in ("tunnel", "bytes c→peer / token", "bytes peer→c / token", "RPC commands / token"):
         tunnels.add_column(col, justify="right" if col != "tunnel" else "left")
     for name, row in sorted(report["mesh_tunnels"].items()):
-        tunnels.add_row(name, f"{row['to_peer_per_token']:,.0f}", f"{row['from_peer_per_token']:,.0f}")
+        tunnels.add_row(name, f"{row['to_peer_per_token']:,.0f}", f"{row['from_peer_per_token']:,.0f}",
+                        f"{row['rpc_commands_per_token']:.1f}")
     console.print(tunnels)
     same = report["greedy_texts_identical"]
     console.print(f"greedy text direct == mesh: {'yes' if same else 'NO'}"
