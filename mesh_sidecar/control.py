@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ PLAN_PATH = "/plan"
 CLIENT_TIMEOUT_S = 5.0
 
 
-PlanCallable = Callable[[Path | None, int | None], Plan]
+PlanCallable = Callable[[Path | None, int | None], Awaitable[Plan]]
 
 
 class ControlServer:
@@ -69,7 +69,7 @@ class ControlServer:
         model = request.query.get("model")
         ctx = request.query.get("ctx")
         try:
-            plan = self._plan(Path(model) if model else None, int(ctx) if ctx else None)
+            plan = await self._plan(Path(model) if model else None, int(ctx) if ctx else None)
         except MeshError as exc:
             return web.json_response({"error": str(exc), "kind": type(exc).__name__}, status=409)
         return web.json_response(plan.to_json())

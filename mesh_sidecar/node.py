@@ -29,7 +29,7 @@ from .mesh import Mesh, load_or_create_secret
 from .metrics import Metrics
 from .planner import Plan
 from .ports import LOOPBACK, free_tcp_port
-from .serving import ServingSupervisor, cached_estimate, plan_over_mesh
+from .serving import ServingSupervisor, estimate_off_loop, plan_over_mesh
 from .ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -168,10 +168,10 @@ class Node:
             await self.rpc_server.stop()
         await self._control.close()
 
-    def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan:
+    async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan:
         """A plan over the members connected now, for `mesh-inference plan` (PlanError if none fits)."""
         assert self.mesh is not None
-        estimate = cached_estimate(model or self.options.model, ctx_size or self.options.ctx_size)
+        estimate = await estimate_off_loop(model or self.options.model, ctx_size or self.options.ctx_size)
         return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), estimate)
 
     def status_snapshot(self) -> dict[str, Any]:

@@ -45,8 +45,14 @@ log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 30.0
 RESTART_DELAY_S = 1.0
 
-# Reading a GGUF's tensor table is cheap but not free; a node asks again on every membership change.
+# A node asks for the estimate on every membership change; the first read of a GGUF
+# takes seconds (its tokenizer arrays), so it is cached and first made off the event loop.
 cached_estimate = functools.lru_cache(maxsize=8)(estimate_model)
+
+
+async def estimate_off_loop(model: Path, ctx_size: int) -> ModelEstimate:
+    """The cached estimate, computed in a thread the first time: heartbeats keep flowing meanwhile."""
+    return await asyncio.to_thread(cached_estimate, model, ctx_size)
 
 
 def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, estimate: ModelEstimate) -> Plan:
@@ -126,6 +132,7 @@ class ServingSupervisor:
                 f"Cannot listen on port {self._serve_port} ({exc.strerror}). "
                 "Stop the program holding it or choose another with --serve PORT."
             ) from exc
+        await estimate_off_loop(self._model, self._ctx_size)
         await self._wait_for_peers()
         while True:
             await self._apply_plan()
