@@ -53,6 +53,7 @@ WRONG_SECRET = "wrong mesh secret"
 KEY_MISMATCH = "node key does not match ticket id"
 BAD_SIGNATURE = "node key proof failed"
 TIMED_OUT = "authentication timed out"
+REMOVED = "node was removed from the mesh"
 
 
 class MessageType(enum.IntEnum):

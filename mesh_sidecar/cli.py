@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .capacity import parse_size
+from . import control
 from .control import read_plan, read_status
 from .errors import MeshError, UsageError
 from .home import NodeHome
@@ -34,9 +35,10 @@ from .logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_
 from .identity import load_or_create_identity
 from .llama_build import ensure_binaries
 from .mesh import DEFAULT_QUIC_PORT
-from .model import check_gguf, ensure_model
+from .model import check_gguf, ensure_model, model_sha256
 from .node import DEFAULT_CTX_SIZE, Node, NodeOptions
 from .ports import LOOPBACK, check_tcp_port_free
+from .proxy import ApiAccess
 from .ticket import decode_ticket
 from .views import plan_table
 
@@ -85,8 +87,8 @@ class _LazyProgress:
             self._progress.stop()
 
 
-def _prepare(llama_bin: Path | None, model: Path | None):
-    """Binaries and model, fetched/built with a progress bar when needed.
+def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False):
+    """Binaries, model and (if asked) the model's sha256, with a progress bar when slow.
 
     A model the user named is checked first: a typo should not wait for a build.
     """
@@ -94,7 +96,8 @@ def _prepare(llama_bin: Path | None, model: Path | None):
         check_gguf(model)
     progress = _LazyProgress()
     try:
-        return ensure_binaries(llama_bin, progress), ensure_model(model, progress)
+        binaries, model_path = ensure_binaries(llama_bin, progress), ensure_model(model, progress)
+        return binaries, model_path, model_sha256(model_path, progress) if identify_model else ""
     finally:
         progress.close()
 
@@ -133,6 +136,13 @@ def run_node(
     min_peers: Annotated[int, typer.Option("--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
     max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G.")] = None,
     ctx_size: CtxOption = DEFAULT_CTX_SIZE,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="MESH_API_KEY", show_default=False,
+        help="With --serve: clients must send 'Authorization: Bearer KEY'. Prefer the MESH_API_KEY "
+             "variable: a command-line argument is visible to every local user in ps.")] = None,
+    cors_origin: Annotated[Optional[str], typer.Option(
+        "--cors-origin", help="With --serve: let web pages from this origin call the API "
+                              "(e.g. https://chat.example.org). Default: no CORS headers.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the sidecar's log here too.")] = False,
 ) -> None:
     """Start a node (no subcommand). With --serve PORT it also serves the API."""
@@ -142,15 +152,18 @@ def run_node(
     try:
         ticket = decode_ticket(join) if join is not None else None
         max_memory_bytes = parse_size(max_memory) if max_memory is not None else None
+        api_access = ApiAccess(api_key, cors_origin)
         if serve is not None:
             check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
-        binaries, model_path = _prepare(llama_bin, model)
+        binaries, model_path, sha256 = _prepare(llama_bin, model,
+                                                identify_model=serve is not None or model is not None)
         node_home.create()
         _configure_logging(node_home, verbose)
         identity = load_or_create_identity(node_home.root)
         options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
                               binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
-                              min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size)
+                              min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
+                              api_access=api_access, model_sha256=sha256)
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
         asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:
@@ -172,7 +185,7 @@ def setup(
 ) -> None:
     """Build the pinned llama.cpp (once) and fetch the default model. Prints the binaries' directory last."""
     try:
-        binaries, model_path = _prepare(llama_bin, model)
+        binaries, model_path, _ = _prepare(llama_bin, model)
     except MeshError as exc:
         _fail(exc)
     console.print(f"model: {model_path}", highlight=False)
@@ -226,7 +239,9 @@ def _status_view(snapshot: dict) -> Group:
                           str(p["port"]), p["log"])
     parts.append(processes)
     connected = sum(p["state"] == "connected" for p in snapshot["peers"])
-    parts.append(Text(f"Mesh: {connected} peer(s) connected, UDP port {snapshot['mesh']['quic_port']}"))
+    mesh = snapshot["mesh"]
+    parts.append(Text(f"Mesh: {connected} peer(s) connected, UDP port {mesh['quic_port']}, secret rotated "
+                      f"{mesh.get('secret_epoch', 0)} time(s)"))
     if snapshot["peers"]:
         peers = Table("peer", "id", "address", "state", "health", "rtt ms (p50/p95)", "tunnel port",
                       "rpc-server", "offers GB", "MB to/from")
@@ -235,13 +250,49 @@ def _status_view(snapshot: dict) -> Group:
             rtt = "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}"
             if peer.get("rtt_p50_ms") is not None:
                 rtt += f" ({peer['rtt_p50_ms']:.1f}/{peer['rtt_p95_ms']:.1f})"
-            peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), peer["state"],
+            state = peer["state"] + (f" ({peer['refused']})" if peer.get("refused") else "")
+            peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), state,
                           str(peer.get("health", "-")), rtt, str(peer["tunnel_port"] or "-"),
                           "up" if peer["rpc_server_up"] else "down",
                           "-" if offers is None else f"{offers / 1e9:.2f}",
                           f"{peer['bytes_to_peer'] / 1e6:.1f}/{peer['bytes_from_peer'] / 1e6:.1f}")
         parts.append(peers)
     return Group(*parts)
+
+
+@app.command()
+def ticket(
+    home: HomeOption = None,
+    rotate: Annotated[bool, typer.Option("--rotate", help="Give every member a new mesh secret first: "
+                                         "tickets printed before stop admitting anyone.")] = False,
+) -> None:
+    """Print the ticket another machine joins this mesh with."""
+    node_home = NodeHome.resolve(home)
+    try:
+        if rotate:
+            new_ticket = control.rotate_secret(node_home)
+            err_console.print("Rotated the mesh secret: current members keep their place; older tickets "
+                              "no longer admit anyone.", highlight=False)
+        else:
+            new_ticket = control.read_ticket(node_home)
+    except MeshError as exc:
+        _fail(exc)
+    print(new_ticket)
+
+
+@app.command()
+def kick(
+    node: Annotated[str, typer.Argument(help="The member's name or id, as `mesh-inference status` shows it.")],
+    home: HomeOption = None,
+) -> None:
+    """Remove a member from the mesh and rotate the secret, so its old ticket stops working."""
+    try:
+        result = control.kick(NodeHome.resolve(home), node)
+    except MeshError as exc:
+        _fail(exc)
+    err_console.print(f"Removed {result['removed']} from the mesh and rotated the secret. New ticket:",
+                      highlight=False)
+    print(result["ticket"])
 
 
 @app.command()

@@ -17,7 +17,7 @@ Frame layout (one gossip stream carries a sequence of these)::
     length   counts version + type + body; at most MAX_GOSSIP_FRAME_BYTES
     version  GOSSIP_WIRE_VERSION; anything else is ProtocolVersionError
     type     a key of MESSAGE_TYPES (1 MemberList, 2 Leave, 3 RpcOrder,
-             4 Ping, 5 Pong)
+             4 Ping, 5 Pong, 6 Rekey)
     body     one UTF-8 JSON object with exactly the keys its type names;
              node ids are lowercase hex of all 32 bytes
 
@@ -42,7 +42,7 @@ from typing import Any, ClassVar, TypeAlias
 from .errors import FrameTooLargeError, MalformedMessageError, ProtocolVersionError, WireError
 from .identity import NODE_ID_BYTES, short_id
 
-GOSSIP_WIRE_VERSION = 1
+GOSSIP_WIRE_VERSION = 2  # 2: MemberInfo.model_sha256 and secret_epoch; Rekey
 LENGTH_PREFIX_BYTES = 4
 FRAME_HEADER_BYTES = 2  # version u8 + type u8, counted in the length
 MAX_GOSSIP_FRAME_BYTES = 1024 * 1024  # 1 MiB, version + type + body
@@ -58,11 +58,16 @@ MAX_MEMBERS_PER_LIST = 256  # so the largest mesh gossip can describe
 MAX_RPC_ORDER_ENTRIES = 256
 MAX_REASON_CHARS = 256
 MAX_NONCE = 2**64 - 1
+MAX_EPOCH = 2**63 - 1
+MESH_SECRET_BYTES = 32
+MAX_REMOVED_PER_REKEY = MAX_MEMBERS_PER_LIST
 
 _NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
 _ADDRESS_RE = re.compile(r"(?:\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _CAPACITY_KEY_RE = re.compile(f"[a-z][a-z0-9_]{{0,{MAX_CAPACITY_KEY_CHARS - 1}}}")
 _VERSION_RE = re.compile(f"[!-~]{{1,{MAX_VERSION_CHARS}}}")  # printable ASCII, no spaces
+_SHA256_RE = re.compile("(?:[0-9a-f]{64})?")  # empty: the node holds no model file
+_SECRET_RE = re.compile(f"[0-9a-f]{{{2 * MESH_SECRET_BYTES}}}")
 _MAX_PORT = 65535
 
 
@@ -118,9 +123,14 @@ def _bool(value: Any, what: str) -> bool:
 
 
 def _time(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    try:
+        # JSON integers have no size limit: float() of one past ~1e308 is an OverflowError.
+        seconds = float(value) if isinstance(value, int | float) else math.nan
+    except OverflowError:
+        seconds = math.inf
+    if isinstance(value, bool) or not math.isfinite(seconds):
         raise _bad(what, "a finite number of seconds")
-    return float(value)
+    return seconds
 
 
 def _node_id(value: Any, what: str) -> bytes:
@@ -166,6 +176,10 @@ class MemberInfo:
     capacity: tuple[tuple[str, int], ...]
     serving: bool
     rpc_ready: bool
+    # sha256 (hex) of the GGUF this node serves or holds; "" when it holds none.
+    model_sha256: str = ""
+    # How many times the mesh secret this node holds has been rotated (see Rekey).
+    secret_epoch: int = 0
 
     def __post_init__(self) -> None:
         pairs = tuple(sorted(self.capacity))
@@ -182,6 +196,8 @@ class MemberInfo:
             "capacity": dict(self.capacity),
             "serving": self.serving,
             "rpc_ready": self.rpc_ready,
+            "model_sha256": self.model_sha256,
+            "secret_epoch": self.secret_epoch,
         }
 
     @classmethod
@@ -189,7 +205,8 @@ class MemberInfo:
         fields = _object(
             body,
             what,
-            ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready"),
+            ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready",
+             "model_sha256", "secret_epoch"),
         )
         capacity = fields["capacity"]
         if not isinstance(capacity, dict) or len(capacity) > MAX_CAPACITY_ENTRIES:
@@ -223,6 +240,9 @@ class MemberInfo:
             ),
             serving=_bool(fields["serving"], f"{what}.serving"),
             rpc_ready=_bool(fields["rpc_ready"], f"{what}.rpc_ready"),
+            model_sha256=_matching(fields["model_sha256"], f"{what}.model_sha256", _SHA256_RE,
+                                   "64 lowercase hex digits or nothing"),
+            secret_epoch=_int(fields["secret_epoch"], f"{what}.secret_epoch", MAX_EPOCH),
         )
 
 
@@ -324,11 +344,49 @@ class Pong:
         return cls(*_heartbeat_fields(body, "pong"))
 
 
-GossipMessage: TypeAlias = MemberList | Leave | RpcOrder | Ping | Pong
+@dataclass(frozen=True)
+class Rekey:
+    """A new mesh secret, flooded over the (encrypted, admitted) connections.
+
+    ``removed`` are members it is withheld from: they are disconnected and not
+    redialed. Of two rotations, every node keeps the one with the higher
+    (epoch, secret), so concurrent rotations settle on one secret.
+    """
+
+    TYPE: ClassVar[int] = 6
+    epoch: int
+    secret: bytes
+    removed: tuple[bytes, ...]
+    by: bytes  # the node that rotated
+
+    def __repr__(self) -> str:  # keeps the secret out of logs and tracebacks
+        return f"Rekey(epoch={self.epoch}, removed={[short_id(n) for n in self.removed]}, by={short_id(self.by)})"
+
+    @property
+    def rank(self) -> tuple[int, bytes]:
+        return (self.epoch, self.secret)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "secret": self.secret.hex(),
+                "removed": [n.hex() for n in self.removed], "by": self.by.hex()}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Rekey:
+        fields = _object(body, "rekey", ("epoch", "secret", "removed", "by"))
+        return cls(
+            epoch=_int(fields["epoch"], "rekey.epoch", MAX_EPOCH),
+            secret=bytes.fromhex(_matching(fields["secret"], "rekey.secret", _SECRET_RE,
+                                           f"{MESH_SECRET_BYTES} bytes as lowercase hex")),
+            removed=_node_ids(fields["removed"], "rekey.removed", MAX_REMOVED_PER_REKEY),
+            by=_node_id(fields["by"], "rekey.by"),
+        )
+
+
+GossipMessage: TypeAlias = MemberList | Leave | RpcOrder | Ping | Pong | Rekey
 
 
 MESSAGE_TYPES: dict[int, type[GossipMessage]] = {
-    cls.TYPE: cls for cls in (MemberList, Leave, RpcOrder, Ping, Pong)
+    cls.TYPE: cls for cls in (MemberList, Leave, RpcOrder, Ping, Pong, Rekey)
 }
 
 
@@ -507,7 +565,22 @@ class MemberLeft:
     reason: str
 
 
-Event: TypeAlias = MemberJoined | MemberUpdated | MemberLost | MemberLeft
+@dataclass(frozen=True)
+class MemberRemoved:
+    """A Rekey removed this member: disconnected, never redialed."""
+
+    node_id: bytes
+    by: bytes
+
+
+@dataclass(frozen=True)
+class SecretRotated:
+    """The mesh secret changed: admit new connections with ``rekey.secret`` from now on."""
+
+    rekey: Rekey
+
+
+Event: TypeAlias = MemberJoined | MemberUpdated | MemberLost | MemberLeft | MemberRemoved | SecretRotated
 
 
 class MemberState(enum.StrEnum):
@@ -515,6 +588,7 @@ class MemberState(enum.StrEnum):
     KNOWN = "known"  # heard of through gossip; a Dial is out
     LOST = "lost"  # was connected, or its Dial failed; info kept
     LEFT = "left"  # said Leave; only its own new connection brings it back
+    REMOVED = "removed"  # a Rekey left it out: it no longer holds the secret
 
 
 @dataclass(frozen=True)
@@ -565,6 +639,7 @@ class Membership:
         self._ping_nonces: dict[bytes, int] = {}  # the one outstanding Ping per peer
         self._next_nonce = 0
         self._left = False
+        self._rekey_rank: tuple[int, bytes] = (self_info.secret_epoch, b"")
 
     # --- outputs ---
 
@@ -640,6 +715,8 @@ class Membership:
                 if record is not None and self._ping_nonces.get(from_id) == msg.nonce:
                     del self._ping_nonces[from_id]
                     record.rtt_s = now - msg.sent_at
+            case Rekey():
+                self._on_rekey(from_id, msg, now)
 
     def update_self(self, info: MemberInfo) -> None:
         if info.node_id != self._self.node_id:
@@ -666,6 +743,15 @@ class Membership:
                 self._next_nonce += 1
                 self._ping_nonces[node_id] = self._next_nonce
                 self._actions.append(Send(node_id, Ping(self._next_nonce, now)))
+
+    def rotate_secret(self, secret: bytes, removed: tuple[bytes, ...], now: float) -> Rekey:
+        """Give every member except ``removed`` a new secret; disconnect the removed ones."""
+        if self._self.node_id in removed:
+            raise ValueError("a node cannot remove itself; use leave")
+        epochs = [self._rekey_rank[0]] + [r.info.secret_epoch for r in self._records.values()]
+        rekey = Rekey(max(epochs) + 1, secret, removed, self._self.node_id)
+        self._on_rekey(None, rekey, now)
+        return rekey
 
     def leave(self, reason: str) -> None:
         """Say Leave to every peer, then ignore all input. Receivers close the connections."""
@@ -734,6 +820,24 @@ class Membership:
             self._events.append(MemberLeft(from_id, msg.reason))
             self._broadcast_view(except_id=None)
         self._actions.append(Disconnect(from_id, f"{short_id(from_id)} left: {msg.reason}"))
+
+    def _on_rekey(self, from_id: bytes | None, msg: Rekey, now: float) -> None:
+        if msg.rank <= self._rekey_rank or self._self.node_id in msg.removed:
+            return  # seen it, or lost to a concurrent rotation; never adopt a key meant to exclude us
+        self._rekey_rank = msg.rank
+        self._events.append(SecretRotated(msg))
+        for node_id in msg.removed:
+            if self._is_connected(node_id):
+                self._actions.append(Disconnect(node_id, f"removed from the mesh by {short_id(msg.by)}"))
+            self._unidentified.discard(node_id)
+            self._ping_nonces.pop(node_id, None)
+            if (record := self._records.get(node_id)) is not None:
+                self._set_state(record, MemberState.REMOVED, now)
+                self._events.append(MemberRemoved(node_id, msg.by))
+        for peer in self._connected_ids():
+            if peer != from_id:
+                self._actions.append(Send(peer, msg))
+        self._broadcast_view(except_id=None)
 
     def _is_connected(self, node_id: bytes) -> bool:
         record = self._records.get(node_id)

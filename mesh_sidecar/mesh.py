@@ -37,11 +37,13 @@ from .gossip import (
     MemberJoined,
     MemberLeft,
     MemberLost,
+    MemberRemoved,
     Membership,
     MemberState,
     MemberUpdated,
     Ping,
     Pong,
+    SecretRotated,
     Send,
     encode_message,
 )
@@ -70,30 +72,55 @@ HIGHER_ID_DIAL_DELAY_S = 3.0
 # drains its requests and moves its layers off). Longer than serving's drain.
 LEAVE_GRACE_S = 40.0
 MESH_FILE_NAME = "mesh.json"
+# Why a serving node leaves a member out: it holds a different model file.
+WEIGHTS_MISMATCH = "weights_mismatch"
+
+
+def holds_other_weights(own_sha256: str, info: MemberInfo) -> bool:
+    """True when both sides name a model file and the files differ."""
+    return bool(own_sha256 and info.model_sha256 and own_sha256 != info.model_sha256)
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
-def load_or_create_secret(home: NodeHome, ticket: Ticket | None) -> bytes:
-    """The mesh secret: from the ticket when joining, else the one remembered, else new."""
-    path = home.root / MESH_FILE_NAME
-    if ticket is not None:
-        secret = ticket.mesh_secret
-    elif path.exists():
-        try:
-            secret = bytes.fromhex(json.loads(path.read_text())["secret"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"{path} is damaged ({exc}); move it away to start a new mesh.") from exc
-        if len(secret) != MESH_SECRET_BYTES:
-            raise UsageError(f"{path} holds a secret of the wrong length; move it away to start a new mesh.")
-    else:
-        secret = secrets.token_bytes(MESH_SECRET_BYTES)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"secret": secret.hex()}, f)
-    return secret
+@dataclass
+class SavedMesh:
+    """What a node remembers of its mesh in ``<home>/mesh.json`` (mode 0600)."""
+
+    secret: bytes
+    epoch: int = 0  # rotations of the secret this node has taken part in
+    removed: frozenset[bytes] = frozenset()  # node keys never admitted again
+
+    @classmethod
+    def load(cls, home: NodeHome, ticket: Ticket | None) -> SavedMesh:
+        """From the ticket when joining, else the one remembered, else a new mesh."""
+        path = home.root / MESH_FILE_NAME
+        if ticket is not None:
+            saved = cls(ticket.mesh_secret)
+        elif path.exists():
+            try:
+                data = json.loads(path.read_text())
+                saved = cls(bytes.fromhex(data["secret"]), int(data.get("epoch", 0)),
+                            frozenset(bytes.fromhex(n) for n in data.get("removed", [])))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UsageError(f"{path} is damaged ({exc}); move it away to start a new mesh.") from exc
+            if len(saved.secret) != MESH_SECRET_BYTES:
+                raise UsageError(f"{path} holds a secret of the wrong length; move it away to start a new mesh.")
+        else:
+            saved = cls(secrets.token_bytes(MESH_SECRET_BYTES))
+        saved.save(home)
+        return saved
+
+    def save(self, home: NodeHome) -> None:
+        path = home.root / MESH_FILE_NAME
+        partial = path.with_suffix(".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"secret": self.secret.hex(), "epoch": self.epoch,
+                       "removed": sorted(n.hex() for n in self.removed)}, f)
+        partial.replace(path)
 
 
 @dataclass
@@ -112,25 +139,31 @@ class Mesh:
         self,
         identity: NodeIdentity,
         name: str,
-        secret: bytes,
+        home: NodeHome,
         rpc_port: int,
         capacity: Callable[[], Capacity],
         say: Callable[[str], None],
         *,
+        saved: SavedMesh,
         serving: bool = False,
+        model_sha256: str = "",
     ) -> None:
         self.identity = identity
         self._name = name
+        self._home = home
         self._rpc_port = rpc_port
         self._capacity = capacity
         self._say = say
         self._serving = serving
-        self._secret = secret
-        self._transport = MeshTransport(identity, secret, self._serve_peer)
+        self.model_sha256 = model_sha256
+        self._saved = saved
+        self._transport = MeshTransport(identity, saved.secret, self._serve_peer)
+        self._transport.refuse_nodes(saved.removed)
         self._peers: dict[bytes, _Peer] = {}
         self._membership: Membership | None = None
         self._tasks: set[asyncio.Task] = set()  # dials and deferred closes
         self._leaving = False
+        self._weights_warned: set[tuple[bytes, str]] = set()
         self.port: int | None = None
         self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
 
@@ -149,7 +182,30 @@ class Mesh:
 
     def ticket(self) -> str:
         assert self.port is not None
-        return encode_ticket(Ticket(self.identity.node_id, self._secret, reachable_addresses(self.port)))
+        return encode_ticket(Ticket(self.identity.node_id, self._saved.secret, reachable_addresses(self.port)))
+
+    def rotate_secret(self, remove: tuple[bytes, ...] = ()) -> str:
+        """A new secret for every member except ``remove``; returns the new ticket."""
+        assert self._membership is not None
+        self._membership.rotate_secret(secrets.token_bytes(MESH_SECRET_BYTES), remove, time.monotonic())
+        self._process()
+        return self.ticket()
+
+    def find_member(self, which: str) -> bytes:
+        """A member's id from its name, short id (node_...) or a hex prefix of its id."""
+        assert self._membership is not None
+        which = which.strip()
+        matches = {m.info.node_id for m in self._membership.members()
+                   if m.state is not MemberState.REMOVED
+                   and (which in (m.info.name, short_id(m.info.node_id))
+                        or (len(which) >= 8 and m.info.node_id.hex().startswith(which.lower())))}
+        if which in (self._name, self.identity.short_id):
+            raise UsageError("That is this node. To take it out of the mesh, stop it (Ctrl-C).")
+        if not matches:
+            raise UsageError(f"No member called {which!r}. `mesh-inference status` lists the members.")
+        if len(matches) > 1:
+            raise UsageError(f"{which!r} names {len(matches)} members: use the id from `mesh-inference status`.")
+        return matches.pop()
 
     async def join(self, ticket: Ticket) -> None:
         """Connect to the node a ticket names; gossip brings in everyone else."""
@@ -214,6 +270,13 @@ class Mesh:
         self._membership.announce_rpc_order(node_ids)
         self._process()
 
+    def summary(self) -> dict[str, Any]:
+        """This node's side of the mesh, for `mesh-inference status`."""
+        return {"quic_port": self.port, "secret_epoch": self._saved.epoch,
+                "removed": [short_id(n) for n in sorted(self._saved.removed)],
+                "ignored_datagrams": self._transport.ignored_datagrams,
+                "model_sha256": self.model_sha256 or None}
+
     def status(self) -> list[dict[str, Any]]:
         """One entry per member we know of, for `mesh-inference status`."""
         assert self._membership is not None
@@ -241,6 +304,9 @@ class Mesh:
                 "rpc_server_up": member.info.rpc_ready,
                 "serving": member.info.serving,
                 "capacity": dict(member.info.capacity),
+                "model_sha256": member.info.model_sha256 or None,
+                "secret_epoch": member.info.secret_epoch,
+                "refused": WEIGHTS_MISMATCH if holds_other_weights(self.model_sha256, member.info) else None,
                 "learned_via": short_id(member.learned_via) if member.learned_via else None,
                 # Our tunnel to its rpc-server...
                 "bytes_to_peer": counters.bytes_to_peer if counters else 0,
@@ -268,6 +334,8 @@ class Mesh:
             capacity=self._capacity().to_gossip(),
             serving=self._serving,
             rpc_ready=True,
+            model_sha256=self.model_sha256,
+            secret_epoch=self._saved.epoch,
         )
 
     async def _dial(self, node_id: bytes, addresses: list[PeerAddress] | tuple[PeerAddress, ...]) -> None:
@@ -329,17 +397,49 @@ class Mesh:
         while (event := membership.next_event()) is not None:
             match event:
                 case MemberJoined(info=info, learned_via=via):
-                    how = f" (learned via gossip from {self._name_of(via)})" if via else ""
+                    how = f" (learned via gossip from {self.name_of(via)})" if via else ""
                     self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
+                    self._check_weights(info)
                     self.changed.set()
                 case MemberLost(node_id=node_id, reason=reason):
-                    self._say(f"Lost peer {self._name_of(node_id)}: {reason}")
+                    self._say(f"Lost peer {self.name_of(node_id)}: {reason}")
                     self.changed.set()
                 case MemberLeft(node_id=node_id):
-                    self._say(f"Peer {self._name_of(node_id)} left the mesh")
+                    self._say(f"Peer {self.name_of(node_id)} left the mesh")
                     self.changed.set()
-                case MemberUpdated():
-                    pass
+                case MemberRemoved(node_id=node_id, by=by):
+                    # At once, not when idle: a removed member must lose its access now.
+                    if (peer := self._peers.get(node_id)) is not None:
+                        peer.connection.close(f"removed from the mesh by {self.name_of(by)}")
+                    self._say(f"Peer {self.name_of(node_id)} was removed from the mesh by {self.name_of(by)}")
+                    self.changed.set()
+                case SecretRotated(rekey=rekey):
+                    self._adopt(rekey.secret, rekey.epoch, rekey.removed)
+                    self._say(f"The mesh secret was rotated by {self.name_of(rekey.by)}: tickets printed "
+                              f"before now admit no one. New ticket: {self.ticket()}")
+                case MemberUpdated(info=info):
+                    self._check_weights(info)
+
+    def _check_weights(self, info: MemberInfo) -> None:
+        """Tell the person at a member with other weights than the serving node, once per pair."""
+        if not info.serving or not holds_other_weights(self.model_sha256, info):
+            return
+        if (info.node_id, info.model_sha256) in self._weights_warned:
+            return
+        self._weights_warned.add((info.node_id, info.model_sha256))
+        message = (f"{WEIGHTS_MISMATCH}: this node's model (sha256 {self.model_sha256[:12]}...) is not the "
+                   f"one {info.name} serves (sha256 {info.model_sha256[:12]}...), so no layers will be "
+                   "placed here. Start this node without --model, or with the same GGUF file.")
+        log.error("%s", message)
+        self._say(message)
+
+    def _adopt(self, secret: bytes, epoch: int, removed: tuple[bytes, ...]) -> None:
+        self._saved = SavedMesh(secret, epoch, self._saved.removed | frozenset(removed))
+        self._saved.save(self._home)
+        self._transport.set_secret(secret)
+        self._transport.refuse_nodes(removed)
+        assert self._membership is not None
+        self._membership.update_self(self._self_info())
 
     def _check_health(self, now: float) -> None:
         """Judge each pinged peer by its heartbeats; close the connection to a lost one."""
@@ -354,21 +454,23 @@ class Mesh:
                 case PeerDegraded(silent_s=silent_s, missed=missed):
                     log.warning("peer %s degraded: a heartbeat unanswered for %.1f s (%d missed)",
                                 short_id(node_id), silent_s, missed)
-                    self._say(f"Peer {self._name_of(node_id)} is slow to answer: no heartbeat answer "
+                    self._say(f"Peer {self.name_of(node_id)} is slow to answer: no heartbeat answer "
                               f"for {silent_s:.1f} s ({missed} missed)")
                 case PeerRecovered(degraded_for_s=degraded_for_s, rtt_s=rtt_s):
                     rtt = "-" if rtt_s is None else f"{rtt_s * 1000:.1f} ms"
                     log.info("peer %s recovered after %.1f s; round trip %s",
                              short_id(node_id), degraded_for_s, rtt)
-                    self._say(f"Peer {self._name_of(node_id)} answers heartbeats again (round trip {rtt})")
+                    self._say(f"Peer {self.name_of(node_id)} answers heartbeats again (round trip {rtt})")
                 case PeerLost(silent_s=silent_s, missed=missed):
                     reason = f"no heartbeat answer for {silent_s:.1f} s"
                     log.warning("peer %s lost: %s (%d missed)", short_id(node_id), reason, missed)
                     # _serve_peer sees the close, marks the member lost and closes its tunnel.
                     peer.connection.close(reason)
 
-    def _name_of(self, node_id: bytes) -> str:
+    def name_of(self, node_id: bytes) -> str:
         assert self._membership is not None
+        if node_id == self.identity.node_id:
+            return self._name
         for member in self._membership.members():
             if member.info.node_id == node_id:
                 return member.info.name

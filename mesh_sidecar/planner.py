@@ -90,6 +90,8 @@ class Plan:
     nodes: tuple[PlannedNode, ...]
     left_out: tuple[NodeCapacity, ...]  # in member order
     n_layers: int
+    # Members not offered to the planner at all, with the reason (e.g. "weights_mismatch").
+    refused: tuple[tuple[NodeCapacity, str], ...] = ()
 
     def tensor_split(self) -> tuple[int, ...]:
         """``--tensor-split`` weights for ``-ngl 99`` that reproduce the planned runs exactly.
@@ -125,6 +127,11 @@ class Plan:
             "left_out": [
                 {"id": member.node_id.hex(), "name": member.name, "free_bytes": member.usable_bytes}
                 for member in self.left_out
+            ],
+            "refused": [
+                {"id": member.node_id.hex(), "name": member.name, "free_bytes": member.usable_bytes,
+                 "reason": reason}
+                for member, reason in self.refused
             ],
             "n_layers": self.n_layers,
             "tensor_split": list(self.tensor_split()),

@@ -22,27 +22,36 @@ continues on the same connection with exactly the text that was still missing.
 
 aiohttp serves (it embeds in our event loop without taking over signals and
 streams responses); httpx is the client to the internal llama-server.
+
+Access (``ApiAccess``): with an API key, every path but ``/health`` wants
+``Authorization: Bearer KEY`` (401 otherwise); the header stops here and never
+reaches llama-server. CORS is off unless one origin is allowed: no
+``Access-Control-*`` header leaves the proxy, whatever llama-server set. Bodies
+over MAX_REQUEST_BODY_BYTES get a 413. Every such refusal is an OpenAI-style error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import httpx
 from aiohttp import web
 
-from .errors import MeshError
+from .errors import MeshError, UsageError
 from .metrics import Metrics
 from .ports import LOOPBACK
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+# About two million tokens of text: far beyond any context, small enough to hold in memory.
+MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
 MAX_FAILOVERS_PER_REQUEST = 2
 # A stream with no byte for this long is stuck (a member stopped answering without
@@ -57,15 +66,48 @@ HOP_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
     "trailer", "transfer-encoding", "upgrade", "host", "content-length",
 })
+# Not forwarded: the client's key is for this proxy; llama-server has none.
+CLIENT_ONLY_HEADERS = frozenset({"authorization"})
+# Open without a key: readiness only, and load balancers and scripts probe it keyless.
+# /metrics is not open: it reveals usage (request counts, paths, speeds).
+OPEN_PATHS = frozenset({"/health"})
+CORS_PREFLIGHT_MAX_AGE_S = 600
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
 
 
-def openai_error(status: int, message: str, error_type: str, code: str) -> web.Response:
+def openai_error(status: int, message: str, error_type: str, code: str,
+                 headers: dict[str, str] | None = None) -> web.Response:
     """An error body in the shape OpenAI clients parse."""
     return web.json_response(
-        {"error": {"message": message, "type": error_type, "code": code}}, status=status
+        {"error": {"message": message, "type": error_type, "code": code}}, status=status, headers=headers
     )
+
+
+@dataclass(frozen=True)
+class ApiAccess:
+    """Who may use the API port: an optional bearer key and an optional CORS origin."""
+
+    api_key: str | None = field(default=None, repr=False)  # never in a repr, so never in a log
+    cors_origin: str | None = None  # e.g. "https://chat.example.org"; None: no CORS header at all
+
+    def __post_init__(self) -> None:
+        key = self.api_key
+        if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
+            raise UsageError("The API key (--api-key or MESH_API_KEY) must be non-empty printable ASCII "
+                             "without spaces; for example, use the output of: openssl rand -hex 32")
+
+    def admits(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries the key (always, when there is none)."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        # Compared as bytes in constant time: the answer must not leak how much of a guess was right.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(errors="replace"), self.api_key.encode())
+
+
+OPEN_ACCESS = ApiAccess()  # no key, no CORS: the default
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -85,8 +127,9 @@ class ApiProxy:
     """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
 
     def __init__(self, metrics: Metrics, on_stall: Callable[[str], None],
-                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = STALL_TIMEOUT_S, access: ApiAccess = OPEN_ACCESS) -> None:
         self.metrics = metrics
+        self._access = access
         self._on_stall = on_stall
         self._stall_timeout_s = stall_timeout_s
         self._client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT)
@@ -99,7 +142,8 @@ class ApiProxy:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES)
+        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES, middlewares=[self._guard])
+        self.app.on_response_prepare.append(self._cors)
         self.app.router.add_route("*", "/v1/{tail:.*}", self._forward)
         self.app.router.add_route("GET", "/health", self._forward)
         self.app.router.add_route("GET", "/metrics", self._metrics)
@@ -163,6 +207,44 @@ class ApiProxy:
             raise _Unavailable(self._refusal or "No llama-server is running.", "insufficient_capacity")
         return self._upstream, self._generation
 
+    # --- access: key, CORS, body size -------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if self._is_allowed_preflight(request):
+            return web.Response(status=204)  # browsers send preflights without the key; _cors answers it
+        if request.path not in OPEN_PATHS and not self._access.admits(request.headers.get("Authorization")):
+            message = ("Missing API key: send it as 'Authorization: Bearer KEY'."
+                       if "Authorization" not in request.headers else "Incorrect API key provided.")
+            return openai_error(401, message, "invalid_request_error", "invalid_api_key",
+                                headers={"WWW-Authenticate": 'Bearer realm="mesh-inference"'})
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return openai_error(413, f"The request body is over the {MAX_REQUEST_BODY_BYTES // 2**20} MiB limit.",
+                                "invalid_request_error", "request_too_large")
+
+    def _is_allowed_preflight(self, request: web.Request) -> bool:
+        return (request.method == "OPTIONS" and self._access.cors_origin is not None
+                and request.headers.get("Origin") == self._access.cors_origin
+                and "Access-Control-Request-Method" in request.headers)
+
+    async def _cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Drop every CORS header (llama-server sends ``Allow-Origin: *``); allow only the chosen origin."""
+        for name in {name for name in response.headers if name.lower().startswith("access-control-")}:
+            response.headers.popall(name)
+        if self._access.cors_origin is None:
+            return
+        response.headers.add("Vary", "Origin")
+        if request.headers.get("Origin") != self._access.cors_origin:
+            return
+        response.headers["Access-Control-Allow-Origin"] = self._access.cors_origin
+        if self._is_allowed_preflight(request):
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Max-Age"] = str(CORS_PREFLIGHT_MAX_AGE_S)
+
     # --- request handling -------------------------------------------------------------
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -186,7 +268,8 @@ class ApiProxy:
         streaming = False
         if request.method == "POST" and request.path in GENERATION_PATHS:
             body, streaming = pin_seed(body)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
             upstream = await self._upstream_for(None)
         except _Unavailable as exc:
@@ -288,6 +371,7 @@ class ApiProxy:
 
     @staticmethod
     def _headers(upstream: httpx.Response) -> dict[str, str]:
+        # Its CORS headers are dropped later, in _cors, with any others.
         return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
 
     async def _give_up(self, response: web.StreamResponse | None, message: str,

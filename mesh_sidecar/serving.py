@@ -21,6 +21,7 @@ cannot hold the model.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -33,11 +34,11 @@ from .estimate import ModelEstimate, estimate_model
 from .identity import NodeIdentity, short_id
 from .launch import ChildProcess, llama_server_argv, start_llama_server
 from .llama_build import LlamaBinaries
-from .mesh import Mesh
+from .mesh import WEIGHTS_MISMATCH, Mesh, holds_other_weights
 from .metrics import Metrics
 from .planner import NodeCapacity, Plan, plan_layers
 from .ports import LOOPBACK, free_tcp_port
-from .proxy import ApiProxy
+from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy
 from .views import plan_table
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,16 @@ def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
     layer on the last device, so the logits (vocabulary x 4 bytes a token)
     stay on loopback instead of crossing the network.
     """
-    members = [NodeCapacity(info.node_id, info.name, Capacity.from_gossip(dict(info.capacity)).usable_bytes)
-               for info in mesh.connected_members()]
+    members, refused = [], []
+    for info in mesh.connected_members():
+        member = NodeCapacity(info.node_id, info.name, Capacity.from_gossip(dict(info.capacity)).usable_bytes)
+        if holds_other_weights(mesh.model_sha256, info):
+            refused.append((member, WEIGHTS_MISMATCH))
+        else:
+            members.append(member)
     # The serving host also keeps the input embeddings in its own memory.
     members.append(NodeCapacity(identity.node_id, name, max(0, own.usable_bytes - estimate.host_bytes)))
-    return plan_layers(members, estimate)
+    return dataclasses.replace(plan_layers(members, estimate), refused=tuple(refused))
 
 
 class ServingSupervisor:
@@ -88,6 +94,7 @@ class ServingSupervisor:
         logs: Path,
         metrics: Metrics,
         say: Callable[[Any], None],
+        access: ApiAccess = OPEN_ACCESS,
     ) -> None:
         self._identity = identity
         self._name = name
@@ -102,7 +109,8 @@ class ServingSupervisor:
         self._logs = logs
         self._say = say
         self._metrics = metrics
-        self._proxy = ApiProxy(metrics, self.request_restart)
+        self._access = access
+        self._proxy = ApiProxy(metrics, self.request_restart, access=access)
         self._restart_reason: str | None = None
         self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
@@ -192,7 +200,8 @@ class ServingSupervisor:
             self._proxy.refuse(self.refusal)
             return
         self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}")
-        self._say(f"OpenAI-compatible API ready on http://localhost:{self._serve_port}/v1")
+        self._say(f"OpenAI-compatible API ready on http://localhost:{self._serve_port}/v1"
+                  + (" (requires the API key: Authorization: Bearer KEY)" if self._access.api_key is not None else ""))
 
     async def _trouble(self) -> tuple[str, bool]:
         """Wait until llama-server must be restarted (or started); say why, and if it is a failover."""
@@ -235,7 +244,8 @@ class ServingSupervisor:
 
     def status(self) -> dict[str, Any]:
         return {
-            "api": {"port": self._serve_port, "url": f"http://localhost:{self._serve_port}/v1"},
+            "api": {"port": self._serve_port, "url": f"http://localhost:{self._serve_port}/v1",
+                    "requires_key": self._access.api_key is not None},
             "plan": self.plan.to_json() if self.plan else None,
             "refusal": self.refusal,
             "llama_server_restarts": self.restarts,

@@ -64,7 +64,7 @@ import socket
 import ssl
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from aioquic.buffer import Buffer
@@ -108,6 +108,8 @@ CONNECTION_RECEIVE_WINDOW_BYTES = 16 * MIB
 PRE_AUTH_RECEIVE_WINDOW_BYTES = 4 * KIB
 MAX_CONTROL_MESSAGE_BYTES = 256 * KIB  # with its header, must fit one stream window
 MAX_UNAUTHENTICATED_PEERS = 32
+# Datagrams that are not QUIC for us (scans, floods) are dropped; one log line per interval says so.
+IGNORED_DATAGRAMS_LOG_INTERVAL_S = 60.0
 CONTROL_STREAM_ID = 0
 FRAME_HEADER = struct.Struct("!I")
 
@@ -604,6 +606,10 @@ class PeerConnection:
 
     def _admit(self) -> None:
         assert self._handshake.peer_id is not None
+        if self._handshake.peer_id in self._transport._removed:
+            # Proofs checked first, so only the removed node's own key hears this.
+            self._refuse(AuthError(f"{auth.REMOVED} ({short_id(self._handshake.peer_id)})"))
+            return
         self._admitted = True
         self.peer_id = self._handshake.peer_id
         self._auth_timer.cancel()
@@ -838,8 +844,12 @@ class MeshTransport:
         self._on_peer = on_peer
         self._server_configuration = _quic_configuration(identity, is_client=False)
         self._client_configuration = _quic_configuration(identity, is_client=True)
+        self._removed: set[bytes] = set()
         self._routes: dict[bytes, PeerConnection] = {}
         self._connections: set[PeerConnection] = set()
+        self.ignored_datagrams = 0
+        self._ignored_since_log = 0
+        self._ignored_logged_at: float | None = None
         self._udp: asyncio.DatagramTransport | None = None
         self._family = socket.AF_INET
         self._tasks: asyncio.TaskGroup | None = None
@@ -850,6 +860,16 @@ class MeshTransport:
     @property
     def node_id(self) -> bytes:
         return self._identity.node_id
+
+    def set_secret(self, mesh_secret: bytes) -> None:
+        """Admit new connections with this secret from now on; live ones stay."""
+        if len(mesh_secret) != auth.MESH_SECRET_BYTES:
+            raise ValueError(f"the mesh secret must be {auth.MESH_SECRET_BYTES} bytes")
+        self._secret = mesh_secret
+
+    def refuse_nodes(self, node_ids: Iterable[bytes]) -> None:
+        """Never admit these node keys again, even with the right secret."""
+        self._removed.update(node_ids)
 
     @property
     def connections(self) -> frozenset[PeerConnection]:
@@ -950,7 +970,8 @@ class MeshTransport:
         try:
             header = pull_quic_header(Buffer(data=data), host_cid_length=CONNECTION_ID_BYTES)
         except ValueError:
-            return  # not QUIC
+            self._ignore(addr, "not QUIC")
+            return
         connection = self._routes.get(header.destination_cid)
         if connection is not None:
             connection._datagram_received(data, addr)
@@ -961,6 +982,19 @@ class MeshTransport:
             and not self._closed
         ):
             self._accept(header.destination_cid, data, addr)
+        else:
+            self._ignore(addr, "not a connection of ours")
+
+    def _ignore(self, addr: tuple, why: str) -> None:
+        self.ignored_datagrams += 1
+        self._ignored_since_log += 1
+        now = self._loop.time()
+        if self._ignored_logged_at is None or now - self._ignored_logged_at >= IGNORED_DATAGRAMS_LOG_INTERVAL_S:
+            # Late packets of closed connections land here too, so this is not a warning.
+            logger.info("ignored %d datagram(s) that belong to no connection here (the last from %s: %s)",
+                        self._ignored_since_log, _format_address(addr), why)
+            self._ignored_logged_at = now
+            self._ignored_since_log = 0
 
     def _accept(self, original_connection_id: bytes, data: bytes, addr: tuple) -> None:
         waiting = sum(1 for c in self._connections if not c.initiator and not c._admitted)

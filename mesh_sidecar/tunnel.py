@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import MeshError, WireError
 from .identity import short_id
-from .ports import LOOPBACK
+from .ports import LOOPBACK, loopback_client_uid
 from .rpc_framing import RpcStreamFilter
 from .transport import MeshStreamReader, MeshStreamWriter, PeerConnection
 
@@ -122,6 +123,14 @@ class TunnelListener:
             await self._server.wait_closed()
 
     async def _handle(self, tcp_reader: asyncio.StreamReader, tcp_writer: asyncio.StreamWriter) -> None:
+        # The port is on loopback, but any local user could connect and so reach a
+        # peer's rpc-server: only our own user's processes (llama-server) may.
+        client, server = tcp_writer.get_extra_info("peername"), tcp_writer.get_extra_info("sockname")
+        if (uid := loopback_client_uid(client, server)) != os.getuid():
+            log.warning("tunnel to %s: refused a local connection from %s:%d owned by uid %s, not ours (%d)",
+                        short_id(self.peer.peer_id), client[0], client[1], uid, os.getuid())
+            tcp_writer.transport.abort()
+            return
         _nodelay(tcp_writer)
         self._writers.add(tcp_writer)
         self._idle.clear()

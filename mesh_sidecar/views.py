@@ -24,4 +24,6 @@ def plan_table(plan: dict[str, Any], title: str = "Plan") -> Table:
                       _gb(node["kv_bytes"]), _gb(node["needed_bytes"]), _gb(node["free_bytes"]))
     for node in plan.get("left_out", []):
         table.add_row(node["name"], node["id"][:8], "left out (too small)", "-", "-", "-", _gb(node["free_bytes"]))
+    for node in plan.get("refused", []):
+        table.add_row(node["name"], node["id"][:8], f"refused: {node['reason']}", "-", "-", "-", _gb(node["free_bytes"]))
     return table

@@ -28,6 +28,7 @@ from mesh_sidecar.gossip import (
     MAX_GOSSIP_FRAME_BYTES,
     MAX_MEMBERS_PER_LIST,
     MAX_NAME_CHARS,
+    MAX_EPOCH,
     MAX_NONCE,
     MAX_REASON_CHARS,
     MAX_VERSION_CHARS,
@@ -39,12 +40,15 @@ from mesh_sidecar.gossip import (
     MemberJoined,
     MemberLeft,
     MemberList,
+    MemberRemoved,
     MemberLost,
     Membership,
     MemberState,
     MemberUpdated,
     Ping,
     Pong,
+    Rekey,
+    SecretRotated,
     RpcOrder,
     Send,
     encode_message,
@@ -78,6 +82,8 @@ member_infos = st.builds(
     capacity=capacities,
     serving=st.booleans(),
     rpc_ready=st.booleans(),
+    model_sha256=st.one_of(st.just(""), st.binary(min_size=32, max_size=32).map(bytes.hex)),
+    secret_epoch=st.integers(0, MAX_EPOCH),
 )
 times = st.floats(allow_nan=False, allow_infinity=False)
 messages = st.one_of(
@@ -88,6 +94,8 @@ messages = st.one_of(
     st.lists(node_ids, max_size=8, unique=True).map(lambda ids: RpcOrder(tuple(ids))),
     st.builds(Ping, st.integers(0, MAX_NONCE), times),
     st.builds(Pong, st.integers(0, MAX_NONCE), times),
+    st.builds(Rekey, st.integers(0, MAX_EPOCH), st.binary(min_size=32, max_size=32),
+              st.lists(node_ids, max_size=4, unique=True).map(tuple), node_ids),
 )
 
 
@@ -143,8 +151,8 @@ def test_every_message_round_trips(msg: object) -> None:
 def test_known_frame_bytes() -> None:
     # Pins the layout, so a change to it fails here and not only between two releases.
     data = encode_message(Ping(nonce=7, sent_at=1.5))
-    assert data == b"\x00\x00\x00\x1b\x01\x04" + b'{"nonce":7,"sent_at":1.5}'
-    assert encode_message(Leave(A_ID, "bye"))[4:6] == b"\x01\x02"
+    assert data == b"\x00\x00\x00\x1b\x02\x04" + b'{"nonce":7,"sent_at":1.5}'
+    assert encode_message(Leave(A_ID, "bye"))[4:6] == b"\x02\x02"
 
 
 def test_node_ids_travel_as_lowercase_hex() -> None:
@@ -239,7 +247,7 @@ def test_messages_before_a_bad_frame_arrive_and_the_error_sticks() -> None:
 
 
 def test_other_wire_versions_are_refused() -> None:
-    for version in (0, 2, 255):
+    for version in (0, 1, 3, 255):
         with pytest.raises(ProtocolVersionError, match="wire version"):
             decode_all(body_frame(4, '{"nonce":1,"sent_at":2}', version=version))
 
@@ -258,7 +266,7 @@ def member_list_with(**changes: object) -> str:
         (frame(b"\x01"), "no type byte"),
         (body_frame(0, "{}"), "type 0"),
         (body_frame(99, "{}"), "unknown type"),
-        (frame(b"\x01\x04\xff\xfe"), "not UTF-8"),
+        (frame(bytes([GOSSIP_WIRE_VERSION]) + b"\x04\xff\xfe"), "not UTF-8"),
         (body_frame(4, "{"), "truncated JSON"),
         (body_frame(4, ""), "empty body"),
         (body_frame(4, "[1, 2]"), "not an object"),
@@ -705,3 +713,66 @@ def test_rpc_order_reaches_peers_now_and_later() -> None:
     mesh.run()
     mesh.assert_full_mesh()
     assert mesh.nodes[d].rpc_order == (a, c)
+
+
+# --- secret rotation ----------------------------------------------------------------------
+
+
+def rotated_secrets(h: Harness, node_id: bytes) -> list[bytes]:
+    return [e.rekey.secret for e in h.events[node_id] if isinstance(e, SecretRotated)]
+
+
+def test_rekey_never_shows_its_secret():
+    rekey = Rekey(3, b"\x5a" * 32, (B_ID,), A_ID)
+    assert "5a5a" not in repr(rekey) and "Z" * 4 not in repr(rekey)
+    assert decode_all(encode_message(rekey)) == [rekey]
+
+
+def test_rotation_reaches_every_member_once_and_shuts_out_the_removed_one():
+    h = Harness()
+    a, b, c, d = (h.add(n) for n in "abcd")
+    for other in (b, c, d):
+        h.connect(a, other)
+    h.run()
+    h.assert_full_mesh()
+    new = b"\x01" * 32
+    rekey = h.nodes[b].rotate_secret(new, (d,), h.now)
+    assert rekey.epoch == 1 and rekey.by == b
+    h.run()
+    for node_id in (a, b, c):
+        assert rotated_secrets(h, node_id) == [new], h.names[node_id]
+        assert h.states(node_id)[d] is MemberState.REMOVED
+        assert sum(isinstance(e, MemberRemoved) for e in h.events[node_id]) == 1
+    assert rotated_secrets(h, d) == []
+    assert not any(d in link for link in h.links)
+    # Later gossip about the removed member does not bring it back.
+    dials_before = {n: len(dials) for n, dials in h.dials.items()}
+    h.nodes[a].update_self(info(a, "a2"))
+    h.run()
+    assert not any(d in link for link in h.links)
+    assert {n: len(dials) for n, dials in h.dials.items()} == dials_before
+
+
+def test_concurrent_rotations_settle_on_one_secret():
+    h = Harness()
+    a, b, c = (h.add(n) for n in "abc")
+    h.connect(a, b)
+    h.connect(b, c)
+    h.run()
+    h.assert_full_mesh()
+    low, high = b"\x01" * 32, b"\x02" * 32
+    h.nodes[a].rotate_secret(low, (), h.now)
+    h.nodes[c].rotate_secret(high, (), h.now)  # same epoch: the higher secret wins everywhere
+    h.run()
+    for node_id in (a, b, c):
+        assert rotated_secrets(h, node_id)[-1] == high
+    # A later rotation counts from the highest epoch any member reports.
+    assert h.nodes[b].rotate_secret(b"\x03" * 32, (), h.now).epoch == 2
+
+
+def test_a_rekey_that_removes_the_receiver_is_ignored():
+    node = Membership(info(A_ID, "a"))
+    node.peer_connected(B_ID, 0.0)
+    node.receive(B_ID, MemberList((info(B_ID, "b"),)), 0.0)
+    node.receive(B_ID, Rekey(5, b"\x09" * 32, (A_ID,), B_ID), 0.0)
+    assert not any(isinstance(e, SecretRotated) for e in iter(node.next_event, None))

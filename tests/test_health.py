@@ -12,7 +12,6 @@ import pytest
 
 from mesh_sidecar import auth
 from mesh_sidecar import mesh as mesh_module
-from mesh_sidecar.capacity import Capacity
 from mesh_sidecar.gossip import Ping
 from mesh_sidecar.health import (
     DEGRADED_AFTER_S,
@@ -25,15 +24,12 @@ from mesh_sidecar.health import (
     PeerRecovered,
     percentile,
 )
-from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.mesh import Mesh
 from mesh_sidecar.ports import LOOPBACK
-from mesh_sidecar.ticket import PeerAddress, Ticket
 from mesh_sidecar.tunnel import TunnelCounters, serve_inbound_stream
+from tests.meshes import HANG_S, make_mesh, ticket_of, row, wait_for
 
 PEER = bytes(range(32))
 SECRET = b"h" * auth.MESH_SECRET_BYTES
-HANG_S = 15.0  # a wait that only fails if something hangs
 
 
 def answered(health: PeerHealth, nonce: int, sent: float, rtt: float) -> None:
@@ -271,25 +267,7 @@ async def test_inbound_stream_counts_rpc_commands_and_bytes():
 
 # --- two Meshes on loopback ---------------------------------------------------------------
 
-async def wait_for(predicate, what: str, timeout_s: float = HANG_S) -> None:
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout_s} s: {what}") from None
-
-
-def tiny_capacity() -> Capacity:
-    return Capacity(1, 1, 1)
-
-
-def row(mesh: Mesh, peer: Mesh) -> dict:
-    """``mesh``'s status row for ``peer``; empty until ``mesh`` knows it."""
-    return next((r for r in mesh.status() if r["id"] == peer.identity.node_id.hex()), {})
-
-
-async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkeypatch, caplog):
+async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkeypatch, caplog, tmp_path):
     # Fast heartbeats and short thresholds; QUIC keepalives keep the connection itself
     # alive all along, so only the heartbeats can tell that B stopped answering.
     monkeypatch.setattr(mesh_module, "HEARTBEAT_INTERVAL_S", 0.1)
@@ -297,13 +275,13 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
                         functools.partial(PeerHealth, degraded_after_s=0.5, lost_after_s=1.0))
     caplog.set_level(logging.INFO, "mesh_sidecar.mesh")
     said: dict[str, list[str]] = {"a": [], "b": []}
-    a = Mesh(generate_identity(), "a", SECRET, 1, tiny_capacity, said["a"].append)
-    b = Mesh(generate_identity(), "b", SECRET, 1, tiny_capacity, said["b"].append)
+    a = make_mesh(tmp_path, "a", SECRET, said["a"].append)
+    b = make_mesh(tmp_path, "b", SECRET, said["b"].append)
     await a.start(0)
     await b.start(0)
     tasks = [asyncio.create_task(m.run()) for m in (a, b)]
     try:
-        await a.join(Ticket(b.identity.node_id, SECRET, (PeerAddress("127.0.0.1", b.port),)))
+        await a.join(ticket_of(b, SECRET))
         await wait_for(lambda: row(a, b).get("rtt_p95_ms") is not None and row(b, a).get("rtt_ms") is not None,
                        "heartbeats answered")
         status = row(a, b)
@@ -334,18 +312,18 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
         await b.close(graceful=False)
 
 
-async def test_a_peer_that_answers_again_recovers(monkeypatch):
+async def test_a_peer_that_answers_again_recovers(monkeypatch, tmp_path):
     monkeypatch.setattr(mesh_module, "HEARTBEAT_INTERVAL_S", 0.1)
     monkeypatch.setattr(mesh_module, "PeerHealth",
                         functools.partial(PeerHealth, degraded_after_s=0.3, lost_after_s=5.0))
     said: list[str] = []
-    a = Mesh(generate_identity(), "a", SECRET, 1, tiny_capacity, said.append)
-    b = Mesh(generate_identity(), "b", SECRET, 1, tiny_capacity, lambda _m: None)
+    a = make_mesh(tmp_path, "a", SECRET, said.append)
+    b = make_mesh(tmp_path, "b", SECRET)
     await a.start(0)
     await b.start(0)
     tasks = [asyncio.create_task(m.run()) for m in (a, b)]
     try:
-        await a.join(Ticket(b.identity.node_id, SECRET, (PeerAddress("127.0.0.1", b.port),)))
+        await a.join(ticket_of(b, SECRET))
         await wait_for(lambda: row(a, b).get("rtt_ms") is not None, "heartbeats answered")
         assert b._membership is not None
         real_receive = b._membership.receive

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import re
 from dataclasses import replace
@@ -334,6 +336,7 @@ def test_tensor_split_reproduces_the_planned_ranges_in_llama_cpp(mesh):
 def test_to_json():
     members = nodes(2000, 1000)
     plan = plan_layers([*members, node(9, 1)], estimate(3, 100, margin=10, output=5, kv=20))
+    plan = dataclasses.replace(plan, refused=((node(7, 50), "weights_mismatch"),))
     assert plan.to_json() == {
         "nodes": [
             {"id": members[0].node_id.hex(), "name": "host0", "layers": [0, 2], "weights_bytes": 200,
@@ -342,6 +345,8 @@ def test_to_json():
              "kv_bytes": 20, "output_bytes": 5, "needed_bytes": 135, "free_bytes": 1000},
         ],
         "left_out": [{"id": (bytes([9]) * 32).hex(), "name": "host9", "free_bytes": 1}],
+        "refused": [{"id": (bytes([7]) * 32).hex(), "name": "host7", "free_bytes": 50,
+                     "reason": "weights_mismatch"}],
         "n_layers": 3,
         "tensor_split": [2, 2],
     }

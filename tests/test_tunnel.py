@@ -12,7 +12,10 @@ import asyncio
 import hashlib
 import logging
 import os
+import socket
 import struct
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +25,7 @@ import pytest
 from mesh_sidecar import auth
 from mesh_sidecar.identity import generate_identity
 from mesh_sidecar.launch import start_rpc_server
-from mesh_sidecar.ports import LOOPBACK, free_tcp_port
+from mesh_sidecar.ports import LOOPBACK, free_tcp_port, loopback_client_uid, socket_owner_uid
 from mesh_sidecar.transport import MeshTransport, PeerConnection
 from mesh_sidecar.tunnel import TunnelListener, serve_inbound_stream
 
@@ -373,7 +376,10 @@ class FakeRpcServer:
             await self.server.wait_closed()
 
 
-async def test_oversized_rpc_frame_closes_only_its_stream(mesh: Mesh) -> None:
+async def test_oversized_rpc_frame_closes_only_its_stream(
+    mesh: Mesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "mesh_sidecar.tunnel")
     fake = FakeRpcServer()
     mesh.target_port = await fake.start()
     try:
@@ -388,6 +394,10 @@ async def test_oversized_rpc_frame_closes_only_its_stream(mesh: Mesh) -> None:
         # The target saw the HELLO and nothing of the bad frame, then lost its connection.
         assert await asyncio.wait_for(fake.ended.get(), HANG_S) in ("eof", "error: ConnectionResetError")
         assert fake.received == [HELLO_REQUEST]
+        # One line on the serving side names the peer and the reason; the connection stays.
+        warnings = [r.getMessage() for r in caplog.records if r.name == "mesh_sidecar.tunnel"]
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith("tunnel from A closed: ") and "limit" in warnings[0]
         assert_connected(mesh)
 
         # The mesh connection is intact: a second tunnel connection talks RPC normally.
@@ -407,3 +417,52 @@ async def test_oversized_rpc_frame_closes_only_its_stream(mesh: Mesh) -> None:
         assert_connected(mesh)
     finally:
         await fake.close()
+
+
+# --- who may use a tunnel port ------------------------------------------------------------
+
+PROC_TABLE = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:A3C2 0100007F:1F90 01 00000000:00000000 00:00000000 00000000  1001        0 51234 1
+   1: 0100007F:1F90 0100007F:A3C2 01 00000000:00000000 00:00000000 00000000     0        0 51235 1
+"""
+
+
+def test_socket_owner_uid_reads_the_client_side_row():
+    client, server = ("127.0.0.1", 0xA3C2), ("127.0.0.1", 0x1F90)
+    assert socket_owner_uid(PROC_TABLE, client, server) == 1001
+    assert socket_owner_uid(PROC_TABLE, server, client) == 0
+    assert socket_owner_uid(PROC_TABLE, client, ("127.0.0.1", 1)) is None
+
+
+def test_loopback_client_uid_of_a_real_connection_is_ours():
+    with socket.create_server((LOOPBACK, 0)) as server, socket.create_connection(server.getsockname()) as client:
+        accepted, peer = server.accept()
+        with accepted:
+            assert loopback_client_uid(peer, accepted.getsockname()) == os.getuid()
+
+
+OTHER_USER_CONNECT = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+s.sendall(b"hello")
+try:
+    print(repr(s.recv(16)))
+except ConnectionError as exc:
+    print(type(exc).__name__)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
+async def test_tunnel_port_refuses_other_local_users(mesh: Mesh, echo: EchoServer, caplog) -> None:
+    caplog.set_level(logging.WARNING, "mesh_sidecar.tunnel")
+    mesh.target_port = await echo.start()
+    assert mesh.listener.port is not None
+    result = await asyncio.to_thread(
+        subprocess.run, ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                         sys.executable, "-c", OTHER_USER_CONNECT, str(mesh.listener.port)],
+        capture_output=True, text=True, timeout=HANG_S)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in ("b''", "ConnectionResetError"), result.stdout
+    assert echo.received == [] and mesh.listener.counters.streams == 0
+    assert any("owned by uid 65534" in r.getMessage() for r in caplog.records)
+    await echo_round_trip(mesh, b"our own user still gets through")

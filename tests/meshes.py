@@ -1,0 +1,48 @@
+"""In-process meshes for tests: real QUIC on loopback, no llama.cpp processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from mesh_sidecar.capacity import Capacity
+from mesh_sidecar.home import NodeHome
+from mesh_sidecar.identity import generate_identity
+from mesh_sidecar.mesh import Mesh, SavedMesh
+from mesh_sidecar.ticket import PeerAddress, Ticket
+
+HANG_S = 15.0  # a wait that only fails if something hangs
+
+
+def tiny_capacity() -> Capacity:
+    return Capacity(1, 1, 1)
+
+
+def make_mesh(root: Path, name: str, secret: bytes, say: Callable[[str], None] = lambda _m: None,
+              **options) -> Mesh:
+    """A Mesh with its own home under ``root``; rpc port 1 (nothing listens there)."""
+    home = NodeHome(root / name)
+    home.create()
+    saved = SavedMesh(secret)
+    saved.save(home)
+    return Mesh(generate_identity(), name, home, 1, tiny_capacity, say, saved=saved, **options)
+
+
+def ticket_of(mesh: Mesh, secret: bytes) -> Ticket:
+    assert mesh.port is not None
+    return Ticket(mesh.identity.node_id, secret, (PeerAddress("127.0.0.1", mesh.port),))
+
+
+def row(mesh: Mesh, peer: Mesh) -> dict:
+    """``mesh``'s status row for ``peer``; empty until ``mesh`` knows it."""
+    return next((r for r in mesh.status() if r["id"] == peer.identity.node_id.hex()), {})
+
+
+async def wait_for(predicate, what: str, timeout_s: float = HANG_S) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout_s} s: {what}") from None
