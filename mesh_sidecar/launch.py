@@ -75,9 +75,14 @@ def llama_server_argv(
     port: int,
     *,
     tensor_split: Sequence[float] = (),
+    api_key_file: Path | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """llama-server offloading every layer to the RPC endpoints, in list order."""
+    """llama-server offloading every layer to the RPC endpoints, in list order.
+
+    ``api_key_file`` (a file, so the key is not in ``ps``) makes llama-server's
+    own loopback port useless to other local users: only our proxy knows the key.
+    """
     argv = [
         str(binaries.llama_server),
         "-m", str(model),
@@ -91,6 +96,8 @@ def llama_server_argv(
     ]
     if tensor_split:
         argv += ["--tensor-split", ",".join(f"{w:g}" for w in tensor_split)]
+    if api_key_file is not None:
+        argv += ["--api-key-file", str(api_key_file)]
     return argv + list(extra)
 
 

@@ -127,12 +127,15 @@ class ApiProxy:
     """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
 
     def __init__(self, metrics: Metrics, on_stall: Callable[[str], None],
-                 stall_timeout_s: float = STALL_TIMEOUT_S, access: ApiAccess = OPEN_ACCESS) -> None:
+                 stall_timeout_s: float = STALL_TIMEOUT_S, access: ApiAccess = OPEN_ACCESS,
+                 upstream_key: str | None = None) -> None:
         self.metrics = metrics
         self._access = access
         self._on_stall = on_stall
         self._stall_timeout_s = stall_timeout_s
-        self._client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT)
+        self._client = httpx.AsyncClient(
+            timeout=UPSTREAM_TIMEOUT,
+            headers={"Authorization": f"Bearer {upstream_key}"} if upstream_key else None)
         self._runner: web.AppRunner | None = None
         self._upstream: str | None = None
         self._refusal: str | None = None

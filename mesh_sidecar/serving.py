@@ -24,6 +24,8 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,8 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0
 RESTART_DELAY_S = 1.0
+UPSTREAM_KEY_FILE = "llama-server.key"  # in the node's home, mode 0600
+UPSTREAM_KEY_BYTES = 32
 
 # A node asks for the estimate on every membership change; the first read of a GGUF
 # takes seconds (its tokenizer arrays), so it is cached and first made off the event loop.
@@ -110,7 +114,13 @@ class ServingSupervisor:
         self._say = say
         self._metrics = metrics
         self._access = access
-        self._proxy = ApiProxy(metrics, self.request_restart, access=access)
+        # llama-server's own key, known only to our proxy (see llama_server_argv).
+        upstream_key = secrets.token_hex(UPSTREAM_KEY_BYTES)
+        self._upstream_key_file = logs.parent / UPSTREAM_KEY_FILE
+        fd = os.open(self._upstream_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(upstream_key + "\n")
+        self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key)
         self._restart_reason: str | None = None
         self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
@@ -188,7 +198,8 @@ class ServingSupervisor:
         self.llama_port = free_tcp_port()
         argv = llama_server_argv(
             self._binaries, self._model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
-            tensor_split=self.plan.tensor_split(), extra=["--ctx-size", str(self._ctx_size)],
+            tensor_split=self.plan.tensor_split(), api_key_file=self._upstream_key_file,
+            extra=["--ctx-size", str(self._ctx_size)],
         )
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(tuple(n.node_id for n in self.plan.nodes))

@@ -8,15 +8,23 @@ sees every frame that crosses between hosts.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import struct
 import subprocess
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tests.conftest import GREEDY, N_PREDICT, PROMPT, TICKET_LINE, NodeProcess
+from tests.waiting import wait_until
+
 SUBNET = "10.231.{run}.{host}"
+QUIC_PORT = 47470
+API_PORT = 8080
 ETH_P_ALL = 0x0003
 ETH_HEADER_BYTES = 14
 ETHERTYPE_IPV4 = 0x0800
@@ -145,3 +153,58 @@ class Lab:
         for link in self._links:
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+# --- mesh-inference nodes on lab hosts -----------------------------------------------------
+
+
+def start_in(host: Host, home, *args: str) -> NodeProcess:
+    home.mkdir(parents=True)
+    output = home.parent / f"{host.name}.out"
+    argv = host.exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", host.name,
+                          "--port", str(QUIC_PORT), *args)
+    proc = subprocess.Popen(argv, stdout=open(output, "w"), stderr=subprocess.STDOUT)
+    return NodeProcess(home, proc, output, prefix=host.exec_argv())
+
+
+def ticket_of(node: NodeProcess) -> str:
+    match = wait_until(lambda: TICKET_LINE.search(node.text()), 60, "a ticket is printed")
+    return match.group(1)
+
+
+def connected_names(node: NodeProcess) -> set[str]:
+    return set(re.findall(r"Connected to peer (\S+)", node.text()))
+
+
+def ns_python(host: Host, code: str, timeout: float = 120) -> str:
+    result = subprocess.run(host.exec_argv(sys.executable, "-c", code), capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def ns_complete(host: Host) -> str:
+    code = f"""
+import httpx, json
+r = httpx.post("http://127.0.0.1:{API_PORT}/v1/completions", timeout=120,
+               json={json.dumps({"prompt": PROMPT, "max_tokens": N_PREDICT, **GREEDY})})
+r.raise_for_status()
+print(json.dumps(r.json()))
+"""
+    body = json.loads(ns_python(host, code))
+    assert body["usage"]["completion_tokens"] == N_PREDICT
+    return body["choices"][0]["text"]
+
+
+def ns_tcp_refused(host: Host, ip: str, port: int) -> bool:
+    code = f"""
+import socket
+s = socket.socket(); s.settimeout(3)
+try:
+    s.connect(({ip!r}, {port})); print("open")
+except ConnectionRefusedError:
+    print("refused")
+except OSError as e:
+    print("error", e)
+"""
+    return ns_python(host, code).strip() == "refused"

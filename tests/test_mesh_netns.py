@@ -7,20 +7,19 @@ and last the loss of B.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import pytest
 
 from mesh_sidecar.ticket import PeerAddress, Ticket, decode_ticket, encode_ticket
-from tests.conftest import GREEDY, N_PREDICT, PROMPT, TICKET_LINE, NodeProcess, cli
-from tests.netns import Host, Lab, can_make_namespaces
+from tests.conftest import NodeProcess, cli
+from tests.netns import (API_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names, ns_complete,
+                         ns_python, ns_tcp_refused, start_in, ticket_of)
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -29,44 +28,8 @@ pytestmark = [
     pytest.mark.skipif(not can_make_namespaces(), reason="needs root and `ip netns`"),
 ]
 
-QUIC_PORT = 47470
-API_PORT = 8080
 FULL_MESH_DEADLINE_S = 5.0  # the issue's acceptance bound, counted from C's launch
 LOSS_DEADLINE_S = 30.0  # transport idle timeout (10 s) plus process and polling slack
-
-
-def ns_python(host: Host, code: str, timeout: float = 120) -> str:
-    result = subprocess.run(host.exec_argv(sys.executable, "-c", code), capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def ns_complete(host: Host) -> str:
-    code = f"""
-import httpx, json
-r = httpx.post("http://127.0.0.1:{API_PORT}/v1/completions", timeout=120,
-               json={json.dumps({"prompt": PROMPT, "max_tokens": N_PREDICT, **GREEDY})})
-r.raise_for_status()
-print(json.dumps(r.json()))
-"""
-    body = json.loads(ns_python(host, code))
-    assert body["usage"]["completion_tokens"] == N_PREDICT
-    return body["choices"][0]["text"]
-
-
-def ns_tcp_refused(host: Host, ip: str, port: int) -> bool:
-    code = f"""
-import socket
-s = socket.socket(); s.settimeout(3)
-try:
-    s.connect(({ip!r}, {port})); print("open")
-except ConnectionRefusedError:
-    print("refused")
-except OSError as e:
-    print("error", e)
-"""
-    return ns_python(host, code).strip() == "refused"
 
 
 @dataclass
@@ -76,24 +39,6 @@ class Mesh3:
     nodes: dict[str, NodeProcess]
     tickets: dict[str, str]
     formed_after_s: float
-
-
-def start_in(host: Host, home, *args: str) -> NodeProcess:
-    home.mkdir(parents=True)
-    output = home.parent / f"{host.name}.out"
-    argv = host.exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", host.name,
-                          "--port", str(QUIC_PORT), *args)
-    proc = subprocess.Popen(argv, stdout=open(output, "w"), stderr=subprocess.STDOUT)
-    return NodeProcess(home, proc, output, prefix=host.exec_argv())
-
-
-def ticket_of(node: NodeProcess) -> str:
-    match = wait_until(lambda: TICKET_LINE.search(node.text()), 60, "a ticket is printed")
-    return match.group(1)
-
-
-def connected_names(node: NodeProcess) -> set[str]:
-    return set(re.findall(r"Connected to peer (\S+)", node.text()))
 
 
 @pytest.fixture(scope="module")

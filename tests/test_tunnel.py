@@ -435,7 +435,7 @@ def test_socket_owner_uid_reads_the_client_side_row():
 
 
 def test_loopback_client_uid_of_a_real_connection_is_ours():
-    with socket.create_server((LOOPBACK, 0)) as server, socket.create_connection(server.getsockname()) as client:
+    with socket.create_server((LOOPBACK, 0)) as server, socket.create_connection(server.getsockname()):
         accepted, peer = server.accept()
         with accepted:
             assert loopback_client_uid(peer, accepted.getsockname()) == os.getuid()

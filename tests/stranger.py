@@ -1,0 +1,119 @@
+"""A hostile or mistaken outsider, run in its own network namespace by the security tests.
+
+    python -m tests.stranger silent HOST PORT
+    python -m tests.stranger wrong-secret HOST PORT NODE_ID_HEX
+    python -m tests.stranger impostor HOST PORT NODE_ID_HEX CLAIMED_ID_HEX SECRET_HEX
+    python -m tests.stranger flood HOST PORT COUNT
+
+Each mode prints one line saying how it was turned away (or "ADMITTED", which
+a test treats as a failure); exit status 0 unless the tool itself broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import ssl
+import struct
+import sys
+from dataclasses import dataclass
+
+from aioquic.asyncio import QuicConnectionProtocol, connect
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, QuicEvent
+
+from mesh_sidecar import auth
+from mesh_sidecar.errors import MeshError
+from mesh_sidecar.identity import NodeIdentity, generate_identity
+from mesh_sidecar.transport import ALPN, MeshTransport
+
+SILENT_WAIT_S = auth.AUTH_TIMEOUT_S + 5
+
+
+@dataclass(frozen=True)
+class Impostor(NodeIdentity):
+    """Says it is ``claimed`` but can only sign with its own key."""
+
+    claimed: bytes = b""
+
+    @property
+    def node_id(self) -> bytes:
+        return self.claimed
+
+
+class _Watcher(QuicConnectionProtocol):
+    closed_with: str | None = None
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ConnectionTerminated):
+            self.closed_with = f"code {event.error_code}: {event.reason_phrase}"
+
+
+async def silent(host: str, port: int) -> str:
+    """Complete TLS, then say nothing: the node must give up on us."""
+    configuration = QuicConfiguration(alpn_protocols=[ALPN], is_client=True, verify_mode=ssl.CERT_NONE)
+    async with connect(host, port, configuration=configuration, create_protocol=_Watcher,
+                       wait_connected=True) as client:
+        try:
+            await asyncio.wait_for(client.wait_closed(), SILENT_WAIT_S)
+        except TimeoutError:
+            return "ADMITTED (never closed)"
+        return f"closed by the node, {client.closed_with}"
+
+
+async def dial(identity: NodeIdentity, secret: bytes, host: str, port: int, node_id: bytes) -> str:
+    async def on_peer(connection) -> None:
+        await connection.wait_closed()
+
+    transport = MeshTransport(identity, secret, on_peer)
+    await transport.start("0.0.0.0", 0)
+    try:
+        await transport.connect([(host, port)], node_id)
+        return "ADMITTED"
+    except MeshError as exc:
+        return f"refused: {exc}"
+    finally:
+        await transport.close()
+
+
+def flood(host: str, port: int, count: int) -> str:
+    """Random datagrams, and datagrams shaped like QUIC Initials with random connection ids."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sizes = (1, 7, 64, 700, 1200, 1350, 9000)
+    for i in range(count):
+        if i % 4 == 0:
+            # long header, Initial, QUIC v1, 8-byte DCID, 8-byte SCID, no token, junk "payload"
+            header = bytes([0xC3]) + struct.pack("!I", 1) + b"\x08" + os.urandom(8) + b"\x08" + os.urandom(8)
+            data = header + b"\x00" + b"\x44\xd0" + os.urandom(1200 - len(header) - 3)
+        else:
+            data = os.urandom(sizes[i % len(sizes)])
+        try:
+            sock.sendto(data, (host, port))
+        except OSError:
+            pass  # a full socket buffer: the flood goes on
+    return f"sent {count} datagrams"
+
+
+def main(argv: list[str]) -> None:
+    mode, *args = argv
+    match mode:
+        case "silent":
+            result = asyncio.run(silent(args[0], int(args[1])))
+        case "wrong-secret":
+            result = asyncio.run(dial(generate_identity(), secrets.token_bytes(auth.MESH_SECRET_BYTES),
+                                      args[0], int(args[1]), bytes.fromhex(args[2])))
+        case "impostor":
+            identity = Impostor(generate_identity().private_key, bytes.fromhex(args[3]))
+            result = asyncio.run(dial(identity, bytes.fromhex(args[4]), args[0], int(args[1]),
+                                      bytes.fromhex(args[2])))
+        case "flood":
+            result = flood(args[0], int(args[1]), int(args[2]))
+        case _:
+            raise SystemExit(f"unknown mode {mode}")
+    print(result, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
