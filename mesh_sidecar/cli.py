@@ -41,6 +41,8 @@ from .ports import LOOPBACK, check_tcp_port_free
 from .proxy import ApiAccess
 from .ticket import decode_ticket
 from .views import plan_table
+from . import weight_cache
+from .weight_cache import WeightCache
 
 STATUS_WATCH_INTERVAL_S = 1.0
 
@@ -102,6 +104,22 @@ def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool
         progress.close()
 
 
+def _prepare_weight_cache(home: NodeHome, model: Path, sha256: str) -> WeightCache:
+    """This node's rpc-server weight cache: checked, and seeded from the model file it holds."""
+    cache = WeightCache.in_home(home.root)
+    progress = _LazyProgress()
+    try:
+        tool = weight_cache.ensure_tool(progress)
+        removed = weight_cache.verify(cache, tool, progress)
+        if removed:
+            _say(f"Removed {removed} damaged file(s) from the weight cache; their tensors will be sent again.")
+        if sha256:
+            weight_cache.seed(cache, tool, model, sha256, progress)
+    finally:
+        progress.close()
+    return cache
+
+
 def _configure_logging(home: NodeHome, verbose: bool) -> None:
     file_handler = logging.handlers.RotatingFileHandler(
         home.logs / SIDECAR_LOG_NAME, maxBytes=CHILD_LOG_MAX_BYTES, backupCount=CHILD_LOG_BACKUPS
@@ -143,6 +161,10 @@ def run_node(
     cors_origin: Annotated[Optional[str], typer.Option(
         "--cors-origin", help="With --serve: let web pages from this origin call the API "
                               "(e.g. https://chat.example.org). Default: no CORS headers.")] = None,
+    use_weight_cache: Annotated[bool, typer.Option(
+        "--weight-cache/--no-weight-cache",
+        help="Keep a cache of received weights (and seed it from --model) so loads send only hashes; "
+             "costs disk space about the size of the model.")] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the sidecar's log here too.")] = False,
 ) -> None:
     """Start a node (no subcommand). With --serve PORT it also serves the API."""
@@ -159,11 +181,12 @@ def run_node(
                                                 identify_model=serve is not None or model is not None)
         node_home.create()
         _configure_logging(node_home, verbose)
+        cache = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else None
         identity = load_or_create_identity(node_home.root)
         options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
                               binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
                               min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                              api_access=api_access, model_sha256=sha256)
+                              api_access=api_access, model_sha256=sha256, weight_cache=cache)
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
         asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:

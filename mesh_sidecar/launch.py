@@ -25,7 +25,7 @@ import signal
 import struct
 import termios
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -41,6 +41,7 @@ from .logs import (
     tail,
 )
 from .ports import LOOPBACK
+from .weight_cache import WeightCache
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,11 @@ class ChildProcess:
     """
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, *,
-                 max_log_bytes: int = CHILD_LOG_MAX_BYTES, log_backups: int = CHILD_LOG_BACKUPS) -> None:
+                 max_log_bytes: int = CHILD_LOG_MAX_BYTES, log_backups: int = CHILD_LOG_BACKUPS,
+                 env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.argv = list(argv)
+        self.env = {**os.environ, **env} if env else None  # None: inherit ours
         self.log_path = log_path
         self.max_log_bytes = max_log_bytes
         self.log_backups = log_backups
@@ -155,6 +158,7 @@ class ChildProcess:
                     stderr=write_fd,
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
+                    env=self.env,
                 )
             except BaseException:
                 os.close(read_fd)
@@ -312,10 +316,11 @@ def http_health_probe(port: int) -> Callable[[], Awaitable[bool]]:
 
 
 async def start_rpc_server(
-    binaries: LlamaBinaries, port: int, logs: Path, *, tensor_cache: bool = False
+    binaries: LlamaBinaries, port: int, logs: Path, *, weight_cache: WeightCache | None = None
 ) -> ChildProcess:
-    child = ChildProcess("ggml-rpc-server", rpc_server_argv(binaries, port, tensor_cache=tensor_cache),
-                         logs / "rpc-server.log")
+    """rpc-server on 127.0.0.1:``port``; with ``weight_cache``, it answers SET_TENSOR_HASH from there."""
+    child = ChildProcess("ggml-rpc-server", rpc_server_argv(binaries, port, tensor_cache=weight_cache is not None),
+                         logs / "rpc-server.log", env=weight_cache.environment() if weight_cache else None)
     await child.start()
     try:
         await child.wait_ready(listening_probe(child, port), RPC_SERVER_READY_TIMEOUT_S)

@@ -32,6 +32,7 @@ from .ports import LOOPBACK, free_tcp_port
 from .proxy import OPEN_ACCESS, ApiAccess
 from .serving import ServingSupervisor, estimate_off_loop, plan_over_mesh
 from .ticket import Ticket
+from .weight_cache import WeightCache
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class NodeOptions:
     # sha256 of the model file, announced to members: set on a serving node and
     # on any node given --model; "" on a worker that holds no model file.
     model_sha256: str = ""
+    # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
+    weight_cache: WeightCache | None = None
     api_access: ApiAccess = OPEN_ACCESS
 
 
@@ -118,7 +121,8 @@ class Node:
         for attempt in range(RPC_SERVER_START_ATTEMPTS):
             port = free_tcp_port()
             try:
-                self.rpc_server = await start_rpc_server(self.options.binaries, port, self.options.home.logs)
+                self.rpc_server = await start_rpc_server(self.options.binaries, port, self.options.home.logs,
+                                                         weight_cache=self.options.weight_cache)
             except ChildExitedError:
                 if attempt + 1 == RPC_SERVER_START_ATTEMPTS:
                     raise
