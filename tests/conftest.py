@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,22 +77,28 @@ def complete(port: int, prompt: str = PROMPT) -> str:
     return body["choices"][0]["text"]
 
 
-@pytest.fixture(scope="session")
-def reference_text(binaries, model_path, tmp_path_factory) -> str:
-    """What plain llama-server on this machine's CPU answers: the output to match."""
+def plain_llama_server_answer(binaries: LlamaBinaries, model: Path, log_dir: Path,
+                              ask: Callable[[int], str]) -> str:
+    """``ask(port)`` against plain llama-server on this machine's CPU: the output to match."""
     port = free_tcp_port()
-    log_path = tmp_path_factory.mktemp("plain") / "plain.log"
-    proc = subprocess.Popen([str(binaries.llama_server), "-m", str(model_path), "--host", "127.0.0.1",
+    log_path = log_dir / "plain.log"
+    proc = subprocess.Popen([str(binaries.llama_server), "-m", str(model), "--host", "127.0.0.1",
                              "--port", str(port)], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not api_healthy(port):
             assert proc.poll() is None, log_path.read_text()
             time.sleep(0.2)
-        return complete(port)
+        return ask(port)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def reference_text(binaries, model_path, tmp_path_factory) -> str:
+    """What plain llama-server answers for the default model and PROMPT."""
+    return plain_llama_server_answer(binaries, model_path, tmp_path_factory.mktemp("plain"), complete)
 
 
 @dataclass

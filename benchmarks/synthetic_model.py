@@ -1,0 +1,273 @@
+"""Llama-architecture GGUF models with random weights, made on demand and cached.
+
+Benchmarks and tests need models of a chosen size and tensor layout (for
+instance, every layer matrix above llama.cpp's RPC ``HASH_THRESHOLD`` of
+10 MiB, so that all of them travel as ``SET_TENSOR_HASH``) without downloading
+gigabytes. These models answer nonsense, but llama.cpp loads and runs them like
+real ones, so load and decode timings are real.
+
+The tokenizer (vocabulary of 49152, merges, special ids, chat template) is
+copied from the default SmolLM2 model, so llama.cpp tokenizes prompts normally.
+The output head is tied to ``token_embd`` (no ``output.weight``), as in SmolLM2.
+
+Weights are drawn from a numpy Generator seeded per tensor from the spec's seed
+and the tensor's name, so one spec always gives the same bytes. The file is
+written one tensor at a time (peak memory: about one tensor), to a ``.partial``
+file renamed into place when complete, under
+``cache_root()/models/synthetic-<name>-<hash of the spec>.gguf``. Models live in
+the cache, never in the repository.
+
+    .venv/bin/python -m benchmarks.synthetic_model [--preset cache-test|bench-1gb] [--plan]
+
+prints the model's path (generating it first if needed); ``--plan`` prints the
+tensors and their sizes instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from mesh_sidecar.home import cache_root
+from mesh_sidecar.llama_build import ProgressCallback
+from mesh_sidecar.model import ensure_model
+
+RPC_HASH_THRESHOLD_BYTES = 10 * 1024 * 1024  # llama.cpp ggml-rpc: larger tensors go as SET_TENSOR_HASH
+WEIGHT_STD = 0.02
+NORM_VALUE = 1.0
+RMS_NORM_EPS = 1e-5
+ROPE_FREQ_BASE = 100000.0
+FILL_CHUNK_VALUES = 1 << 22  # normals drawn per step: 16 MiB of float32
+# Bump when the bytes a spec produces change (layout, metadata, drawing), so stale caches are not reused.
+GENERATOR_VERSION = 1
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16}
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """The shape of a synthetic llama model; the same spec always gives the same file."""
+
+    name: str  # part of the file name and of general.name
+    n_layers: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    attn_dtype: str  # "F32" or "F16": attn_q, attn_k, attn_v, attn_output
+    ffn_dtype: str  # "F32" or "F16": ffn_gate, ffn_up, ffn_down
+    embd_dtype: str  # "F32" or "F16": token_embd, also the (tied) output head
+    seed: int = 0
+    ctx_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for field_name in ("attn_dtype", "ffn_dtype", "embd_dtype"):
+            if getattr(self, field_name) not in _NUMPY_DTYPES:
+                raise ValueError(f"{field_name} must be one of {sorted(_NUMPY_DTYPES)}")
+        if min(self.n_layers, self.n_embd, self.n_ff, self.n_head, self.n_head_kv, self.ctx_len) <= 0:
+            raise ValueError("layer, embedding, ffn, head and context sizes must be positive")
+        if self.n_embd % self.n_head or self.n_head % self.n_head_kv or (self.n_embd // self.n_head) % 2:
+            raise ValueError("n_embd must split into n_head even-sized heads, n_head into n_head_kv groups")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def digest(self) -> str:
+        """A short hash of the spec and the generator version: the cache key."""
+        key = json.dumps({"generator": GENERATOR_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+# A test model: 2 layers, ~342 MB, every per-layer matrix above RPC_HASH_THRESHOLD_BYTES
+# (attention 1664x1664 F32 = 11.08 MB, ffn 1664x4480 F16 = 14.91 MB; 10 MiB = 10.49 MB).
+CACHE_TEST = SyntheticSpec(
+    name="cache-test", n_layers=2, n_embd=1664, n_ff=4480, n_head=13, n_head_kv=13,
+    attn_dtype="F32", ffn_dtype="F16", embd_dtype="F16",
+)
+# A benchmark model: 8 layers, ~1.25 GB, all F16 and still every layer matrix above the
+# threshold (attention 2304x2304 F16 = 10.62 MB, ffn 2304x6144 F16 = 28.31 MB).
+BENCH_1GB = SyntheticSpec(
+    name="bench-1gb", n_layers=8, n_embd=2304, n_ff=6144, n_head=18, n_head_kv=18,
+    attn_dtype="F16", ffn_dtype="F16", embd_dtype="F16",
+)
+PRESETS = {spec.name: spec for spec in (CACHE_TEST, BENCH_1GB)}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of a synthetic model, in file order."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy order (rows, columns); GGUF stores it reversed
+    dtype: str  # "F32" or "F16"
+    fill: float | None  # a constant value (norms), or None for random normal weights
+
+    @property
+    def n_bytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(_NUMPY_DTYPES[self.dtype]).itemsize
+
+
+def tensor_plan(spec: SyntheticSpec, n_vocab: int) -> list[TensorPlan]:
+    """The tensors of ``spec``'s model, in the order they are written."""
+    n_embd_kv = spec.head_dim * spec.n_head_kv
+    plan = [
+        TensorPlan("token_embd.weight", (n_vocab, spec.n_embd), spec.embd_dtype, None),
+        TensorPlan("output_norm.weight", (spec.n_embd,), "F32", NORM_VALUE),
+    ]
+    for i in range(spec.n_layers):
+        blk = f"blk.{i}"
+        plan += [
+            TensorPlan(f"{blk}.attn_norm.weight", (spec.n_embd,), "F32", NORM_VALUE),
+            TensorPlan(f"{blk}.attn_q.weight", (spec.n_embd, spec.n_embd), spec.attn_dtype, None),
+            TensorPlan(f"{blk}.attn_k.weight", (n_embd_kv, spec.n_embd), spec.attn_dtype, None),
+            TensorPlan(f"{blk}.attn_v.weight", (n_embd_kv, spec.n_embd), spec.attn_dtype, None),
+            TensorPlan(f"{blk}.attn_output.weight", (spec.n_embd, spec.n_embd), spec.attn_dtype, None),
+            TensorPlan(f"{blk}.ffn_norm.weight", (spec.n_embd,), "F32", NORM_VALUE),
+            TensorPlan(f"{blk}.ffn_gate.weight", (spec.n_ff, spec.n_embd), spec.ffn_dtype, None),
+            TensorPlan(f"{blk}.ffn_up.weight", (spec.n_ff, spec.n_embd), spec.ffn_dtype, None),
+            TensorPlan(f"{blk}.ffn_down.weight", (spec.n_embd, spec.n_ff), spec.ffn_dtype, None),
+        ]
+    return plan
+
+
+def synthetic_model_path(spec: SyntheticSpec) -> Path:
+    return cache_root() / "models" / f"synthetic-{spec.name}-{spec.digest()}.gguf"
+
+
+def ensure_synthetic_model(spec: SyntheticSpec, progress: ProgressCallback | None = None) -> Path:
+    """The cached model file of ``spec``, generated first if it is not there yet."""
+    path = synthetic_model_path(spec)
+    if path.exists():
+        return path
+    report = progress or (lambda _message, _done, _total: None)
+    tokenizer_source = ensure_model(None, report)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # pid in the name: concurrent generators of one spec each write their own file; the last rename wins.
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        _write_model(spec, gguf.GGUFReader(tokenizer_source), partial, report)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _write_model(
+    spec: SyntheticSpec, tokenizer: gguf.GGUFReader, out: Path, report: ProgressCallback
+) -> None:
+    n_vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name(f"synthetic-{spec.name}")
+    writer.add_description("Random weights for benchmarks and tests: the outputs are nonsense.")
+    any_f16 = "F16" in (spec.attn_dtype, spec.ffn_dtype, spec.embd_dtype)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if any_f16 else gguf.LlamaFileType.ALL_F32)
+    writer.add_context_length(spec.ctx_len)
+    writer.add_embedding_length(spec.n_embd)
+    writer.add_feed_forward_length(spec.n_ff)
+    writer.add_block_count(spec.n_layers)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(spec.n_head_kv)
+    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_rope_freq_base(ROPE_FREQ_BASE)
+    writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
+    writer.add_vocab_size(n_vocab)
+    _copy_tokenizer(tokenizer, writer)
+
+    plan = tensor_plan(spec, n_vocab)
+    for t in plan:
+        np_dtype = np.dtype(_NUMPY_DTYPES[t.dtype])
+        writer.add_tensor_info(t.name, t.shape, np_dtype, t.n_bytes)
+    total = sum(t.n_bytes for t in plan)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        done = 0
+        for t in plan:
+            writer.write_tensor_data(_tensor_values(spec, t))
+            done += t.n_bytes
+            report(f"Writing synthetic model {spec.name}", done, total)
+    finally:
+        writer.close()
+
+
+def _copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    """Every ``tokenizer.*`` key of ``reader``, values and types unchanged."""
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        main_type = field.types[0]
+        sub_type = field.types[-1] if main_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, _raw_contents(field), main_type, sub_type=sub_type)
+
+
+def _raw_contents(field: gguf.ReaderField) -> object:
+    # Strings stay bytes: the writer stores them as given, so nothing is decoded and re-encoded.
+    if gguf.GGUFValueType.STRING not in field.types:
+        return field.contents()
+    strings = [field.parts[i].tobytes() for i in field.data]
+    return strings if field.types[0] == gguf.GGUFValueType.ARRAY else strings[0]
+
+
+def _tensor_values(spec: SyntheticSpec, t: TensorPlan) -> np.ndarray:
+    values = np.empty(t.shape, dtype=_NUMPY_DTYPES[t.dtype])
+    if t.fill is not None:
+        values.fill(t.fill)
+        return values
+    # Seeded by name, not position, so a tensor's bytes do not depend on the other tensors.
+    rng = np.random.default_rng([spec.seed, zlib.crc32(t.name.encode())])
+    flat = values.reshape(-1)
+    chunk = np.empty(min(FILL_CHUNK_VALUES, flat.size), dtype=np.float32)
+    for start in range(0, flat.size, chunk.size):
+        part = chunk[: min(chunk.size, flat.size - start)]
+        rng.standard_normal(dtype=np.float32, out=part)
+        part *= WEIGHT_STD
+        flat[start : start + part.size] = part
+    return values
+
+
+def _print_plan(spec: SyntheticSpec) -> None:
+    n_vocab = 49152  # the default model's vocabulary; --plan reads no file
+    plan = tensor_plan(spec, n_vocab)
+    for t in plan:
+        hashed = "hashed" if t.n_bytes > RPC_HASH_THRESHOLD_BYTES else ""
+        print(f"{t.name:28} {t.dtype} {'x'.join(map(str, t.shape)):>12} {t.n_bytes:>12,} B  {hashed}")
+    print(f"total {sum(t.n_bytes for t in plan):,} B; RPC hash threshold {RPC_HASH_THRESHOLD_BYTES:,} B")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.synthetic_model", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=CACHE_TEST.name)
+    parser.add_argument("--plan", action="store_true", help="print the tensors and sizes, generate nothing")
+    args = parser.parse_args(argv)
+    spec = PRESETS[args.preset]
+    if args.plan:
+        _print_plan(spec)
+        return 0
+    last_tenth = -1
+
+    def progress(message: str, done: int, total: int) -> None:
+        nonlocal last_tenth
+        tenth = done * 10 // total if total else -1
+        if tenth != last_tenth:
+            last_tenth = tenth
+            print(f"{message}: {done * 100 // total}%" if total else message, file=sys.stderr)
+
+    print(ensure_synthetic_model(spec, progress))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
