@@ -104,8 +104,8 @@ def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool
         progress.close()
 
 
-def _prepare_weight_cache(home: NodeHome, model: Path, sha256: str) -> WeightCache:
-    """This node's rpc-server weight cache: checked, and seeded from the model file it holds."""
+def _prepare_weight_cache(home: NodeHome, model: Path, sha256: str) -> tuple[WeightCache, Path]:
+    """This node's rpc-server weight cache (checked, seeded from the model file it holds) and its helper."""
     cache = WeightCache.in_home(home.root)
     progress = _LazyProgress()
     try:
@@ -117,7 +117,7 @@ def _prepare_weight_cache(home: NodeHome, model: Path, sha256: str) -> WeightCac
             weight_cache.seed(cache, tool, model, sha256, progress)
     finally:
         progress.close()
-    return cache
+    return cache, tool
 
 
 def _configure_logging(home: NodeHome, verbose: bool) -> None:
@@ -165,6 +165,9 @@ def run_node(
         "--weight-cache/--no-weight-cache",
         help="Keep a cache of received weights (and seed it from --model) so loads send only hashes; "
              "costs disk space about the size of the model.")] = True,
+    fetch_model: Annotated[bool, typer.Option(
+        "--fetch-model", help="Without --serve: fetch the serving node's model file over the mesh (resumable, "
+                              "sha256-checked) so later loads send only hashes.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the sidecar's log here too.")] = False,
 ) -> None:
     """Start a node (no subcommand). With --serve PORT it also serves the API."""
@@ -181,12 +184,13 @@ def run_node(
                                                 identify_model=serve is not None or model is not None)
         node_home.create()
         _configure_logging(node_home, verbose)
-        cache = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else None
+        cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
         identity = load_or_create_identity(node_home.root)
         options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
                               binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
                               min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                              api_access=api_access, model_sha256=sha256, weight_cache=cache)
+                              api_access=api_access, model_sha256=sha256, weight_cache=cache,
+                              weight_cache_tool=tool, fetch_model=fetch_model)
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
         asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:

@@ -23,11 +23,12 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .capacity import Capacity
-from .errors import MeshError, PortInUseError, UsageError
+from .errors import MeshError, ModelError, PortInUseError, UsageError
 from .gossip import (
     MAX_ADDRESSES,
     Dial,
@@ -49,11 +50,13 @@ from .gossip import (
 )
 from .health import PeerDegraded, PeerHealth, PeerLost, PeerRecovered
 from .home import NodeHome
+from .llama_build import ProgressCallback
 from .identity import NodeIdentity, short_id
 from .ports import LOOPBACK
 from .ticket import MESH_SECRET_BYTES, PeerAddress, Ticket, encode_ticket, reachable_addresses
 from .transport import MeshTransport, PeerConnection
-from .tunnel import TunnelListener, serve_inbound_stream
+from .model_transfer import fetch_model_file, serve_model_file
+from .tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,7 @@ class Mesh:
         saved: SavedMesh,
         serving: bool = False,
         model_sha256: str = "",
+        model_file: Path | None = None,
     ) -> None:
         self.identity = identity
         self._name = name
@@ -156,6 +160,7 @@ class Mesh:
         self._say = say
         self._serving = serving
         self.model_sha256 = model_sha256
+        self.model_file = model_file  # offered to members that fetch it by its sha256
         self._saved = saved
         self._transport = MeshTransport(identity, saved.secret, self._serve_peer)
         self._transport.refuse_nodes(saved.removed)
@@ -433,6 +438,29 @@ class Mesh:
         log.error("%s", message)
         self._say(message)
 
+    def _model_file_for(self, sha256: str) -> Path | None:
+        return self.model_file if self.model_file is not None and sha256 == self.model_sha256 else None
+
+    async def fetch_model(self, node_id: bytes, sha256: str, destination: Path,
+                          progress: ProgressCallback) -> Path:
+        """Fetch the model file ``sha256`` from member ``node_id`` (resuming a partial one)."""
+        async def open_stream():
+            peer = self._peers.get(node_id)
+            if peer is None or peer.connection.closed:
+                raise ModelError(f"{self.name_of(node_id)} is not connected; the model fetch will be retried.")
+            reader, writer = await peer.connection.open_stream()
+            writer.write(bytes([StreamKind.MODEL_FILE]))
+            return reader, writer
+
+        return await fetch_model_file(open_stream, sha256, destination, self.name_of(node_id), progress)
+
+    def holds_model(self, sha256: str, path: Path) -> None:
+        """This node now holds the model file ``sha256`` at ``path``: announce it, and offer it."""
+        self.model_sha256, self.model_file = sha256, path
+        assert self._membership is not None
+        self._membership.update_self(self._self_info())
+        self._process()
+
     def _adopt(self, secret: bytes, epoch: int, removed: tuple[bytes, ...]) -> None:
         self._saved = SavedMesh(secret, epoch, self._saved.removed | frozenset(removed))
         self._saved.save(self._home)
@@ -505,11 +533,13 @@ class Mesh:
         peer = _Peer(connection, tunnel, PeerHealth(node_id))
         self._peers[node_id] = peer
         name = short_id(node_id)
-        connection.set_stream_handler(
-            lambda reader, writer: serve_inbound_stream(reader, writer, self._rpc_port,
-                                                        self._resolve_endpoint, name,
-                                                        counters=tunnel.counters)
-        )
+        servers = {
+            StreamKind.RPC: lambda reader, writer: serve_inbound_stream(
+                reader, writer, self._rpc_port, self._resolve_endpoint, name, counters=tunnel.counters),
+            StreamKind.MODEL_FILE: lambda reader, writer: serve_model_file(
+                reader, writer, self._model_file_for, name),
+        }
+        connection.set_stream_handler(lambda reader, writer: serve_peer_stream(reader, writer, servers, name))
         reason = "connection closed"
         try:
             membership.peer_connected(node_id, time.monotonic())

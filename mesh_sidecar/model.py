@@ -99,6 +99,23 @@ def _fetch_default_model(path: Path, progress: ProgressCallback) -> None:
     partial.rename(path)
 
 
+def file_sha256(path: Path, progress: ProgressCallback | None = None) -> str:
+    digest = hashlib.sha256()
+    done, total = 0, path.stat().st_size
+    with open(path, "rb") as f:
+        while chunk := f.read(COPY_CHUNK_BYTES):
+            digest.update(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(f"Computing the sha256 of {path.name}", done, total)
+    return digest.hexdigest()
+
+
+def model_by_sha256(sha256: str) -> Path:
+    """Where a model fetched from a member is kept: named by its content."""
+    return cache_root() / "models" / "sha256" / f"{sha256}.gguf"
+
+
 def model_sha256(path: Path, progress: ProgressCallback) -> str:
     """The sha256 (hex) of a model file, hashed once per path, size and mtime.
 
@@ -116,15 +133,8 @@ def model_sha256(path: Path, progress: ProgressCallback) -> str:
         cache = {}
     if isinstance(cached := cache.get(key), str):
         return cached
-    digest = hashlib.sha256()
-    done = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(COPY_CHUNK_BYTES):
-            digest.update(chunk)
-            done += len(chunk)
-            progress(f"Computing the sha256 of {path.name}", done, stat.st_size)
     cache.pop(key, None)
-    cache[key] = digest.hexdigest()
+    cache[key] = file_sha256(path, progress)
     while len(cache) > HASH_CACHE_ENTRIES:
         cache.pop(next(iter(cache)))
     cache_path.parent.mkdir(parents=True, exist_ok=True)

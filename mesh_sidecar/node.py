@@ -20,7 +20,7 @@ from typing import Any
 from . import __version__
 from .capacity import Capacity, measure, parse_device_listing
 from .control import ControlServer
-from .errors import ChildExitedError, MeshError
+from .errors import ChildExitedError, MeshError, ModelError
 from .home import NodeHome
 from .identity import NodeIdentity
 from .launch import ChildProcess, start_rpc_server
@@ -32,12 +32,16 @@ from .ports import LOOPBACK, free_tcp_port
 from .proxy import OPEN_ACCESS, ApiAccess
 from .serving import ServingSupervisor, estimate_off_loop, plan_over_mesh
 from .ticket import Ticket
+from . import weight_cache
+from .model import model_by_sha256
 from .weight_cache import WeightCache
 
 log = logging.getLogger(__name__)
 
 RPC_SERVER_START_ATTEMPTS = 3
 DEFAULT_CTX_SIZE = 4096
+MODEL_FETCH_POLL_S = 2.0
+MODEL_FETCH_RETRY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,24 @@ class NodeOptions:
     model_sha256: str = ""
     # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
     weight_cache: WeightCache | None = None
+    weight_cache_tool: Path | None = None
+    # Fetch the serving node's model file over the mesh when this node lacks it.
+    fetch_model: bool = False
     api_access: ApiAccess = OPEN_ACCESS
+
+
+class _SayEveryTenth:
+    """A progress callback for a node's output: one line per tenth of the way."""
+
+    def __init__(self, say: Callable[[Any], None]) -> None:
+        self._say = say
+        self._said = -1
+
+    def __call__(self, message: str, done: int, total: int) -> None:
+        tenth = done * 10 // total if total else 0
+        if tenth > self._said:
+            self._said = tenth
+            self._say(f"{message}: {done / 1e6:.0f} of {total / 1e6:.0f} MB")
 
 
 class _StopRequested(Exception):
@@ -106,6 +127,8 @@ class Node:
                     if self.options.serve_port is not None:
                         self.serving = self._serving_supervisor()
                         tg.create_task(self.serving.run())
+                    elif self.options.fetch_model:
+                        tg.create_task(self._fetch_served_model())
                     await self._stop.wait()
                     raise _StopRequested
             except* _StopRequested:
@@ -142,11 +165,37 @@ class Node:
         assert self.rpc_port is not None
         self.mesh = Mesh(self.identity, self.options.name, self.options.home, self.rpc_port, self.capacity,
                          self._say, saved=SavedMesh.load(self.options.home, self.options.join),
-                         serving=self.options.serve_port is not None, model_sha256=self.options.model_sha256)
+                         serving=self.options.serve_port is not None, model_sha256=self.options.model_sha256,
+                         model_file=self.options.model if self.options.model_sha256 else None)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
         self._say(f"Node ticket: {ticket}")
         self._say(f"On another machine, run: mesh-inference --join {ticket}")
+
+    async def _fetch_served_model(self) -> None:
+        """--fetch-model: get the file the serving node loads, seed the weight cache, announce it."""
+        assert self.mesh is not None
+        while True:
+            source = next((info for info in self.mesh.connected_members()
+                           if info.serving and info.model_sha256 and info.model_sha256 != self.mesh.model_sha256),
+                          None)
+            if source is not None:
+                try:
+                    await self._take_model_from(source.node_id, source.model_sha256)
+                except ModelError as exc:
+                    self._say(f"Model fetch: {exc}")
+                    await asyncio.sleep(MODEL_FETCH_RETRY_S)
+                    continue
+            await asyncio.sleep(MODEL_FETCH_POLL_S)
+
+    async def _take_model_from(self, node_id: bytes, sha256: str) -> None:
+        assert self.mesh is not None
+        path = await self.mesh.fetch_model(node_id, sha256, model_by_sha256(sha256), _SayEveryTenth(self._say))
+        cache, tool = self.options.weight_cache, self.options.weight_cache_tool
+        if cache is not None and tool is not None:
+            await asyncio.to_thread(weight_cache.seed, cache, tool, path, sha256, lambda *_: None)
+        self.mesh.holds_model(sha256, path)
+        self._say(f"Now holding the served model ({path.name}): its loads here send only hashes.")
 
     def _serving_supervisor(self) -> ServingSupervisor:
         assert self.mesh is not None and self.rpc_port is not None and self.options.serve_port is not None

@@ -12,15 +12,20 @@ else. Bytes relay both ways with backpressure (``drain`` on both kinds of
 writer) and half-closes travel as FIN. When the peer is lost, the listener
 closes and live connections are ended at once (reset when data was still in
 flight), so llama-server gets an error, not a hang.
+
+Every stream a peer opens starts with one StreamKind byte, so RPC tunnels and
+other uses (model files, model_transfer.py) share the connection;
+``serve_peer_stream`` reads it and hands the stream on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from .errors import MeshError, WireError
@@ -35,6 +40,30 @@ RELAY_CHUNK_BYTES = 256 * 1024
 
 Reader = asyncio.StreamReader | MeshStreamReader
 Writer = asyncio.StreamWriter | MeshStreamWriter
+StreamServer = Callable[[MeshStreamReader, MeshStreamWriter], Awaitable[None]]
+
+
+class StreamKind(enum.IntEnum):
+    """The first byte of every stream a peer opens: what it is for."""
+
+    RPC = 1  # a tunnel to our rpc-server
+    MODEL_FILE = 2  # a model file request (model_transfer.py)
+
+
+async def serve_peer_stream(reader: MeshStreamReader, writer: MeshStreamWriter,
+                            servers: Mapping[StreamKind, StreamServer], peer_name: str) -> None:
+    """Read a stream's kind byte and hand it to the server for that kind."""
+    try:
+        kind = (await reader.readexactly(1))[0]
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.abort()
+        return
+    server = servers.get(kind)  # type: ignore[call-overload]
+    if server is None:
+        log.warning("stream from %s of unknown kind %d: closed", peer_name, kind)
+        writer.abort()
+        return
+    await server(reader, writer)
 
 
 @dataclass
@@ -142,6 +171,7 @@ class TunnelListener:
                 tcp_writer.transport.abort()
                 return
             self.counters.streams += 1
+            quic_writer.write(bytes([StreamKind.RPC]))
             await _run_pair(
                 _relay(tcp_reader, quic_writer, self._count_out),
                 _relay(quic_reader, tcp_writer, self._count_in),

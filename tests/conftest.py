@@ -157,7 +157,8 @@ def start_node(tmp_path: Path, binaries: LlamaBinaries, model_path: Path) -> Ite
     """Start nodes: `start_node(name, *args, serve=True)`; all are stopped (and their children killed) after."""
     started: list[NodeProcess] = []
 
-    def start(name: str, *args: str, serve: bool = False, wait: bool = True) -> NodeProcess:
+    def start(name: str, *args: str, serve: bool = False, wait: bool = True,
+              env: dict[str, str] | None = None) -> NodeProcess:
         home = tmp_path / name
         home.mkdir()
         port = free_tcp_port() if serve else None
@@ -166,7 +167,8 @@ def start_node(tmp_path: Path, binaries: LlamaBinaries, model_path: Path) -> Ite
         if port is not None:
             argv += ["--serve", str(port)]
         output = tmp_path / f"{name}.out"
-        proc = subprocess.Popen(argv, stdout=open(output, "w"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=open(output, "w"), stderr=subprocess.STDOUT,
+                                env={**os.environ, **env} if env else None)
         node = NodeProcess(home, proc, output, port)
         started.append(node)
         if wait:

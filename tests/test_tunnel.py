@@ -27,7 +27,7 @@ from mesh_sidecar.identity import generate_identity
 from mesh_sidecar.launch import start_rpc_server
 from mesh_sidecar.ports import LOOPBACK, free_tcp_port, loopback_client_uid, socket_owner_uid
 from mesh_sidecar.transport import MeshTransport, PeerConnection
-from mesh_sidecar.tunnel import TunnelListener, serve_inbound_stream
+from mesh_sidecar.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
 
 SECRET = b"t" * auth.MESH_SECRET_BYTES
 HANG_S = 15.0  # a wait that only fails if something hangs
@@ -84,7 +84,8 @@ async def mesh() -> AsyncIterator[Mesh]:
         m = Mesh(a, b, a_to_b, b_from_a, listener)
         # The target port is read per stream, so a test may point it elsewhere later.
         b_from_a.set_stream_handler(
-            lambda r, w: serve_inbound_stream(r, w, m.target_port, lambda _peer: None, "A")
+            lambda r, w: serve_peer_stream(r, w, {StreamKind.RPC: lambda r2, w2: serve_inbound_stream(
+                r2, w2, m.target_port, lambda _peer: None, "A")}, "A")
         )
         port = await listener.start()
         assert port == listener.port and port > 0
@@ -466,3 +467,14 @@ async def test_tunnel_port_refuses_other_local_users(mesh: Mesh, echo: EchoServe
     assert echo.received == [] and mesh.listener.counters.streams == 0
     assert any("owned by uid 65534" in r.getMessage() for r in caplog.records)
     await echo_round_trip(mesh, b"our own user still gets through")
+
+
+async def test_stream_of_unknown_kind_is_closed(mesh: Mesh, echo: EchoServer, caplog) -> None:
+    caplog.set_level(logging.WARNING, "mesh_sidecar.tunnel")
+    mesh.target_port = await echo.start()
+    reader, writer = await mesh.a_to_b.open_stream()
+    writer.write(bytes([99]) + b"anything")
+    data, how = await asyncio.wait_for(read_to_end(reader), HANG_S)
+    assert data == b"" and echo.received == []
+    assert any("unknown kind 99" in r.getMessage() for r in caplog.records)
+    await echo_round_trip(mesh, b"the tunnel still works")

@@ -7,7 +7,9 @@ import pytest
 
 from benchmarks.synthetic_model import CACHE_TEST, ensure_synthetic_model
 from tests.conftest import plain_llama_server_answer
+from mesh_sidecar.model import file_sha256
 from mesh_sidecar.weight_cache import hashed_tensor_ranges
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -48,3 +50,18 @@ def test_worker_with_the_model_file_receives_only_hashes(start_node, binaries, b
           f"({model_bytes} bytes); its layers hold {plan['nodes'][0]['weights_bytes']} bytes")
     assert share < MAX_SHARE_OF_MODEL
     assert plan["nodes"][0]["weights_bytes"] > MAX_SHARE_OF_MODEL * model_bytes  # so the bound means something
+
+
+def test_worker_fetches_the_served_model_then_holds_it(start_node, binaries, model_path, tmp_path):
+    server = start_node("c", serve=True)
+    own_cache = tmp_path / "b-cache"  # so the fetch really happens, whatever the shared cache holds
+    worker = start_node("b", "--join", server.ticket(), "--fetch-model", "--llama-bin", str(binaries.directory),
+                        env={"MESH_CACHE": str(own_cache)})
+    wait_until(lambda: "Now holding the served model" in worker.text() or worker.proc.poll() is not None, 120,
+               "the worker fetches the model")
+    assert "Fetching the model from c" in worker.text()
+    fetched = own_cache / "models" / "sha256" / f"{file_sha256(model_path)}.gguf"
+    assert fetched.read_bytes() == model_path.read_bytes()
+    row = next(p for p in server.status()["peers"] if p["name"] == "b")
+    assert row["model_sha256"] == file_sha256(model_path) and row["refused"] is None
+    assert len(list((worker.home / "weight-cache" / "rpc").iterdir())) == len(hashed_tensor_ranges(model_path))
