@@ -15,29 +15,13 @@ from __future__ import annotations
 import base64
 import hashlib
 
-from mesh_sidecar.ticket import (
-    TICKET_PREFIX,
-    PeerAddress,
-    Ticket,
-    decode_ticket,
-    encode_ticket,
-)
+from mesh_sidecar.ticket import TICKET_PREFIX, decode_ticket, encode_ticket
+from tests.test_ticket import SAMPLE
 
 from .fuzzing import Input, run
 
 _CHECKSUM_BYTES = 4
 _TEXT, _RAW, _CHECKSUMMED = 0, 1, 2
-
-SAMPLE = Ticket(
-    node_id=bytes(range(32)),
-    mesh_secret=bytes(range(100, 132)),
-    addresses=(
-        PeerAddress("192.0.2.7", 7447),
-        PeerAddress("2001:db8::1", 7447),
-        PeerAddress("127.0.0.1", 7447),
-    ),
-)
-
 
 def _b32_text(raw: bytes) -> str:
     return TICKET_PREFIX + base64.b32encode(raw).decode("ascii").rstrip("=").lower()
