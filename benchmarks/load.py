@@ -11,9 +11,11 @@ default (every per-layer matrix above llama.cpp's 10 MiB by-hash threshold), or
 - mesh seeded: every node holds the model file (``--model``) and seeds its weight
   cache before it starts; seeding time is reported on its own (a one-time cost).
 
-Load time is from c's launch to its API answering; bytes are what each worker
-host's network interface received meanwhile (the same counter for every setup),
-and for the mesh also c's tunnel counters.
+Load time is from the start of llama-server (for the mesh: c printing its plan,
+just before it starts llama-server) to the API answering; c's whole start-up
+(launch to API) is reported too. Bytes are what each worker host's network
+interface received meanwhile (the same counter for every setup), and for the
+mesh also c's tunnel counters.
 
 Run as root: ``.venv/bin/python -m benchmarks.load [--model PATH] [--json PATH]``.
 """
@@ -78,8 +80,10 @@ def run_direct(hosts, started: Started, workdir: Path, binaries, model: Path) ->
     started.popen("direct llama-server", hosts["c"].exec_argv(
         *llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT, extra=["--ctx-size", "512"])),
         workdir / "direct-llama.out")
-    wait_until(lambda: _api_up(hosts["c"], DIRECT_API_PORT), START_TIMEOUT_S * 3, "direct llama-server loads")
-    return {"load_s": time.monotonic() - started_at,
+    wait_until(lambda: _api_up(hosts["c"], DIRECT_API_PORT), START_TIMEOUT_S * 3, "direct llama-server loads",
+               poll_s=0.05)
+    load_s = time.monotonic() - started_at
+    return {"load_s": load_s, "startup_s": load_s,
             "rx_bytes": {n: _rx_bytes(hosts[n]) - rx_before[n] for n in "ab"}}
 
 
@@ -103,12 +107,15 @@ def run_mesh(hosts, started: Started, workdir: Path, model: Path, seeded: bool, 
     started_at = time.monotonic()
     log_c = start("c", "--join", ticket, "--serve", str(MESH_API_PORT), "--min-peers", "2", "--model", str(model),
                   *([] if seeded else ["--no-weight-cache"]))
-    wait_until(lambda: "API ready" in log_c.read_text(errors="replace"), START_TIMEOUT_S * 3, f"{label}: c loads")
-    load_s = time.monotonic() - started_at
+    wait_until(lambda: "Plan for" in log_c.read_text(errors="replace"), START_TIMEOUT_S, f"{label}: c plans")
+    planned_at = time.monotonic()
+    wait_until(lambda: "API ready" in log_c.read_text(errors="replace"), START_TIMEOUT_S * 3, f"{label}: c loads",
+               poll_s=0.05)
+    ready_at = time.monotonic()
     status = _status(hosts["c"], homes["c"])
     for name in "abc":
         started.extra_pids += [p["pid"] for p in _status(hosts[name], homes[name])["processes"]]
-    return {"load_s": load_s, "workers_start_s": seeding_s,
+    return {"load_s": ready_at - planned_at, "startup_s": ready_at - started_at, "workers_start_s": seeding_s,
             "rx_bytes": {n: _rx_bytes(hosts[n]) - rx_before[n] for n in "ab"},
             "tunnel_bytes_to_peer": {p["name"]: p["bytes_to_peer"] for p in status["peers"]},
             "plan": [(n["name"], n["layers"], n["weights_bytes"]) for n in status["serving"]["plan"]["nodes"]]}
@@ -120,13 +127,13 @@ def _print(report: dict[str, Any]) -> None:
 
     stock = report["mesh stock"]
     table = Table(title=f"load: {report['model']} ({report['model_bytes'] / 1e6:.0f} MB), 3 hosts, c serves")
-    for col in ("setup", "load s", "vs mesh stock", "MB into a", "MB into b", "tunnel MB c→a", "tunnel MB c→b",
-                "workers' start s"):
+    for col in ("setup", "load s", "vs mesh stock", "c start→API s", "MB into a", "MB into b", "tunnel MB c→a",
+                "tunnel MB c→b", "workers' start s"):
         table.add_column(col, justify="left" if col == "setup" else "right")
     for name in ("direct", "mesh stock", "mesh seeded"):
         r = report[name]
         tunnels = r.get("tunnel_bytes_to_peer", {})
-        table.add_row(name, f"{r['load_s']:.1f}", f"{r['load_s'] / stock['load_s']:.2f}x",
+        table.add_row(name, f"{r['load_s']:.1f}", f"{r['load_s'] / stock['load_s']:.2f}x", f"{r['startup_s']:.1f}",
                       f"{r['rx_bytes']['a'] / 1e6:.1f}", f"{r['rx_bytes']['b'] / 1e6:.1f}",
                       *(f"{tunnels[n] / 1e6:.2f}" if n in tunnels else "-" for n in "ab"),
                       f"{r['workers_start_s']:.1f}" if "workers_start_s" in r else "-")
