@@ -41,7 +41,7 @@ from .ports import LOOPBACK, check_tcp_port_free
 from .proxy import ApiAccess
 from .ticket import decode_ticket
 from .views import plan_table
-from . import weight_cache
+from . import speculation, weight_cache
 from .weight_cache import WeightCache
 
 STATUS_WATCH_INTERVAL_S = 1.0
@@ -102,6 +102,17 @@ def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool
         return binaries, model_path, model_sha256(model_path, progress) if identify_model else ""
     finally:
         progress.close()
+
+
+def _draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:
+    """The draft model --draft-model names (checked against the model's tokenizer), or None."""
+    if draft is None:
+        return None
+    if not serving:
+        raise UsageError("--draft-model works on the serving node only: add --serve PORT.")
+    path = speculation.find_draft(model) if draft == speculation.AUTO else check_gguf(Path(draft))
+    speculation.check_pair(model, path)
+    return path
 
 
 def _prepare_weight_cache(home: NodeHome, model: Path, sha256: str) -> tuple[WeightCache, Path]:
@@ -165,6 +176,9 @@ def run_node(
         "--weight-cache/--no-weight-cache",
         help="Keep a cache of received weights (and seed it from --model) so loads send only hashes; "
              "costs disk space about the size of the model.")] = True,
+    draft_model: Annotated[Optional[str], typer.Option(
+        "--draft-model", help="With --serve: a small GGUF with the same tokenizer that drafts tokens on this "
+                              "node's CPU for speculative decoding; 'auto' picks the smallest cached one.")] = None,
     fetch_model: Annotated[bool, typer.Option(
         "--fetch-model", help="Without --serve: fetch the serving node's model file over the mesh (resumable, "
                               "sha256-checked) so later loads send only hashes.")] = False,
@@ -182,6 +196,7 @@ def run_node(
             check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
         binaries, model_path, sha256 = _prepare(llama_bin, model,
                                                 identify_model=serve is not None or model is not None)
+        draft_path = _draft_for(model_path, draft_model, serve is not None)
         node_home.create()
         _configure_logging(node_home, verbose)
         cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
@@ -190,7 +205,7 @@ def run_node(
                               binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
                               min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
                               api_access=api_access, model_sha256=sha256, weight_cache=cache,
-                              weight_cache_tool=tool, fetch_model=fetch_model)
+                              weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path)
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
         asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:
@@ -260,6 +275,8 @@ def _status_view(snapshot: dict) -> Group:
             parts.append(plan_table(serving["plan"], title="Current plan"))
         elif serving["refusal"]:
             parts.append(Text(f"Not serving: {serving['refusal']}", style="bold red"))
+        if serving.get("speculation"):
+            parts.append(Text(f"speculation: {serving['speculation']['reason']}"))
     processes = Table("process", "pid", "state", "port", "log")
     for p in snapshot["processes"]:
         processes.add_row(p["name"], str(p["pid"]), "running" if p["running"] else "exited",

@@ -41,6 +41,7 @@ from .metrics import Metrics
 from .planner import NodeCapacity, Plan, plan_layers
 from .ports import LOOPBACK, free_tcp_port
 from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy
+from .speculation import Speculation, choose
 from .views import plan_table
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class ServingSupervisor:
         metrics: Metrics,
         say: Callable[[Any], None],
         access: ApiAccess = OPEN_ACCESS,
+        draft_model: Path | None = None,
     ) -> None:
         self._identity = identity
         self._name = name
@@ -114,6 +116,8 @@ class ServingSupervisor:
         self._say = say
         self._metrics = metrics
         self._access = access
+        self._draft_model = draft_model
+        self.speculation: Speculation | None = None
         # llama-server's own key, known only to our proxy (see llama_server_argv).
         upstream_key = secrets.token_hex(UPSTREAM_KEY_BYTES)
         self._upstream_key_file = logs.parent / UPSTREAM_KEY_FILE
@@ -132,8 +136,20 @@ class ServingSupervisor:
     # --- planning ------------------------------------------------------------------
 
     def compute_plan(self) -> Plan:
-        return plan_over_mesh(self._mesh, self._identity, self._name, self._own_capacity(),
+        own = self._own_capacity()
+        if self._draft_model is not None:
+            # The draft runs on this node's CPU, beside its share of the big model.
+            draft = cached_estimate(self._draft_model, self._ctx_size)
+            own = dataclasses.replace(own, usable_bytes=max(0, own.usable_bytes - draft.total_bytes))
+        return plan_over_mesh(self._mesh, self._identity, self._name, own,
                               cached_estimate(self._model, self._ctx_size))
+
+    def _choose_speculation(self, plan: Plan) -> Speculation:
+        remote = {n.node_id.hex() for n in plan.nodes if n.node_id != self._identity.node_id}
+        rtts = [row["rtt_p50_ms"] if row["rtt_p50_ms"] is not None else row["rtt_ms"]
+                for row in self._mesh.status() if row["id"] in remote]
+        known = [r for r in rtts if r is not None]
+        return choose(self._draft_model, max(known) if known else None, len(remote))
 
     def _endpoint(self, node_id: bytes) -> str:
         if node_id == self._identity.node_id:
@@ -195,11 +211,14 @@ class ServingSupervisor:
             return
         self.refusal = None
         self._say(plan_table(self.plan.to_json(), title=f"Plan for {self._model.name}"))
+        self.speculation = self._choose_speculation(self.plan)
+        if self.speculation.kind != "none":
+            self._say(f"Speculative decoding: {self.speculation.reason}")
         self.llama_port = free_tcp_port()
         argv = llama_server_argv(
             self._binaries, self._model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
             tensor_split=self.plan.tensor_split(), api_key_file=self._upstream_key_file,
-            extra=["--ctx-size", str(self._ctx_size)],
+            extra=["--ctx-size", str(self._ctx_size), *self.speculation.llama_server_args()],
         )
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(tuple(n.node_id for n in self.plan.nodes))
@@ -259,6 +278,7 @@ class ServingSupervisor:
                     "requires_key": self._access.api_key is not None},
             "plan": self.plan.to_json() if self.plan else None,
             "refusal": self.refusal,
+            "speculation": self.speculation.to_json() if self.speculation else None,
             "llama_server_restarts": self.restarts,
         }
 
