@@ -28,7 +28,7 @@ from rich.text import Text
 from .capacity import parse_size
 from . import control
 from .control import read_plan, read_status
-from .errors import MeshError, UsageError
+from .errors import MeshError, ReceiptError, UsageError
 from .home import NodeHome
 from .logs import follow as follow_logs
 from .logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
@@ -41,6 +41,7 @@ from .ports import LOOPBACK, check_tcp_port_free
 from .proxy import ApiAccess
 from .ticket import decode_ticket
 from .views import plan_table
+from . import receipt as receipts
 from . import speculation, weight_cache
 from .weight_cache import WeightCache
 
@@ -179,6 +180,9 @@ def run_node(
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", help="With --serve: a small GGUF with the same tokenizer that drafts tokens on this "
                               "node's CPU for speculative decoding; 'auto' picks the smallest cached one.")] = None,
+    receipt: Annotated[Optional[Path], typer.Option(
+        "--receipt", help="With --serve: write a signed receipt (plan, model hashes, RTTs, speeds, output hash) "
+                          "for every request into this directory; check one with `mesh-inference verify`.")] = None,
     fetch_model: Annotated[bool, typer.Option(
         "--fetch-model", help="Without --serve: fetch the serving node's model file over the mesh (resumable, "
                               "sha256-checked) so later loads send only hashes.")] = False,
@@ -197,6 +201,8 @@ def run_node(
         binaries, model_path, sha256 = _prepare(llama_bin, model,
                                                 identify_model=serve is not None or model is not None)
         draft_path = _draft_for(model_path, draft_model, serve is not None)
+        if receipt is not None and serve is None:
+            raise UsageError("--receipt works on the serving node only: add --serve PORT.")
         node_home.create()
         _configure_logging(node_home, verbose)
         cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
@@ -205,7 +211,8 @@ def run_node(
                               binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
                               min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
                               api_access=api_access, model_sha256=sha256, weight_cache=cache,
-                              weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path)
+                              weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
+                              receipts=receipt.expanduser().resolve() if receipt else None)
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
         asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:
@@ -337,6 +344,38 @@ def kick(
     err_console.print(f"Removed {result['removed']} from the mesh and rotated the secret. New ticket:",
                       highlight=False)
     print(result["ticket"])
+
+
+@app.command()
+def verify(
+    receipt_file: Annotated[Path, typer.Argument(metavar="RECEIPT", help="A receipt written by --receipt DIR.")],
+    replay: Annotated[bool, typer.Option("--replay", help="Also run the request again on the mesh of the node "
+                                         "in --home and compare the output's hash.")] = False,
+    home: HomeOption = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="MESH_API_KEY", show_default=False,
+                                                   help="The serving node's API key, if it has one.")] = None,
+) -> None:
+    """Check a run receipt's signature (and with --replay, that the mesh reproduces its output)."""
+    try:
+        try:
+            document = json.loads(receipt_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"Cannot read {receipt_file} as JSON: {exc}") from exc
+        body = receipts.verify(document)
+        served = body["served_by"]
+        console.print(f"Signature OK: served by {served['name']} ({served['id'][:16]}...) at {body['created']}; "
+                      f"model {body['model']['name']} sha256 {str(body['model']['sha256'])[:12]}...; "
+                      f"{body['output']['n_tokens']} tokens, output sha256 {body['output']['token_ids_sha256'][:16]}...",
+                      highlight=False)
+        if replay:
+            again = receipts.replay(body, read_status(NodeHome.resolve(home)), api_key)
+            if again != body["output"]["token_ids_sha256"]:
+                raise ReceiptError(f"Replay gave other output (sha256 {again[:16]}... instead of "
+                                   f"{body['output']['token_ids_sha256'][:16]}...): a different model, plan or "
+                                   "build, or a request that was not greedy.")
+            console.print("Replay OK: the mesh reproduced the same output token ids.", highlight=False)
+    except MeshError as exc:
+        _fail(exc)
 
 
 @app.command()

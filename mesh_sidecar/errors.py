@@ -25,7 +25,8 @@ turn it into a message or a close with a reason.
     │   ├── FrameTooLargeError        a length field over the limit
     │   ├── MalformedMessageError     a frame that does not decode
     │   └── ProtocolVersionError      a wire version we do not speak
-    └── AuthError               a peer failed admission (key or mesh secret)
+    ├── AuthError               a peer failed admission (key or mesh secret)
+    └── ReceiptError            a run receipt is damaged, altered or not reproduced
 """
 
 from __future__ import annotations
@@ -113,3 +114,7 @@ class ProtocolVersionError(WireError):
 
 class AuthError(MeshError):
     """A peer failed admission: wrong node key or no proof of the mesh secret."""
+
+
+class ReceiptError(MeshError):
+    """A run receipt failed verification, or its replay gave other output."""

@@ -68,6 +68,8 @@ class NodeOptions:
     fetch_model: bool = False
     # With serve_port: a draft model (same tokenizer) for speculative decoding on this node's CPU.
     draft_model: Path | None = None
+    # With serve_port: write a signed run receipt per generation request here.
+    receipts: Path | None = None
     api_access: ApiAccess = OPEN_ACCESS
 
 
@@ -206,7 +208,7 @@ class Node:
             model=self.options.model, ctx_size=self.options.ctx_size, serve_port=self.options.serve_port,
             min_peers=self.options.min_peers, rpc_port=self.rpc_port, own_capacity=self.capacity,
             logs=self.options.home.logs, metrics=self.metrics, say=self._say, access=self.options.api_access,
-            draft_model=self.options.draft_model,
+            draft_model=self.options.draft_model, receipts=self.options.receipts,
         )
 
     async def _watch_rpc_server(self) -> None:

@@ -46,6 +46,7 @@ from aiohttp import web
 from .errors import MeshError, UsageError
 from .metrics import Metrics
 from .ports import LOOPBACK
+from .receipt import OutputTap, ask_for_token_ids
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,31 @@ class ApiAccess:
 OPEN_ACCESS = ApiAccess()  # no key, no CORS: the default
 
 
+@dataclass(frozen=True)
+class Generation:
+    """One finished generation request, for receipts: the request as sent (seed pinned) and what came back."""
+
+    path: str
+    request: dict
+    output: OutputTap
+
+
+GenerationHook = Callable[[Generation], None]
+
+
+def _tapped(body: bytes, path: str) -> tuple[bytes, dict | None, OutputTap | None]:
+    """The body asking for token ids too, the request as the client meant it, and the tap to read them."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return body, None, None
+    if not isinstance(request, dict):
+        return body, None, None
+    sent = json.loads(body)
+    added = ask_for_token_ids(request, path)
+    return json.dumps(request).encode(), sent, OutputTap(strip=added)
+
+
 def _sse_error(message: str, code: str) -> bytes:
     body = {"error": {"message": message, "type": "server_error", "code": code}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -128,9 +154,10 @@ class ApiProxy:
 
     def __init__(self, metrics: Metrics, on_stall: Callable[[str], None],
                  stall_timeout_s: float = STALL_TIMEOUT_S, access: ApiAccess = OPEN_ACCESS,
-                 upstream_key: str | None = None) -> None:
+                 upstream_key: str | None = None, on_generation: GenerationHook | None = None) -> None:
         self.metrics = metrics
         self._access = access
+        self._on_generation = on_generation
         self._on_stall = on_stall
         self._stall_timeout_s = stall_timeout_s
         self._client = httpx.AsyncClient(
@@ -269,8 +296,12 @@ class ApiProxy:
                 "model_loading"))
         body = await request.read()
         streaming = False
+        tap: OutputTap | None = None
+        sent: dict | None = None
         if request.method == "POST" and request.path in GENERATION_PATHS:
             body, streaming = pin_seed(body)
+            if self._on_generation is not None:
+                body, sent, tap = _tapped(body, request.path)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
@@ -280,7 +311,10 @@ class ApiProxy:
         self._in_flight += 1
         self._idle.clear()
         try:
-            return self._count(request, await self._exchange(request, upstream, headers, body, streaming))
+            response = await self._exchange(request, upstream, headers, body, streaming, tap)
+            if tap is not None and sent is not None and response.status == 200:
+                self._report(Generation(request.path, sent, tap))
+            return self._count(request, response)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -290,8 +324,15 @@ class ApiProxy:
         self.metrics.requests.labels(request.path, str(response.status)).inc()
         return response
 
+    def _report(self, generation: Generation) -> None:
+        assert self._on_generation is not None
+        try:
+            self._on_generation(generation)
+        except Exception:  # a receipt must never cost the client its answer
+            log.exception("could not record the generation for %s", generation.path)
+
     async def _exchange(self, request: web.Request, upstream_at: tuple[str, int], headers: dict[str, str],
-                        body: bytes, streaming: bool) -> web.StreamResponse:
+                        body: bytes, streaming: bool, tap: OutputTap | None = None) -> web.StreamResponse:
         """Send to llama-server; on its failure wait for the next one and retry or replay."""
         started = time.monotonic()
         first_text_seen = False
@@ -309,6 +350,8 @@ class ApiProxy:
                         # Read it all before answering: a failure then can still be retried whole.
                         content = await upstream.aread()
                         self._observe_timings(content)
+                        if tap is not None and upstream.status_code == 200:
+                            content = tap.content(content)
                         return web.Response(status=upstream.status_code, body=content, headers=self._headers(upstream))
                     if response is None:
                         response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
@@ -325,7 +368,7 @@ class ApiProxy:
                                 first_text_seen = True
                                 self.metrics.first_token.observe(time.monotonic() - started)
                             self._observe_timings(out)
-                            await response.write(out)
+                            await response.write(tap.event(out) if tap is not None else out)
                     await response.write_eof()
                     return response
                 finally:

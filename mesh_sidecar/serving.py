@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import time
+from datetime import datetime, timezone
 import functools
 import logging
 import os
@@ -40,7 +43,9 @@ from .mesh import WEIGHTS_MISMATCH, Mesh, holds_other_weights
 from .metrics import Metrics
 from .planner import NodeCapacity, Plan, plan_layers
 from .ports import LOOPBACK, free_tcp_port
-from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy
+from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy, Generation
+from . import receipt
+from .model import model_sha256
 from .speculation import Speculation, choose
 from .views import plan_table
 
@@ -101,6 +106,7 @@ class ServingSupervisor:
         say: Callable[[Any], None],
         access: ApiAccess = OPEN_ACCESS,
         draft_model: Path | None = None,
+        receipts: Path | None = None,
     ) -> None:
         self._identity = identity
         self._name = name
@@ -117,6 +123,8 @@ class ServingSupervisor:
         self._metrics = metrics
         self._access = access
         self._draft_model = draft_model
+        self._draft_sha256: str | None = None
+        self._receipts = receipts
         self.speculation: Speculation | None = None
         # llama-server's own key, known only to our proxy (see llama_server_argv).
         upstream_key = secrets.token_hex(UPSTREAM_KEY_BYTES)
@@ -124,7 +132,8 @@ class ServingSupervisor:
         fd = os.open(self._upstream_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(upstream_key + "\n")
-        self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key)
+        self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key,
+                               on_generation=self._write_receipt if receipts is not None else None)
         self._restart_reason: str | None = None
         self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
@@ -167,6 +176,8 @@ class ServingSupervisor:
                 "Stop the program holding it or choose another with --serve PORT."
             ) from exc
         await estimate_off_loop(self._model, self._ctx_size)
+        if self._draft_model is not None:
+            self._draft_sha256 = await asyncio.to_thread(model_sha256, self._draft_model, lambda *_: None)
         await self._wait_for_peers()
         while True:
             await self._apply_plan()
@@ -271,6 +282,41 @@ class ServingSupervisor:
         if _layout(candidate) != _layout(self.plan):
             return "Members changed and the layers can be spread better", False
         return None
+
+    def _write_receipt(self, generation: Generation) -> None:
+        """--receipt DIR: one signed JSON per finished generation request."""
+        assert self._receipts is not None and self.plan is not None
+        out = generation.output
+        timings = out.timings
+        plan_ids = {n.node_id.hex() for n in self.plan.nodes}
+        drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
+        now = time.time()
+        body = {
+            "id": out.response_id,
+            "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="milliseconds"),
+            "request": {"path": generation.path, "body": generation.request},
+            "served_by": {"id": self._identity.node_id.hex(), "name": self._name},
+            "plan": [{"id": n.node_id.hex(), "name": n.name, "layers": [n.start, n.end]} for n in self.plan.nodes],
+            "model": {"name": self._model.name, "sha256": self._mesh.model_sha256},
+            "draft": ({"name": self._draft_model.name, "sha256": self._draft_sha256}
+                      if self._draft_model is not None else None),
+            "speculation": self.speculation.to_json() if self.speculation else None,
+            # Heartbeat round trips to the plan's other members, as measured while this ran.
+            "edges_rtt_ms": {row["name"]: {"last": row["rtt_ms"], "p50": row["rtt_p50_ms"], "p95": row["rtt_p95_ms"]}
+                             for row in self._mesh.status() if row["id"] in plan_ids},
+            "tokens": {"prompt": timings.get("prompt_n"), "completion": timings.get("predicted_n")},
+            "tok_s": {"prompt": timings.get("prompt_per_second"), "decode": timings.get("predicted_per_second")},
+            "draft_acceptance": ({"drafted": drafted, "accepted": accepted, "rate": accepted / drafted}
+                                 if drafted else None),
+            "output": {"token_ids_sha256": receipt.output_digest(out.token_ids), "n_tokens": len(out.token_ids)},
+        }
+        self._receipts.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+        path = self._receipts / f"{stamp}-{out.response_id or 'request'}.json"
+        # Receipts hold the prompt: readable by this user only.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(receipt.sign(body, self._identity), f, indent=2)
 
     def status(self) -> dict[str, Any]:
         return {
