@@ -208,10 +208,10 @@ def _copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
             continue
         main_type = field.types[0]
         sub_type = field.types[-1] if main_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, _raw_contents(field), main_type, sub_type=sub_type)
+        writer.add_key_value(field.name, raw_contents(field), main_type, sub_type=sub_type)
 
 
-def _raw_contents(field: gguf.ReaderField) -> object:
+def raw_contents(field: gguf.ReaderField) -> object:
     # Strings stay bytes: the writer stores them as given, so nothing is decoded and re-encoded.
     if gguf.GGUFValueType.STRING not in field.types:
         return field.contents()
