@@ -17,7 +17,13 @@ starts, so the two never share the CPU. Each setup gets one warm-up request, the
 ``timings``) and one streamed request (time to the first SSE chunk with text), all
 with ``cache_prompt: false`` so every request evaluates the prompt.
 
-Run as root: ``.venv/bin/python -m benchmarks.decode [--reps N] [--n-predict N] [--json PATH]``.
+The comparison runs once per link profile (``--profiles``, names from
+``tests/netns.py`` ``LINK_PROFILES``), each on a fresh lab: the plain bridge, tbf
+rate limits on every link, or the delay switch that holds every frame between
+hosts for a fixed time (both setups cross it alike).
+
+Run as root: ``.venv/bin/python -m benchmarks.decode [--reps N] [--n-predict N]
+[--profiles unshaped,1gbit,100mbit,5ms,20ms] [--model PATH|bench-1gb] [--json PATH]``.
 Figures are printed and written as JSON; nothing is asserted.
 """
 
@@ -43,6 +49,7 @@ from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "decode.json"
+DEFAULT_PROFILES = "unshaped,1gbit,100mbit,5ms,20ms"
 QUIC_PORT = 47470
 MESH_API_PORT = 8080
 DIRECT_API_PORT = 8081
@@ -199,8 +206,10 @@ def _listening(host, port: int) -> bool:
     return bool(out.stdout.strip())
 
 
-def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any]) -> tuple[dict, list[str], dict]:
-    """Start a, b, c as in the netns test; measure through c's :8080; return (client result, order, info)."""
+def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
+             model: Path | None = None) -> tuple[dict, list[str], dict]:
+    """Start a, b, c as in the netns test (c serves `model`, by default the default one); measure
+    through c's :8080; return (client result, order, info)."""
     homes = {name: workdir / "mesh" / name for name in "abc"}
 
     def start(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
@@ -218,7 +227,8 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any]) -
     t_a = ticket(procs["a"][1])
     procs["b"] = start("b", "--join", t_a)
     t_b = ticket(procs["b"][1])
-    procs["c"] = start("c", "--join", t_b, "--serve", str(MESH_API_PORT), "--min-peers", "2")
+    procs["c"] = start("c", "--join", t_b, "--serve", str(MESH_API_PORT), "--min-peers", "2",
+                       *(["--model", str(model)] if model is not None else []))
 
     def api_ready() -> bool:
         for name, (proc, log) in procs.items():
@@ -318,7 +328,8 @@ def _print(report: dict[str, Any]) -> None:
 
     console = Console(width=max(Console().width, 100))
     d, m = report["direct"], report["mesh"]
-    table = Table(title=f"decode: {report['model']}, {report['n_predict']} tokens, {report['reps']} reps, "
+    table = Table(title=f"decode on {report['profile']}: {report['model']}, {report['n_predict']} tokens, "
+                        f"{report['reps']} reps, "
                         f"prompt {d['prompt_tokens']} tokens, rpc order {','.join(report['order'])}")
     for col in ("setup", "prompt tok/s (med)", "decode tok/s (med)", "decode min–max", "TTFT ms (med)",
                 "decode mesh/direct"):
@@ -346,10 +357,84 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _resolve_model(given: str | None) -> Path:
+    """A GGUF path, a synthetic preset's name (made if missing), or None: the default model."""
+    from benchmarks.synthetic_model import PRESETS, ensure_synthetic_model
+    from mesh_sidecar.model import ensure_model
+
+    if given in PRESETS:
+        return ensure_synthetic_model(PRESETS[given])
+    return ensure_model(Path(given) if given is not None else None, _quiet)
+
+
+def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workdir: Path,
+                started: Started) -> dict[str, Any]:
+    """The mesh, then the direct setup, on a fresh lab with this link profile; its report entry."""
+    from tests.netns import LINK_PROFILES, Lab
+
+    workdir.mkdir(parents=True)
+    began = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    lab = Lab(**LINK_PROFILES[profile], sniff=False)  # the sniffer's per-frame loop would compete for the CPU
+    try:
+        hosts = {name: lab.add_host(name) for name in "abc"}
+        print(f"[{profile}] mesh: starting a, b, c (logs in {workdir})...", flush=True)
+        mesh_result, order, mesh_info = run_mesh(hosts, started, workdir, spec, model)
+        started.stop_all()
+        print(f"[{profile}] direct: rpc-servers on a, b, c over TCP, order {','.join(order)}...", flush=True)
+        direct_result, direct_info = run_direct(hosts, started, workdir, spec, order, binaries, model)
+    finally:
+        started.stop_all()
+        lab.close()
+    entry = {
+        "profile": profile,
+        "link": LINK_PROFILES[profile],
+        # To match against whatever else ran on the machine meanwhile.
+        "began": began,
+        "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "order": order,
+        "direct": {**_summary(direct_result), **direct_info},
+        "mesh": {**_summary(mesh_result), **mesh_info},
+        "mesh_tunnels": _tunnel_bytes(mesh_result),
+        "raw": {"direct": direct_result["reps"], "mesh": mesh_result["reps"]},
+    }
+    entry["decode_ratio_mesh_over_direct"] = (entry["mesh"]["decode_tok_s"]["median"]
+                                              / entry["direct"]["decode_tok_s"]["median"])
+    entry["greedy_texts_identical"] = entry["direct"]["text"] == entry["mesh"]["text"]
+    if lab.switch_stats is not None:
+        entry["delay_switch"] = lab.switch_stats
+    return entry
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"decode across link profiles: {report['model']}, {report['n_predict']} tokens, "
+                        f"{report['reps']} reps (medians)")
+    for col in ("profile", "decode tok/s direct", "mesh", "mesh/direct", "TTFT ms direct", "mesh",
+                "prompt tok/s direct", "mesh", "same text"):
+        table.add_column(col, justify="left" if col == "profile" else "right")
+    for e in report["profiles"]:
+        if "error" in e:
+            table.add_row(e["profile"], "failed", "", "", "", "", "", "", "")
+            continue
+        d, m = e["direct"], e["mesh"]
+        table.add_row(e["profile"], f"{d['decode_tok_s']['median']:.1f}", f"{m['decode_tok_s']['median']:.1f}",
+                      f"{e['decode_ratio_mesh_over_direct']:.2f}", f"{d['ttft_ms']['median']:.0f}",
+                      f"{m['ttft_ms']['median']:.0f}", f"{d['prompt_tok_s']['median']:.1f}",
+                      f"{m['prompt_tok_s']['median']:.1f}", "yes" if e["greedy_texts_identical"] else "NO")
+    Console(width=max(Console().width, 140)).print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--n-predict", type=int, default=128)
+    parser.add_argument("--profiles", default=DEFAULT_PROFILES,
+                        help=f"comma-separated link profiles (default {DEFAULT_PROFILES}; also 0ms: the delay "
+                             "switch with no delay)")
+    parser.add_argument("--model", help="GGUF file, or a synthetic preset name such as bench-1gb "
+                                        "(default: the default model)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -362,61 +447,59 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.path.insert(0, str(REPO_ROOT))
     from mesh_sidecar.llama_build import ensure_binaries
-    from mesh_sidecar.model import ensure_model
-    from tests.netns import Lab
+    from tests.netns import LINK_PROFILES
 
+    profiles = args.profiles.split(",")
+    unknown = [p for p in profiles if p not in LINK_PROFILES]
+    if unknown:
+        print(f"unknown profile(s) {', '.join(unknown)}; choose from {', '.join(LINK_PROFILES)}", file=sys.stderr)
+        return 2
     binaries = ensure_binaries(None, _quiet)
-    model = ensure_model(None, _quiet)
+    model = _resolve_model(args.model)
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps}
+    report = {
+        "benchmark": "decode",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": model.name,
+        "prompt": PROMPT,
+        "n_predict": args.n_predict,
+        "reps": args.reps,
+        "sampling": GREEDY,
+        "cpu_count": os.cpu_count(),
+        "profiles": [],
+    }
 
     # SIGTERM ends us like Ctrl-C does: through the finally below.
     signal.signal(signal.SIGTERM, _interrupt)
     started = Started()
-    lab = None
     workdir = Path(tempfile.mkdtemp(prefix="bench-decode-"))
+    failed = False
     try:
-        lab = Lab()
-        lab.sniffer.stop()  # its per-frame Python loop would only compete for the CPU
-        hosts = {name: lab.add_host(name) for name in "abc"}
-        print(f"mesh: starting a, b, c (logs in {workdir})...", flush=True)
-        mesh_result, order, mesh_info = run_mesh(hosts, started, workdir, spec)
-        started.stop_all()
-        print(f"direct: rpc-servers on a, b, c over TCP, order {','.join(order)}...", flush=True)
-        direct_result, direct_info = run_direct(hosts, started, workdir, spec, order, binaries, model)
-        started.stop_all()
-
-        report = {
-            "benchmark": "decode",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": model.name,
-            "prompt": PROMPT,
-            "n_predict": args.n_predict,
-            "reps": args.reps,
-            "sampling": GREEDY,
-            "cpu_count": os.cpu_count(),
-            "order": order,
-            "direct": {**_summary(direct_result), **direct_info},
-            "mesh": {**_summary(mesh_result), **mesh_info},
-            "mesh_tunnels": _tunnel_bytes(mesh_result),
-            "raw": {"direct": direct_result["reps"], "mesh": mesh_result["reps"]},
-        }
-        report["decode_ratio_mesh_over_direct"] = (report["mesh"]["decode_tok_s"]["median"]
-                                                   / report["direct"]["decode_tok_s"]["median"])
-        report["greedy_texts_identical"] = report["direct"]["text"] == report["mesh"]["text"]
-        _print(report)
+        for profile in profiles:
+            try:
+                entry = run_profile(profile, binaries, model, spec, workdir / profile, started)
+            except Exception as exc:  # one profile failing (a start timeout, a crash) keeps the others' figures
+                print(f"[{profile}] failed: {exc!r}", file=sys.stderr, flush=True)
+                report["profiles"].append({"profile": profile, "error": repr(exc)})
+                failed = True
+                continue
+            report["profiles"].append(entry)
+            _print({**report, **entry})
+        _print_summary(report)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"written {args.json}")
-        shutil.rmtree(workdir, ignore_errors=True)  # kept, with the logs, when something failed
-        return 0
+        if failed:
+            print(f"logs of the failed profiles kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return 1 if failed else 0
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         started.stop_all()
-        if lab is not None:
-            lab.close()
 
 
 if __name__ == "__main__":

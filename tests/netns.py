@@ -4,10 +4,16 @@ Each host is a namespace with one veth into a bridge in the root namespace and
 its own loopback. Everything is made with names unique to this test run and
 removed by those names; processes are stopped by pid. A sniffer on the bridge
 sees every frame that crosses between hosts.
+
+Link profiles for benchmarks (`LINK_PROFILES`): `Lab(rate="100mbit")` puts a
+tbf on both ends of every host's veth; `Lab(delay_ms=20)` joins the hosts with
+TAP devices on a delay switch (`tests/delay_switch.py`) instead of a bridge,
+since this kernel has no netem: every frame between hosts arrives 20 ms late.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -15,9 +21,11 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tests.conftest import GREEDY, N_PREDICT, PROMPT, TICKET_LINE, NodeProcess
 from tests.waiting import wait_until
@@ -32,9 +40,62 @@ ETHERTYPE_IPV6 = 0x86DD
 IPPROTO_TCP = 6
 IPPROTO_UDP = 17
 
+# TAP devices (linux/if_tun.h): TUNSETIFF = _IOW('T', 202, int); frames without a packet-info header.
+TUNSETIFF = 0x400454CA
+IFF_TAP = 0x0002
+IFF_NO_PI = 0x1000
+DELAY_SWITCH = Path(__file__).with_name("delay_switch.py")
+SWITCH_START_TIMEOUT_S = 10.0
+# tbf on a host's link. Burst: 1 ms of the rate (1gbit: 125,000 B, 100mbit: 12,500 B, at
+# least eight full frames): the bucket must cover a late wake-up of tbf's watchdog on a busy 2-core
+# machine or the link falls short of its rate, and bursts above the rate stay within a
+# millisecond's worth. A GSO packet from the veth larger than the burst is split by tbf itself.
+# Latency 20 ms (queue = rate x 20 ms + burst: 2.6 MB at 1gbit, 262 KB at 100mbit): many
+# bandwidth-delay products of a sub-millisecond LAN, so TCP and QUIC fill the link without
+# tail drops, yet short of a bufferbloated modem's seconds.
+TBF_BURST_S = 0.001
+TBF_MIN_BURST_BYTES = 8 * 1514
+TBF_LATENCY_MS = 20
+_RATE = re.compile(r"(\d+(?:\.\d+)?)(k|m|g)?bit", re.IGNORECASE)
+
+# Link profiles by name: keyword arguments of Lab. "0ms" is the delay switch alone (its own cost).
+LINK_PROFILES: dict[str, dict] = {
+    "unshaped": {},
+    "1gbit": {"rate": "1gbit"},
+    "100mbit": {"rate": "100mbit"},
+    "0ms": {"delay_ms": 0},
+    "5ms": {"delay_ms": 5},
+    "20ms": {"delay_ms": 20},
+}
+
 
 def run(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True, text=True)
+
+
+def rate_bits_per_s(rate: str) -> int:
+    """tc's spelling of a rate ("100mbit", "1gbit", "500kbit") in bits per second."""
+    match = _RATE.fullmatch(rate.strip())
+    if match is None:
+        raise ValueError(f"rate {rate!r}: write it as tc does, e.g. 100mbit or 1gbit")
+    return int(float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[(match.group(2) or "").lower()])
+
+
+def tbf_argv(rate: str) -> list[str]:
+    """The `tbf ...` part of `tc qdisc add dev DEV root tbf ...` for this rate (see TBF_BURST_S)."""
+    burst = max(int(rate_bits_per_s(rate) / 8 * TBF_BURST_S), TBF_MIN_BURST_BYTES)
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+
+
+def open_tap(name: str) -> int:
+    """Make TAP device `name` in this namespace; it lives as long as the returned fd is open."""
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), IFF_TAP | IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def can_make_namespaces() -> bool:
@@ -112,33 +173,91 @@ class Sniffer:
 
 
 class Lab:
-    """Hosts on one bridge; `close()` removes exactly what was made."""
+    """Hosts on one bridge; `close()` removes exactly what was made.
 
-    def __init__(self) -> None:
+    rate: a tc rate ("100mbit"): a tbf on both ends of every host's link, so each host
+    sends and receives at most that. With delay_ms, only the host's sending side.
+    delay_ms: join the hosts with TAP devices on a delay switch instead of veths on the
+    bridge; each frame between hosts arrives delay_ms late. No bridge, so no sniffer;
+    the switch's counters are in `switch_stats` after `close()`.
+    sniff: start the sniffer on the bridge (`sniffer` is None without it).
+    """
+
+    def __init__(self, rate: str | None = None, delay_ms: float | None = None, sniff: bool = True) -> None:
         self.tag = f"mi{os.getpid() % 100000}"
         self.bridge = f"{self.tag}br"
         self.run_octet = os.getpid() % 250 + 1
         self.hosts: list[Host] = []
         self._links: list[str] = []
+        self.rate, self.delay_ms = rate, delay_ms
+        if rate is not None:
+            rate_bits_per_s(rate)  # a typo fails here, not halfway through add_host
+        self.sniffer: Sniffer | None = None
+        self.switch: subprocess.Popen | None = None
+        self.switch_stats: dict | None = None
+        self._taps: list[tuple[str, str]] = []  # (namespace, device)
+        if delay_ms is not None:
+            self._start_switch(delay_ms)
+            return
         run("ip", "link", "add", self.bridge, "type", "bridge")
         # Promiscuous, the bridge device also receives the frames it forwards: the sniffer sees them.
         run("ip", "link", "set", self.bridge, "up", "promisc", "on")
-        self.sniffer = Sniffer(self.bridge)
-        self.sniffer.start()
+        if sniff:
+            self.sniffer = Sniffer(self.bridge)
+            self.sniffer.start()
 
-    def add_host(self, name: str) -> Host:
-        index = len(self.hosts) + 1
-        netns = f"{self.tag}{name}"
+    def _start_switch(self, delay_ms: float) -> None:
+        self._control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._control.settimeout(SWITCH_START_TIMEOUT_S)
+        handle, self._switch_stats_path = tempfile.mkstemp(prefix=f"{self.tag}-switch-", suffix=".json")
+        os.close(handle)
+        os.unlink(self._switch_stats_path)  # written on the switch's exit; absent means it never wrote
+        # Its own process: it must not share a GIL with the code under test.
+        self.switch = subprocess.Popen(
+            [sys.executable, str(DELAY_SWITCH), "--delay-ms", str(delay_ms),
+             "--control-fd", str(theirs.fileno()), "--stats", self._switch_stats_path],
+            pass_fds=(theirs.fileno(),), stdout=subprocess.DEVNULL)
+        theirs.close()
+
+    def _link_over_switch(self, name: str, netns: str) -> str:
+        """A TAP for `name`, moved into its namespace, its fd handed to the switch; returns the device."""
+        tap = f"{self.tag}{name}t"
+        fd = open_tap(tap)
+        try:
+            run("ip", "link", "set", tap, "netns", netns)
+            socket.send_fds(self._control, [tap.encode()], [fd])
+            if self._control.recv(16) != b"ok":
+                raise RuntimeError(f"the delay switch (pid {self.switch.pid}) did not take {tap}")
+        finally:
+            os.close(fd)  # the switch holds it now; when the switch exits, the device goes too
+        self._taps.append((netns, tap))
+        if self.rate is not None:
+            run("tc", "-n", netns, "qdisc", "add", "dev", tap, "root", *tbf_argv(self.rate))
+        return tap
+
+    def _link_over_bridge(self, name: str, netns: str) -> str:
         outside, inside = f"{self.tag}{name}o", f"{self.tag}{name}i"
-        ip = SUBNET.format(run=self.run_octet, host=index)
-        run("ip", "netns", "add", netns)
-        host = Host(name, netns, ip)
-        self.hosts.append(host)
         run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
         self._links.append(outside)
         run("ip", "link", "set", inside, "netns", netns)
         run("ip", "link", "set", outside, "master", self.bridge)
         run("ip", "link", "set", outside, "up")
+        if self.rate is not None:  # both ends: what the host sends, and what the bridge sends it
+            run("tc", "-n", netns, "qdisc", "add", "dev", inside, "root", *tbf_argv(self.rate))
+            run("tc", "qdisc", "add", "dev", outside, "root", *tbf_argv(self.rate))
+        return inside
+
+    def add_host(self, name: str) -> Host:
+        index = len(self.hosts) + 1
+        netns = f"{self.tag}{name}"
+        ip = SUBNET.format(run=self.run_octet, host=index)
+        run("ip", "netns", "add", netns)
+        host = Host(name, netns, ip)
+        self.hosts.append(host)
+        if self.switch is not None:
+            inside = self._link_over_switch(name, netns)
+        else:
+            inside = self._link_over_bridge(name, netns)
         # IPv6 off inside: its router/neighbour chatter would only blur the sniffer's counts.
         run(*host.exec_argv("sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1"))
         run("ip", "-n", netns, "addr", "add", f"{ip}/24", "dev", inside)
@@ -147,12 +266,34 @@ class Lab:
         return host
 
     def close(self) -> None:
-        self.sniffer.stop()
+        if self.sniffer is not None:
+            self.sniffer.stop()
+        if self.switch is not None:
+            self._stop_switch()
+        for netns, tap in self._taps:
+            subprocess.run(["ip", "-n", netns, "link", "del", tap], capture_output=True)
         for host in self.hosts:
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
         for link in self._links:
             subprocess.run(["ip", "link", "del", link], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        if self.switch is None:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def _stop_switch(self) -> None:
+        self._control.close()  # the switch's cue to write its counters and exit; then SIGTERM, SIGKILL
+        for stop in (None, self.switch.terminate, self.switch.kill):
+            if stop is not None:
+                stop()
+            try:
+                self.switch.wait(SWITCH_START_TIMEOUT_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        stats = Path(self._switch_stats_path)
+        if stats.exists():
+            self.switch_stats = json.loads(stats.read_text())
+            stats.unlink()
+        stats.with_name(stats.name + ".partial").unlink(missing_ok=True)  # killed while writing
 
 
 # --- mesh-inference nodes on lab hosts -----------------------------------------------------
