@@ -207,14 +207,15 @@ def _listening(host, port: int) -> bool:
 
 
 def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
-             model: Path | None = None) -> tuple[dict, list[str], dict]:
-    """Start a, b, c as in the netns test (c serves `model`, by default the default one); measure
-    through c's :8080; return (client result, order, info)."""
-    homes = {name: workdir / "mesh" / name for name in "abc"}
+             model: Path | None = None, serve_args: tuple[str, ...] = (),
+             label: str = "mesh") -> tuple[dict, list[str], dict]:
+    """Start a, b, c as in the netns test (c serves `model`, by default the default one, with
+    ``serve_args``); measure through c's :8080; return (client result, order, info)."""
+    homes = {name: workdir / label / name for name in "abc"}
 
     def start(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         homes[name].mkdir(parents=True)
-        log = workdir / f"mesh-{name}.out"
+        log = workdir / f"{label}-{name}.out"
         argv = lab_hosts[name].exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(homes[name]),
                                          "--name", name, "--port", str(QUIC_PORT), *args)
         return started.popen(f"mesh node {name}", argv, log), log
@@ -228,7 +229,7 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
     procs["b"] = start("b", "--join", t_a)
     t_b = ticket(procs["b"][1])
     procs["c"] = start("c", "--join", t_b, "--serve", str(MESH_API_PORT), "--min-peers", "2",
-                       *(["--model", str(model)] if model is not None else []))
+                       *(["--model", str(model)] if model is not None else []), *serve_args)
 
     def api_ready() -> bool:
         for name, (proc, log) in procs.items():
