@@ -379,7 +379,8 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
     try:
         hosts = {name: lab.add_host(name) for name in "abc"}
         print(f"[{profile}] mesh: starting a, b, c (logs in {workdir})...", flush=True)
-        mesh_result, order, mesh_info = run_mesh(hosts, started, workdir, spec, model)
+        # Plain decoding on both sides: speculation has its own benchmark (speculative.py).
+        mesh_result, order, mesh_info = run_mesh(hosts, started, workdir, spec, model, ("--speculation", "off"))
         started.stop_all()
         print(f"[{profile}] direct: rpc-servers on a, b, c over TCP, order {','.join(order)}...", flush=True)
         direct_result, direct_info = run_direct(hosts, started, workdir, spec, order, binaries, model)

@@ -52,7 +52,7 @@ def run_profile(profile: str, binaries, target: Path, draft: Path, spec: dict[st
     try:
         hosts = {name: lab.add_host(name) for name in "abc"}
         print(f"[{profile}] mesh, plain...", flush=True)
-        plain, order, _ = run_mesh(hosts, started, workdir, spec, target, label="plain")
+        plain, order, _ = run_mesh(hosts, started, workdir, spec, target, ("--speculation", "off"), "plain")
         started.stop_all()
         print(f"[{profile}] mesh + draft...", flush=True)
         drafted, _, _ = run_mesh(hosts, started, workdir, spec, target, ("--draft-model", str(draft)), "draft")

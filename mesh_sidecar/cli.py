@@ -180,6 +180,9 @@ def run_node(
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", help="With --serve: a small GGUF with the same tokenizer that drafts tokens on this "
                               "node's CPU for speculative decoding; 'auto' picks the smallest cached one.")] = None,
+    speculation_mode: Annotated[str, typer.Option(
+        "--speculation", help="With --serve: 'auto' (a draft model if given, else n-gram lookup on slow "
+                              "links) or 'off' (plain decoding).")] = "auto",
     receipt: Annotated[Optional[Path], typer.Option(
         "--receipt", help="With --serve: write a signed receipt (plan, model hashes, RTTs, speeds, output hash) "
                           "for every request into this directory; check one with `mesh-inference verify`.")] = None,
@@ -200,6 +203,10 @@ def run_node(
             check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
         binaries, model_path, sha256 = _prepare(llama_bin, model,
                                                 identify_model=serve is not None or model is not None)
+        if speculation_mode not in ("auto", "off"):
+            raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
+        if speculation_mode == "off" and draft_model is not None:
+            raise UsageError("--speculation off and --draft-model contradict each other: drop one.")
         draft_path = _draft_for(model_path, draft_model, serve is not None)
         if receipt is not None and serve is None:
             raise UsageError("--receipt works on the serving node only: add --serve PORT.")
@@ -212,7 +219,8 @@ def run_node(
                               min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
                               api_access=api_access, model_sha256=sha256, weight_cache=cache,
                               weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
-                              receipts=receipt.expanduser().resolve() if receipt else None)
+                              receipts=receipt.expanduser().resolve() if receipt else None,
+                              speculate=speculation_mode == "auto")
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
         asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:

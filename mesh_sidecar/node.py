@@ -70,6 +70,8 @@ class NodeOptions:
     draft_model: Path | None = None
     # With serve_port: write a signed run receipt per generation request here.
     receipts: Path | None = None
+    # With serve_port: let the node choose speculative decoding (False: never).
+    speculate: bool = True
     api_access: ApiAccess = OPEN_ACCESS
 
 
@@ -209,6 +211,7 @@ class Node:
             min_peers=self.options.min_peers, rpc_port=self.rpc_port, own_capacity=self.capacity,
             logs=self.options.home.logs, metrics=self.metrics, say=self._say, access=self.options.api_access,
             draft_model=self.options.draft_model, receipts=self.options.receipts,
+            speculate=self.options.speculate,
         )
 
     async def _watch_rpc_server(self) -> None:

@@ -107,6 +107,7 @@ class ServingSupervisor:
         access: ApiAccess = OPEN_ACCESS,
         draft_model: Path | None = None,
         receipts: Path | None = None,
+        speculate: bool = True,
     ) -> None:
         self._identity = identity
         self._name = name
@@ -123,6 +124,7 @@ class ServingSupervisor:
         self._metrics = metrics
         self._access = access
         self._draft_model = draft_model
+        self._speculate = speculate
         self._draft_sha256: str | None = None
         self._receipts = receipts
         self.speculation: Speculation | None = None
@@ -158,7 +160,7 @@ class ServingSupervisor:
         rtts = [row["rtt_p50_ms"] if row["rtt_p50_ms"] is not None else row["rtt_ms"]
                 for row in self._mesh.status() if row["id"] in remote]
         known = [r for r in rtts if r is not None]
-        return choose(self._draft_model, max(known) if known else None, len(remote))
+        return choose(self._draft_model, max(known) if known else None, len(remote), allowed=self._speculate)
 
     def _endpoint(self, node_id: bytes) -> str:
         if node_id == self._identity.node_id:

@@ -31,9 +31,10 @@ from .home import cache_root
 AUTO = "auto"
 TOKENS_KEY = "tokenizer.ggml.tokens"
 TOKENIZER_MODEL_KEY = "tokenizer.ggml.model"
-# (slowest RTT in the plan, ms) -> tokens to draft: a cheap local draft is worth
-# more tokens per traversal the more a traversal costs.
-DRAFT_LENGTH_BY_RTT_MS = ((2.0, 4), (10.0, 8), (float("inf"), 12))
+# (slowest heartbeat RTT in the plan, ms) -> tokens to draft: a cheap local draft is
+# worth more tokens per traversal the more a traversal costs. Heartbeat RTTs include
+# each side's event-loop latency (a few ms on a busy machine), hence no finer steps.
+DRAFT_LENGTH_BY_RTT_MS = ((5.0, 4), (20.0, 8), (float("inf"), 12))
 NGRAM_DRAFT_MAX = 8
 
 
@@ -101,8 +102,14 @@ def find_draft(target: Path, search: Path | None = None) -> Path:
                      "has nothing to pick. Pass --draft-model PATH with a small model of the same family.")
 
 
-def choose(draft_model: Path | None, slowest_rtt_ms: float | None, remote_members: int) -> Speculation:
-    """The speculation for a plan whose slowest link has ``slowest_rtt_ms`` (None: no remote member)."""
+def choose(draft_model: Path | None, slowest_rtt_ms: float | None, remote_members: int,
+           *, allowed: bool = True) -> Speculation:
+    """The speculation for a plan whose slowest link has ``slowest_rtt_ms`` (None: no remote member).
+
+    ``allowed`` False (``--speculation off``): plain decoding whatever the links.
+    """
+    if not allowed:
+        return Speculation("none", None, 0, "turned off (--speculation off)")
     if remote_members == 0 or slowest_rtt_ms is None:
         draft_max = DRAFT_LENGTH_BY_RTT_MS[0][1]
         rtt_text = "all layers local"

@@ -49,6 +49,7 @@ def test_auto_picks_the_smallest_model_with_the_same_tokenizer(model_path, tmp_p
 def test_draft_length_grows_with_the_round_trip():
     assert choose(None, None, 0).kind == "none"
     assert choose(None, 0.5, 2).kind == "none"  # fast links: plain decoding
+    assert choose(Path("d.gguf"), 50.0, 2, allowed=False).kind == "none"
     ngram = choose(None, 20.0, 2)
     assert ngram.kind == "ngram" and "--spec-type" in ngram.llama_server_args()
     lengths = [choose(Path("d.gguf"), rtt, 2).draft_max for rtt in (0.5, 5.0, 20.0)]
