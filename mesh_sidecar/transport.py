@@ -1,9 +1,12 @@
 """The node's network edge: an authenticated QUIC full mesh on one UDP port.
 
 One UDP socket both listens and dials; every datagram goes to its connection
-by destination connection id. Only this module imports the QUIC library
-(aioquic), and every use of its internals sits in the ``_Quic`` adapter, so a
-fork with the same API (qh3) can be swapped in there.
+by destination connection id. Datagrams waiting together are read together and
+each connection handles its share at once (one pass over the QUIC state, one
+ACK); datagrams sent together go as one Linux UDP GSO ``sendmsg()`` where the
+kernel allows. Only this module imports the QUIC library: aioquic, or qh3 1.x
+(a fork with the same API and Rust parts) when MESH_QUIC=qh3; every use of
+their internals sits in the ``_Quic`` / ``_Qh3Quic`` adapter.
 
     UDP port ── MeshTransport ──(connection id)──> PeerConnection ── _Quic (aioquic)
                                                      ├─ stream 0: control stream
@@ -59,22 +62,47 @@ import enum
 import errno
 import itertools
 import logging
+import os
 import secrets
 import socket
 import ssl
 import struct
+import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aioquic.buffer import Buffer
-from aioquic.quic import events
-from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfiguration
-from aioquic.quic.connection import QuicConnection
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
-from aioquic.quic.packet_builder import QuicPacketBuilder
-from aioquic.quic.recovery import QuicPacketSpace
-from aioquic.quic.stream import QuicStream
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+# The QUIC library, chosen once per process: aioquic, or qh3 1.x (MESH_QUIC=qh3), a fork with
+# the same API and Rust parts; only the adapter section below knows how their internals differ.
+QUIC_LIBRARY = os.environ.get("MESH_QUIC", "aioquic")
+if QUIC_LIBRARY == "aioquic":
+    from aioquic.buffer import Buffer
+    from aioquic.quic import events
+    from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfiguration
+    from aioquic.quic.connection import QuicConnection
+    from aioquic.quic.packet import QuicPacketType, pull_quic_header
+elif QUIC_LIBRARY == "qh3":
+    from qh3._hazmat import Buffer
+    from qh3.quic import events
+    from qh3.quic.configuration import QuicConfiguration
+    from qh3.quic.connection import QuicConnection
+    from qh3.quic.packet import QuicPacketType, pull_quic_header
+    from qh3.tls import SignatureAlgorithm, load_pem_private_key, load_pem_x509_certificates
+
+    SMALLEST_MAX_DATAGRAM_SIZE = 1200  # RFC 9000 14.1
+    if not hasattr(QuicConnection, "_write_application"):
+        # qh3 2: a native core that opens receive windows itself as data arrives, read or not.
+        raise ImportError("MESH_QUIC=qh3 needs qh3 1.x: qh3 2 grants flow-control credit by itself, so a "
+                          "peer could make this node buffer without bound; install 'qh3<2' or use aioquic")
+else:
+    raise ImportError(f"MESH_QUIC={QUIC_LIBRARY!r}: the QUIC library must be aioquic or qh3")
+if TYPE_CHECKING:
+    from aioquic.quic.packet_builder import QuicPacketBuilder
+    from aioquic.quic.recovery import QuicPacketSpace
+    from aioquic.quic.stream import QuicStream
 
 from . import auth
 from .errors import (
@@ -100,6 +128,12 @@ DIAL_TIMEOUT_S = 3.0  # per address, TLS and admission included
 MAX_DATAGRAM_BYTES = 1200  # QUIC's minimum: passes every path, and aioquic does no PMTU discovery
 CONNECTION_ID_BYTES = 8
 SOCKET_BUFFER_BYTES = 4 * MIB  # asked of the kernel, which may cap it
+MAX_DATAGRAMS_PER_READ = 64  # read in one go when the socket is readable, then each connection pumps once
+MAX_UDP_PAYLOAD_BYTES = 65535
+# Linux UDP GSO: one sendmsg() carries up to this many equal-size datagrams (the last may be shorter).
+UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
+GSO_MAX_SEGMENTS = 64
+GSO_MAX_BYTES = 65000
 STREAM_RECEIVE_WINDOW_BYTES = 1 * MIB
 WINDOW_GRANT_STEP_BYTES = STREAM_RECEIVE_WINDOW_BYTES // 4  # fewer MAX_STREAM_DATA frames
 SEND_HIGH_WATER_BYTES = 512 * KIB
@@ -184,7 +218,9 @@ def _quic_configuration(identity: NodeIdentity, *, is_client: bool) -> QuicConfi
         # Node certificates are self-signed: the client checks the key they carry, not a chain.
         verify_mode=ssl.CERT_NONE,
     )
-    if not is_client:
+    if QUIC_LIBRARY == "qh3":
+        _qh3_credentials(configuration, identity, is_client=is_client)
+    elif not is_client:
         configuration.certificate = identity.certificate()
         configuration.private_key = identity.private_key
     return configuration
@@ -249,6 +285,89 @@ class _Quic(QuicConnection):
     def smoothed_rtt(self) -> float | None:
         recovery = self._loss
         return recovery._rtt_smoothed if recovery._rtt_initialized else None
+
+
+def _qh3_credentials(configuration: QuicConfiguration, identity: NodeIdentity, *, is_client: bool) -> None:
+    """qh3 takes its own certificate and key types, and offers EdDSA only when asked."""
+    if is_client:
+        configuration.signature_algorithms = [SignatureAlgorithm.ED25519]
+        return
+    pem = serialization.Encoding.PEM
+    configuration.certificate = load_pem_x509_certificates(identity.certificate().public_bytes(pem))[0]
+    configuration.private_key = load_pem_private_key(identity.private_key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+
+class _Qh3Quic(_Quic):
+    """qh3 1.x: aioquic's core with Rust parts; it doubles windows inline, where aioquic has hooks."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._written: dict[int, int] = {}  # bytes written per stream: its native sender does not tell
+
+    def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        super().send_stream_data(stream_id, bytes(data), end_stream)  # its native sender takes bytes only
+        self._written[stream_id] = self._written.get(stream_id, 0) + len(data)
+
+    def datagrams_to_send(self, now: float) -> list:
+        # Hide arrivals from the doubling in _write_application, as _Quic's hooks do for aioquic.
+        hidden = [(stream.receiver, stream.receiver.highest_offset) for stream in self._streams_dirty_limits]
+        for receiver, _ in hidden:
+            receiver.highest_offset = 0
+        limit = self._local_max_data
+        used = limit.used
+        if not self._admitted:
+            limit.used = 0
+        try:
+            return super().datagrams_to_send(now)
+        finally:
+            for receiver, highest in hidden:
+                receiver.highest_offset = highest
+            limit.used = used
+
+    # qh3 also doubles a window when the peer says it is blocked by it: undo that.
+
+    def _handle_data_blocked_frame(self, context: Any, frame_type: int, buf: Buffer) -> None:
+        value = self._local_max_data.value
+        super()._handle_data_blocked_frame(context, frame_type, buf)
+        if not self._admitted:
+            self._local_max_data.value = value
+
+    def _handle_stream_data_blocked_frame(self, context: Any, frame_type: int, buf: Buffer) -> None:
+        start = buf.tell()
+        stream_id = buf.pull_uint_var()
+        buf.seek(start)
+        stream = self._streams.get(stream_id)
+        before = None if stream is None else stream.max_stream_data_local
+        super()._handle_stream_data_blocked_frame(context, frame_type, buf)
+        stream = self._streams.get(stream_id)
+        if stream is not None and stream.max_stream_data_local != before:
+            stream.max_stream_data_local = before if before is not None else stream.max_stream_data_local // 2
+
+    def grant_window(self, stream_id: int, consumed: int) -> bool:
+        if not super().grant_window(stream_id, consumed):
+            return False
+        self._streams_dirty_limits.add(self._streams[stream_id])  # only these get MAX_STREAM_DATA
+        return True
+
+    def unsent_bytes(self, stream_id: int) -> int:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            self._written.pop(stream_id, None)
+            return 0
+        return self._written.get(stream_id, 0) - stream.sender.highest_offset
+
+    def peer_node_id(self) -> bytes:
+        certificate = self.get_peercert()
+        if certificate is None:
+            raise AuthError("peer presented no certificate")
+        return node_id_of_certificate(x509.load_der_x509_certificate(certificate.public_bytes()))
+
+    def get_peer_address(self) -> tuple | None:
+        return self._network_paths[0].addr if self._network_paths else None
+
+
+_QuicConnection = _Qh3Quic if QUIC_LIBRARY == "qh3" else _Quic
 
 
 # --- streams -----------------------------------------------------------------
@@ -440,7 +559,8 @@ class PeerConnection:
         self._blocked_writers: set[MeshStreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._connection_ids: set[bytes] = set()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at: float | None = None
         self._auth_timer = self._loop.call_at(handshake.deadline, self._auth_timed_out)
         self._transmit_scheduled = False
         self._terminated = asyncio.Event()
@@ -517,8 +637,8 @@ class PeerConnection:
     # QUIC plumbing -----------------------------------------------------------
 
     def _datagram_received(self, data: bytes, address: tuple) -> None:
+        """Feed one datagram; the transport pumps once after the batch it came in."""
         self._quic.receive_datagram(data, address, now=self._loop.time())
-        self._pump()
 
     def _pump(self) -> int:
         """Handle aioquic's events, send its datagrams, re-arm its timer; returns datagrams sent."""
@@ -526,14 +646,14 @@ class PeerConnection:
         if self._terminated.is_set():
             return 0
         datagrams = self._quic.datagrams_to_send(now=self._loop.time())
-        for data, address in datagrams:
-            self._transport._sendto(data, address)
+        self._transport._send_datagrams(datagrams)
         when = self._quic.get_timer()
-        if self._timer is not None and (when is None or self._timer.when() != when):
+        # Compared with the deadline we asked for: uvloop hands back a plain Handle for one already due.
+        if self._timer is not None and when != self._timer_at:
             self._timer.cancel()
             self._timer = None
         if when is not None and self._timer is None:
-            self._timer = self._loop.call_at(when, self._on_timer)
+            self._timer, self._timer_at = self._loop.call_at(when, self._on_timer), when
         for writer in list(self._blocked_writers):
             writer._check_unblocked()
         return len(datagrams)
@@ -822,11 +942,20 @@ class PeerConnection:
 
 
 class _Endpoint(asyncio.DatagramProtocol):
-    def __init__(self, transport: MeshTransport) -> None:
+    def __init__(self, transport: MeshTransport, sock: socket.socket) -> None:
         self._transport = transport
+        self._sock = sock
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
-        self._transport._datagram_received(data, addr)
+        # asyncio reads one datagram per loop iteration: take those waiting behind it too,
+        # so each connection pumps once per batch (fewer wakeups, ACKs and timer changes).
+        batch = [(data, addr)]
+        while len(batch) < MAX_DATAGRAMS_PER_READ:
+            try:
+                batch.append(self._sock.recvfrom(MAX_UDP_PAYLOAD_BYTES))
+            except OSError:  # nothing more waiting, or an ICMP error: as error_received
+                break
+        self._transport._datagrams_received(batch)
 
     def error_received(self, exc: Exception) -> None:
         # ICMP errors (port unreachable, ...) tell nothing QUIC's own timers do not.
@@ -851,6 +980,8 @@ class MeshTransport:
         self._ignored_since_log = 0
         self._ignored_logged_at: float | None = None
         self._udp: asyncio.DatagramTransport | None = None
+        self._sock: socket.socket | None = None
+        self._gso = hasattr(socket, "SOL_UDP") and sys.platform == "linux"
         self._family = socket.AF_INET
         self._tasks: asyncio.TaskGroup | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -880,16 +1011,23 @@ class MeshTransport:
         """Bind the UDP port (0: any free one) and return its number."""
         self._loop = asyncio.get_running_loop()
         try:
-            self._udp, _ = await self._loop.create_datagram_endpoint(
-                lambda: _Endpoint(self), local_addr=(host, port)
-            )
+            # Our own socket, not asyncio's wrapper of it: the endpoint reads batches, and sends with GSO.
+            family, kind, proto, _, address = (await self._loop.getaddrinfo(
+                host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE))[0]
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.bind(address)
+                self._udp, _ = await self._loop.create_datagram_endpoint(lambda: _Endpoint(self, sock), sock=sock)
+            except BaseException:
+                sock.close()
+                raise
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUseError(
                     f"UDP port {port} on {host} is in use: stop the program using it or pick another port"
                 ) from exc
             raise UsageError(f"cannot listen on UDP {host}:{port}: {exc.strerror or exc}") from exc
-        sock = self._udp.get_extra_info("socket")
+        self._sock = sock
         self._family = sock.family
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
@@ -945,7 +1083,7 @@ class MeshTransport:
         except socket.gaierror as exc:
             raise MeshError(f"{where}: cannot resolve ({exc.strerror})") from exc
         now = self._loop.time()
-        quic = _Quic(configuration=self._client_configuration)
+        quic = _QuicConnection(configuration=self._client_configuration)
         nonce = secrets.token_bytes(auth.NONCE_BYTES)
         handshake = auth.ClientHandshake(self._identity, self._secret, expected_id, nonce, now)
         connection = PeerConnection(self, quic, handshake, initiator=True)
@@ -966,16 +1104,26 @@ class MeshTransport:
             raise type(failure)(f"{where}: {failure}") from failure
         return connection
 
-    def _datagram_received(self, data: bytes, addr: tuple) -> None:
+    def _datagrams_received(self, batch: list[tuple[bytes, tuple]]) -> None:
+        fed: dict[PeerConnection, None] = {}
+        for data, addr in batch:
+            if (connection := self._datagram_received(data, addr)) is not None:
+                fed[connection] = None
+        for connection in fed:
+            connection._pump()
+
+    def _datagram_received(self, data: bytes, addr: tuple) -> PeerConnection | None:
+        """Route one datagram; the connection it was fed to, which the caller pumps."""
         try:
             header = pull_quic_header(Buffer(data=data), host_cid_length=CONNECTION_ID_BYTES)
         except ValueError:
             self._ignore(addr, "not QUIC")
-            return
+            return None
         connection = self._routes.get(header.destination_cid)
         if connection is not None:
             connection._datagram_received(data, addr)
-        elif (
+            return connection
+        if (
             header.packet_type == QuicPacketType.INITIAL
             and len(data) >= SMALLEST_MAX_DATAGRAM_SIZE
             and header.version in self._server_configuration.supported_versions
@@ -984,6 +1132,7 @@ class MeshTransport:
             self._accept(header.destination_cid, data, addr)
         else:
             self._ignore(addr, "not a connection of ours")
+        return None
 
     def _ignore(self, addr: tuple, why: str) -> None:
         self.ignored_datagrams += 1
@@ -1002,7 +1151,7 @@ class MeshTransport:
             logger.debug("dropped a new connection from %s: %d peers already authenticating", addr, waiting)
             return
         now = self._loop.time()
-        quic = _Quic(
+        quic = _QuicConnection(
             configuration=self._server_configuration,
             original_destination_connection_id=original_connection_id,
         )
@@ -1021,6 +1170,37 @@ class MeshTransport:
             connection._connection_ids.add(connection_id)
             self._routes[connection_id] = connection
 
-    def _sendto(self, data: bytes, address: tuple) -> None:
-        if self._udp is not None and not self._udp.is_closing():
-            self._udp.sendto(data, address)
+    def _send_datagrams(self, datagrams: list[tuple[bytes, tuple]]) -> None:
+        """Send in order; runs of equal-size datagrams to one address go as one GSO sendmsg()."""
+        udp = self._udp
+        if udp is None or udp.is_closing():
+            return
+        i = 0
+        while i < len(datagrams):
+            data, address = datagrams[i]
+            size, end = len(data), i + 1
+            if self._gso:
+                while (end < len(datagrams) and end - i < GSO_MAX_SEGMENTS and (end - i + 1) * size <= GSO_MAX_BYTES
+                       and datagrams[end][1] == address and len(datagrams[end - 1][0]) == size
+                       and len(datagrams[end][0]) <= size):
+                    end += 1
+            if end - i == 1 or not self._send_segments([d for d, _ in datagrams[i:end]], size, address):
+                for d, _ in datagrams[i:end]:
+                    udp.sendto(d, address)
+            i = end
+
+    def _send_segments(self, segments: list[bytes], size: int, address: tuple) -> bool:
+        """One sendmsg() with UDP_SEGMENT; False (send them one by one) if that cannot be done now."""
+        assert self._udp is not None and self._sock is not None
+        if self._udp.get_write_buffer_size():
+            return False  # asyncio holds earlier datagrams: keep the order
+        try:
+            segment_size = [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]
+            self._sock.sendmsg([b"".join(segments)], segment_size, 0, address)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            self._gso = False
+            logger.info("UDP segmentation offload unavailable (%s): one datagram per send from now on", exc)
+            return False
+        return True

@@ -1,0 +1,614 @@
+"""Relay benchmark: one tunnel (TCP -> QUIC -> TCP) vs. a plain TCP connection, same two hosts.
+
+Two hosts a and b live in network namespaces on one bridge (``tests/netns.py``). On b a
+target server listens on 127.0.0.1 (for the tunnel) and on b's bridge address (for plain
+TCP). From a, one client connection at a time measures:
+
+- bulk: ``--bulk-mb`` MB one way, a -> b, ``--reps`` times; Gbit/s from the first byte sent
+  to the target's byte count coming back (so every byte has arrived);
+- round trip: ``--round-trips`` 64-byte request/response ping-pongs on one connection
+  (TCP_NODELAY), after ``WARMUP_ROUND_TRIPS``; p50/p95 in microseconds.
+
+Paths, all in one run:
+
+- tcp: a's client -> b's bridge address, over the veth pair (the stock RPC way);
+- tunnel, once per QUIC library (``--libraries``, default every one importable;
+  ``qh3:DIR`` runs the mesh processes with DIR first on PYTHONPATH, e.g. another qh3
+  version installed there with ``pip install --target DIR``):
+  a's client -> a's TunnelListener on 127.0.0.1 -> QUIC over the veth pair -> b's
+  serve_peer_stream / serve_inbound_stream -> b's target on 127.0.0.1. Each host runs
+  one mesh process of its own (``--role node``: a MeshTransport with a tunnel, no
+  llama.cpp), with ``MESH_QUIC`` set to the library.
+
+The target's first byte picks its mode ("S": count to EOF, "E": echo); it is no RPC
+HELLO, so the tunnel's RPC filter passes the stream through untouched (its opaque path).
+While each bulk repetition runs, the CPU seconds of every process are read from /proc,
+and each host's UDP buffer drops from /proc/net/snmp.
+``--profile`` adds one more bulk transfer per library under py-spy on both mesh
+processes (not timed) and sums its samples by where they fall.
+
+Run as root: ``.venv/bin/python -m benchmarks.relay [--bulk-mb N] [--reps N]
+[--round-trips N] [--libraries aioquic,qh3[:DIR]] [--mtu N] [--tweak MODULE.NAME=INT]...
+[--uvloop] [--profile] [--json PATH]``. ``--tweak`` sets an int constant in the mesh
+processes before they start, for experiments: ``transport.MAX_DATAGRAM_BYTES=1452``,
+``transport.MAX_DATAGRAMS_PER_READ=1`` (no read batching), ``transport.GSO_MAX_SEGMENTS=1``
+(no GSO), ``tunnel.RELAY_CHUNK_BYTES=65536``.
+Figures are printed and written as JSON; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "relay.json"
+QUIC_PORT = 47470
+TARGET_PORT = 47480
+MB = 1_000_000
+SEND_CHUNK_BYTES = 1024 * 1024
+RECV_CHUNK_BYTES = 1024 * 1024
+MESSAGE_BYTES = 64
+WARMUP_ROUND_TRIPS = 200
+START_TIMEOUT_S = 30.0
+BULK_TIMEOUT_S = 600.0
+PROFILE_RATE_HZ = 250
+LIBRARIES = ("aioquic", "qh3")
+SINK, ECHO = b"S", b"E"
+COUNT_BYTES = 8
+
+
+# --------------------------------------------------------------------------------------------
+# The target: runs on b, plain threads and blocking sockets (never the bottleneck).
+# --------------------------------------------------------------------------------------------
+
+def _target(spec: dict[str, Any]) -> None:
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mode = conn.recv(1)
+            buffer = bytearray(RECV_CHUNK_BYTES)
+            if mode == SINK:
+                total = 0
+                while n := conn.recv_into(buffer):
+                    total += n
+                conn.sendall(total.to_bytes(COUNT_BYTES, "big"))
+            elif mode == ECHO:
+                view = memoryview(buffer)
+                while n := conn.recv_into(buffer):
+                    conn.sendall(view[:n])
+
+    def listen(host: str) -> None:
+        server = socket.create_server((host, TARGET_PORT), reuse_port=False)
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    for host in spec["hosts"]:
+        threading.Thread(target=listen, args=(host,), daemon=True).start()
+    print("listening", flush=True)
+    threading.Event().wait()
+
+
+# --------------------------------------------------------------------------------------------
+# The client: runs on a, one measurement per process, prints one JSON object.
+# --------------------------------------------------------------------------------------------
+
+def _client(spec: dict[str, Any]) -> dict[str, Any]:
+    conn = socket.create_connection((spec["host"], spec["port"]), timeout=BULK_TIMEOUT_S)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        if spec["mode"] == "bulk":
+            return _bulk(conn, spec["bytes"])
+        return _round_trips(conn, spec["round_trips"])
+
+
+def _bulk(conn: socket.socket, total: int) -> dict[str, Any]:
+    chunk = memoryview(os.urandom(SEND_CHUNK_BYTES))
+    started = time.perf_counter()
+    conn.sendall(SINK)
+    left = total
+    while left:
+        n = min(left, SEND_CHUNK_BYTES)
+        conn.sendall(chunk[:n])
+        left -= n
+    conn.shutdown(socket.SHUT_WR)
+    count = _recv_exactly(conn, COUNT_BYTES)
+    seconds = time.perf_counter() - started
+    received = int.from_bytes(count, "big")
+    if received != total:
+        raise SystemExit(f"the target counted {received} bytes of {total}")
+    return {"bytes": total, "seconds": seconds, "gbit_s": total * 8 / seconds / 1e9}
+
+
+def _round_trips(conn: socket.socket, count: int) -> dict[str, Any]:
+    message = os.urandom(MESSAGE_BYTES)
+    conn.sendall(ECHO)
+    samples = []
+    for i in range(WARMUP_ROUND_TRIPS + count):
+        started = time.perf_counter_ns()
+        conn.sendall(message)
+        if _recv_exactly(conn, MESSAGE_BYTES) != message:
+            raise SystemExit("the echo came back altered")
+        if i >= WARMUP_ROUND_TRIPS:
+            samples.append((time.perf_counter_ns() - started) / 1000)
+    return {"round_trips": count, "us": samples}
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        part = conn.recv(n - len(data))
+        if not part:
+            raise SystemExit(f"connection closed after {len(data)} of {n} bytes")
+        data += part
+    return bytes(data)
+
+
+# --------------------------------------------------------------------------------------------
+# A mesh node: runs on a or b, a MeshTransport and one side of the tunnel, until SIGTERM.
+# --------------------------------------------------------------------------------------------
+
+def _node(spec: dict[str, Any]) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name, value in spec["tweaks"].items():
+        module, constant = name.rsplit(".", 1)
+        setattr(importlib.import_module(f"mesh_sidecar.{module}"), constant, value)
+    if spec["uvloop"]:
+        import uvloop
+
+        uvloop.run(_node_main(spec))
+    else:
+        asyncio.run(_node_main(spec))
+
+
+async def _node_main(spec: dict[str, Any]) -> None:
+    from mesh_sidecar import transport
+    from mesh_sidecar.identity import generate_identity
+    from mesh_sidecar.ports import LOOPBACK
+    from mesh_sidecar.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
+
+    workdir = Path(spec["workdir"])
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    identity = generate_identity()
+    secret = bytes.fromhex(spec["secret"])
+
+    async def serve_peer(peer: transport.PeerConnection) -> None:
+        if spec["name"] == "b":
+            servers = {StreamKind.RPC: lambda r, w: serve_inbound_stream(r, w, TARGET_PORT, lambda _peer: None, "a")}
+            peer.set_stream_handler(lambda r, w: serve_peer_stream(r, w, servers, "a"))
+        await peer.wait_closed()
+
+    mesh = transport.MeshTransport(identity, secret, serve_peer)
+    await mesh.start(spec["ip"], QUIC_PORT)
+    listener = None
+    info = {"library": transport.QUIC_LIBRARY, "version": importlib.metadata.version(transport.QUIC_LIBRARY),
+            "pid": os.getpid()}
+    if spec["name"] == "b":
+        (workdir / "b.id").write_text(identity.node_id.hex())
+    else:
+        b_id = bytes.fromhex((workdir / "b.id").read_text())
+        peer = await mesh.connect([(spec["peer_ip"], QUIC_PORT)], b_id)
+        listener = TunnelListener(peer)
+        info["tunnel"] = [LOOPBACK, await listener.start()]
+    (workdir / f"{spec['name']}.ready").write_text(json.dumps(info))
+    await stop.wait()
+    if listener is not None:
+        await listener.close()
+    await mesh.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The orchestrator: lab, processes, figures.
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Started:
+    """Every process this run started, stopped by pid (last started, first stopped)."""
+
+    procs: list[tuple[str, subprocess.Popen, Path]] = field(default_factory=list)
+
+    def popen(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                start_new_session=True, env=env)
+        self.procs.append((name, proc, log))
+        return proc
+
+    def check(self) -> None:
+        for name, proc, log in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = [p for p in self.procs if p[1] is not proc]
+
+    def stop_all(self) -> None:
+        while self.procs:
+            self.stop(self.procs[-1][1])
+
+
+def _role_argv(host, role: str, spec: dict[str, Any]) -> list[str]:
+    return host.exec_argv(sys.executable, "-m", "benchmarks.relay", "--role", role, "--spec", json.dumps(spec))
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _udp_drops(hosts) -> dict[str, int]:
+    """Datagrams each host's kernel dropped for want of socket buffer room (both ways), so far."""
+    drops = {}
+    for host in hosts:
+        lines = [line.split() for line in subprocess.run(
+            host.exec_argv("cat", "/proc/net/snmp"), capture_output=True, text=True, check=True).stdout.splitlines()
+            if line.startswith("Udp:")]
+        row = dict(zip(lines[0][1:], map(int, lines[1][1:])))
+        drops[host.name] = row["RcvbufErrors"] + row["SndbufErrors"]
+    return drops
+
+
+@dataclass
+class Bench:
+    """What every measurement needs: the processes started, the lab's hosts, the options."""
+
+    started: Started
+    hosts: dict[str, Any]
+    args: argparse.Namespace
+    workdir: Path
+    py_spy: str
+
+
+def _measure(bench: Bench, spec: dict[str, Any], watched: dict[str, int]) -> dict[str, Any]:
+    """One client run on host a; the CPU seconds each watched pid spent meanwhile, and the UDP drops."""
+    hosts = bench.hosts.values()
+    drops_before = _udp_drops(hosts)
+    before = {name: _cpu_seconds(pid) for name, pid in watched.items()}
+    proc = subprocess.Popen(_role_argv(bench.hosts["a"], "client", spec), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        while proc.poll() is None:
+            bench.started.check()
+            time.sleep(0.05)
+        out, err = proc.communicate()
+        cpu = {name: _cpu_seconds(pid) - before[name] for name, pid in watched.items()}
+        drops = {name: n - drops_before[name] for name, n in _udp_drops(hosts).items()}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"client failed ({proc.returncode}):\n{err[-3000:]}")
+    return {**json.loads(out), "cpu_s": cpu, "udp_drops": drops}
+
+
+def _run_path(bench: Bench, target: dict[str, Any], watched: dict[str, int], profile_as: str | None = None
+              ) -> dict[str, Any]:
+    args = bench.args
+    bulk_spec = {**target, "mode": "bulk", "bytes": args.bulk_mb * MB}
+    bulk = [_measure(bench, bulk_spec, watched) for _ in range(args.reps)]
+    rtt = _measure(bench, {**target, "mode": "rtt", "round_trips": args.round_trips}, watched)
+    result = {"bulk": bulk, "round_trip": rtt}
+    if profile_as is not None:
+        result["profile"] = _profiled_bulk(bench, bulk_spec, watched, profile_as)
+    return result
+
+
+def _profiled_bulk(bench: Bench, bulk_spec: dict[str, Any], watched: dict[str, int], label: str) -> dict[str, Any]:
+    """One more bulk transfer with py-spy sampling both mesh processes; samples summed by place."""
+    spies = {}
+    for name in ("node a", "node b"):
+        out = bench.workdir / f"profile-{label}-{name.replace(' ', '-')}.txt"
+        argv = [bench.py_spy, "record", "--pid", str(watched[name]), "--rate", str(PROFILE_RATE_HZ),
+                "--format", "raw", "--full-filenames", "--nonblocking", "--output", str(out)]
+        spies[name] = (subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        start_new_session=True), out)
+    time.sleep(1.0)  # py-spy attaches
+    run = _measure(bench, bulk_spec, watched)
+    summary = {"bulk_gbit_s_while_sampled": run["gbit_s"], "seconds": run["seconds"]}
+    for name, (spy, out) in spies.items():
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        try:
+            spy.wait(30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait()
+        summary[name] = _summarize_profile(out, run["seconds"] + 1.0) if out.exists() else {
+            "error": spy.stderr.read().decode(errors="replace")[-500:] if spy.stderr else "no output"}
+    return summary
+
+
+def _place(frame: str) -> str:
+    """Where a frame's code lives, coarsely: the library, our modules, asyncio, the rest."""
+    name, _, location = frame.partition(" (")
+    path = location.rsplit(":", 1)[0]
+    for key in ("aioquic", "qh3", "uvloop"):
+        if f"/{key}/" in path:
+            return key
+    if "/mesh_sidecar/" in path:
+        return "mesh_sidecar/" + path.rsplit("/", 1)[1]
+    if "/asyncio/" in path:
+        return "asyncio"
+    return path.rsplit("/", 1)[-1] or name
+
+
+def _summarize_profile(path: Path, seconds: float) -> dict[str, Any]:
+    """py-spy's collapsed stacks: busy share of one core; self samples by place and by function."""
+    by_place: Counter[str] = Counter()
+    by_function: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        frames = stack.split(";")[1:]  # the first entry names the thread
+        total += n
+        leaf = frames[-1] if frames else "?"
+        by_place[_place(leaf)] += n
+        by_function[leaf.split(" (")[0] + " @ " + _place(leaf)] += n
+        for frame in set(frames):
+            if "/mesh_sidecar/" in frame or "/aioquic/" in frame or "/qh3/" in frame:
+                inclusive[frame.split(" (")[0] + " @ " + _place(frame)] += n
+    share = {k: round(v / total, 3) for k, v in by_place.most_common(12)} if total else {}
+    return {
+        "samples": total,
+        "busy_share_of_one_core": round(total / (seconds * PROFILE_RATE_HZ), 3),
+        "self_by_place": share,
+        "self_top_functions": {k: round(v / total, 3) for k, v in by_function.most_common(15)} if total else {},
+        "inclusive_top": {k: round(v / total, 3) for k, v in inclusive.most_common(15)} if total else {},
+    }
+
+
+def _importable(library: str) -> bool:
+    return importlib.util.find_spec(library) is not None
+
+
+def _set_mtu(lab, mtu: int) -> None:
+    subprocess.run(["ip", "link", "set", lab.bridge, "mtu", str(mtu)], check=True)
+    for host in lab.hosts:
+        outside, inside = f"{lab.tag}{host.name}o", f"{lab.tag}{host.name}i"
+        subprocess.run(["ip", "link", "set", outside, "mtu", str(mtu)], check=True)
+        subprocess.run(["ip", "-n", host.netns, "link", "set", inside, "mtu", str(mtu)], check=True)
+
+
+def _start_mesh(bench: Bench, library: str) -> tuple[dict, dict]:
+    """Node b, then node a dialing it with a tunnel, both on ``library``; their ready files."""
+    from tests.waiting import wait_until
+
+    hosts, started, args = bench.hosts, bench.started, bench.args
+    name, _, path = library.partition(":")
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=bench.workdir))
+    env = {**os.environ, "MESH_QUIC": name}
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join([path, str(REPO_ROOT)])
+    common = {"workdir": str(run_dir), "secret": secrets.token_hex(32), "tweaks": dict(args.tweak),
+              "uvloop": args.uvloop}
+    started.popen(f"node b ({library})", _role_argv(hosts["b"], "node", {**common, "name": "b", "ip": hosts["b"].ip}),
+                  run_dir / "node-b.out", env)
+    wait_until(lambda: started.check() or (run_dir / "b.ready").exists(), START_TIMEOUT_S, "node b starts")
+    started.popen(f"node a ({library})", _role_argv(hosts["a"], "node", {
+        **common, "name": "a", "ip": hosts["a"].ip, "peer_ip": hosts["b"].ip}),
+        run_dir / "node-a.out", env)
+    wait_until(lambda: started.check() or (run_dir / "a.ready").exists(), START_TIMEOUT_S, "node a connects")
+    a, b = (json.loads((run_dir / f"{n}.ready").read_text()) for n in "ab")
+    return a, b
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    bulk, rtt = result["bulk"], result["round_trip"]["us"]
+    gigabytes = bulk[0]["bytes"] / 1e9
+    cpu = {name: statistics.median(r["cpu_s"][name] for r in bulk) / gigabytes for name in bulk[0]["cpu_s"]}
+    return {
+        "bulk_gbit_s": _stats([r["gbit_s"] for r in bulk]),
+        "rtt_us": {"p50": _percentile(rtt, 50), "p95": _percentile(rtt, 95), "p99": _percentile(rtt, 99),
+                   "mean": statistics.fmean(rtt)},
+        "cpu_s_per_gb": cpu,
+        "udp_drops_per_bulk_run": statistics.median(sum(r["udp_drops"].values()) for r in bulk),
+    }
+
+
+def _print(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    table = Table(title=f"relay a -> b: {report['bulk_mb']} MB x {report['reps']}, {report['round_trips']} round trips "
+                        f"of {MESSAGE_BYTES} B, MTU {report['mtu']}, {report['cpu_count']} CPUs"
+                        + (f", tweaks {report['tweaks']}" if report["tweaks"] else "")
+                        + (", uvloop" if report["uvloop"] else "")
+                        + f", load {report['load_average_at_start'][0]:.1f}")
+    for col in ("path", "bulk Gbit/s (med)", "min–max", "RTT p50 µs", "RTT p95 µs", "CPU s/GB node a | node b",
+                "UDP drops / run", "vs tcp"):
+        table.add_column(col, justify="left" if col == "path" else "right")
+    tcp = report["paths"]["tcp"]
+    for name, s in report["paths"].items():
+        g = s["bulk_gbit_s"]
+        cpu = s["cpu_s_per_gb"]
+        nodes = f"{cpu['node a']:.1f} | {cpu['node b']:.1f}" if "node a" in cpu else ""
+        ratio = "" if name == "tcp" else (f"{g['median'] / tcp['bulk_gbit_s']['median']:.3f}x, "
+                                          f"+{s['rtt_us']['p50'] - tcp['rtt_us']['p50']:.0f} µs")
+        table.add_row(name, f"{g['median']:.3f}", f"{g['min']:.3f}–{g['max']:.3f}", f"{s['rtt_us']['p50']:.0f}",
+                      f"{s['rtt_us']['p95']:.0f}", nodes, f"{s['udp_drops_per_bulk_run']:.0f}", ratio)
+    console.print(table)
+    for name, s in report["paths"].items():
+        profile = s.get("profile")
+        if not profile:
+            continue
+        console.print(f"[bold]profile, {name}[/bold] (one bulk run at {profile['bulk_gbit_s_while_sampled']:.3f} "
+                      f"Gbit/s under py-spy):")
+        for node in ("node a", "node b"):
+            p = profile[node]
+            if "error" in p:
+                console.print(f"  {node}: {p['error']}")
+                continue
+            places = ", ".join(f"{k} {v:.0%}" for k, v in p["self_by_place"].items() if v >= 0.02)
+            console.print(f"  {node}: busy {p['busy_share_of_one_core']:.0%} of a core; self time: {places}")
+            top = ", ".join(f"{k} {v:.0%}" for k, v in list(p["self_top_functions"].items())[:6])
+            console.print(f"    top functions: {top}")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _tweak(text: str) -> tuple[str, int]:
+    name, _, value = text.partition("=")
+    if not value or "." not in name:
+        raise argparse.ArgumentTypeError("a tweak is MODULE.NAME=INT, e.g. transport.MAX_DATAGRAM_BYTES=1452")
+    return name, int(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.relay", description=__doc__.split("\n")[0])
+    parser.add_argument("--bulk-mb", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--round-trips", type=int, default=2000)
+    parser.add_argument("--libraries", default=",".join(lib for lib in LIBRARIES if _importable(lib)))
+    parser.add_argument("--mtu", type=int, default=1500, help="of the veth pairs and the bridge")
+    parser.add_argument("--tweak", type=_tweak, action="append", default=[])
+    parser.add_argument("--uvloop", action="store_true", help="run the mesh processes on uvloop")
+    parser.add_argument("--profile", action="store_true", help="one more bulk run per library under py-spy")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--role", choices=("target", "client", "node"), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role:
+        spec = json.loads(args.spec)
+        if args.role == "client":
+            print(json.dumps(_client(spec)))
+        else:
+            (_target if args.role == "target" else _node)(spec)
+        return 0
+
+    if os.geteuid() != 0:
+        print("needs root (network namespaces)", file=sys.stderr)
+        return 2
+    libraries = [lib for lib in args.libraries.split(",") if lib]
+    for lib in libraries:
+        if lib.split(":")[0] not in LIBRARIES or not (":" in lib or _importable(lib)):
+            print(f"QUIC library {lib!r} is not installed here (known: {', '.join(LIBRARIES)})", file=sys.stderr)
+            return 2
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if args.profile and not Path(py_spy).exists():
+        print("--profile needs py-spy: .venv/bin/pip install py-spy", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.netns import Lab
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = Started()
+    lab = None
+    workdir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
+    try:
+        lab = Lab()
+        lab.sniffer.stop()  # its per-frame Python loop would only compete for the CPU
+        hosts = {name: lab.add_host(name) for name in "ab"}
+        if args.mtu != 1500:
+            _set_mtu(lab, args.mtu)
+        target = started.popen("target", _role_argv(hosts["b"], "target", {"hosts": ["127.0.0.1", hosts["b"].ip]}),
+                               workdir / "target.out")
+        time.sleep(0.5)
+        started.check()
+        watched = {"target": target.pid}
+        load_at_start = os.getloadavg()
+        bench = Bench(started, hosts, args, workdir, py_spy)
+        print(f"tcp: a -> {hosts['b'].ip}:{TARGET_PORT} (logs in {workdir})...", flush=True)
+        results = {"tcp": _run_path(bench, {"host": hosts["b"].ip, "port": TARGET_PORT}, watched)}
+        libraries_info = {}
+        for library in libraries:
+            print(f"tunnel ({library}): a's 127.0.0.1 -> QUIC -> b's 127.0.0.1:{TARGET_PORT}...", flush=True)
+            a, b = _start_mesh(bench, library)
+            assert a["library"] == b["library"] == library.split(":")[0], (a, b)
+            label = f"{a['library']} {a['version']}"
+            host, port = a["tunnel"]
+            results[f"tunnel {label}"] = _run_path(bench, {"host": host, "port": port},
+                                                   {**watched, "node a": a["pid"], "node b": b["pid"]},
+                                                   label.replace(" ", "-") if args.profile else None)
+            libraries_info[label] = library
+            for name, proc, _ in list(started.procs):
+                if name.startswith("node "):
+                    started.stop(proc)
+
+        from mesh_sidecar import transport, tunnel
+
+        report = {
+            "benchmark": "relay",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "cpu_count": os.cpu_count(),
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": os.getloadavg(),
+            "python": platform.python_version(),
+            "libraries": libraries_info,
+            "bulk_mb": args.bulk_mb,
+            "reps": args.reps,
+            "round_trips": args.round_trips,
+            "mtu": args.mtu,
+            "tweaks": dict(args.tweak),
+            "uvloop": args.uvloop,
+            "constants": {name: getattr(transport, name) for name in (
+                "MAX_DATAGRAM_BYTES", "STREAM_RECEIVE_WINDOW_BYTES", "CONNECTION_RECEIVE_WINDOW_BYTES",
+                "SEND_HIGH_WATER_BYTES", "SEND_LOW_WATER_BYTES")} | {"RELAY_CHUNK_BYTES": tunnel.RELAY_CHUNK_BYTES},
+            "paths": {name: {**_summary(r), **({"profile": r["profile"]} if "profile" in r else {})}
+                      for name, r in results.items()},
+            "raw": {name: {"bulk": r["bulk"], "round_trip_us": r["round_trip"]["us"]} for name, r in results.items()},
+        }
+        _print(report)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"written {args.json}")
+        shutil.rmtree(workdir, ignore_errors=True)  # kept, with the logs, when something failed
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        started.stop_all()
+        if lab is not None:
+            lab.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
