@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from tests.waiting import wait_until
@@ -358,6 +359,29 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def write_report(report: dict[str, Any], path: Path) -> None:
+    """The JSON beside the printed tables."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"written {path}")
+
+
+def run_benchmark(body: Callable[[], int], started: Started, *closers: Callable[[], None]) -> int:
+    """``body()``'s exit status; Ctrl-C or SIGTERM ends it through the same cleanup: every process
+    ``started`` stopped by pid, then ``closers`` (labs) run."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print("interrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        started.stop_all()
+        for close in closers:
+            close()
+
+
 def _resolve_model(given: str | None) -> Path:
     """A GGUF path, a synthetic preset's name (made if missing), or None: the default model."""
     from benchmarks.synthetic_model import PRESETS, ensure_synthetic_model
@@ -471,12 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         "profiles": [],
     }
 
-    # SIGTERM ends us like Ctrl-C does: through the finally below.
-    signal.signal(signal.SIGTERM, _interrupt)
     started = Started()
     workdir = Path(tempfile.mkdtemp(prefix="bench-decode-"))
-    failed = False
-    try:
+
+    def body() -> int:
+        failed = False
         for profile in profiles:
             try:
                 entry = run_profile(profile, binaries, model, spec, workdir / profile, started)
@@ -488,20 +511,14 @@ def main(argv: list[str] | None = None) -> int:
             report["profiles"].append(entry)
             _print({**report, **entry})
         _print_summary(report)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"written {args.json}")
+        write_report(report, args.json)
         if failed:
             print(f"logs of the failed profiles kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
         return 1 if failed else 0
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        started.stop_all()
+
+    return run_benchmark(body, started)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decode import (DIRECT_API_PORT, DIRECT_RPC_PORT, MESH_API_PORT, QUIC_PORT, REPO_ROOT, START_TIMEOUT_S,
-                               Started, _interrupt, _listening, _quiet, _status)
+                               Started, _listening, _quiet, _status, run_benchmark, write_report)
 from tests.waiting import wait_until
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "load.json"
@@ -157,17 +156,16 @@ def main(argv: list[str] | None = None) -> int:
 
     binaries = ensure_binaries(None, _quiet)
     model = args.model.resolve() if args.model else ensure_synthetic_model(CACHE_TEST)
-    signal.signal(signal.SIGTERM, _interrupt)
     started = Started()
     workdir = Path(tempfile.mkdtemp(prefix="bench-load-"))
     report: dict[str, Any] = {"benchmark": "load", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "model": model.name, "model_bytes": model.stat().st_size, "cpu_count": os.cpu_count()}
-    try:
+
+    def body() -> int:
         for name, run in (("direct", lambda h: run_direct(h, started, workdir, binaries, model)),
                           ("mesh stock", lambda h: run_mesh(h, started, workdir, model, False, "stock")),
                           ("mesh seeded", lambda h: run_mesh(h, started, workdir, model, True, "seeded"))):
-            lab = Lab()
-            lab.sniffer.stop()  # its per-frame Python loop would only compete for the CPU
+            lab = Lab(sniff=False)  # the sniffer's per-frame loop would only compete for the CPU
             try:
                 hosts = {n: lab.add_host(n) for n in "abc"}
                 print(f"{name}: loading (logs in {workdir})...", flush=True)
@@ -176,18 +174,11 @@ def main(argv: list[str] | None = None) -> int:
                 started.stop_all()
                 lab.close()
         _print(report)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"written {args.json}")
+        write_report(report, args.json)
         shutil.rmtree(workdir, ignore_errors=True)
         return 0
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        started.stop_all()
 
+    return run_benchmark(body, started)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,17 +20,16 @@ Run as root: ``.venv/bin/python -m benchmarks.speculative [--reps N] [--n-predic
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import PROMPT, REPO_ROOT, Started, _interrupt, _quiet, _summary, run_direct, run_mesh
+from benchmarks.decode import (PROMPT, REPO_ROOT, Started, _quiet, _summary, run_benchmark, run_direct, run_mesh,
+                               write_report)
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "speculative.json"
 DEFAULT_PROFILES = "0ms,5ms,20ms"
@@ -112,27 +111,21 @@ def main(argv: list[str] | None = None) -> int:
     draft = ensure_model(None, _quiet)
     target = ensure_padded_target(draft)
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps}
-    signal.signal(signal.SIGTERM, _interrupt)
     started = Started()
     workdir = Path(tempfile.mkdtemp(prefix="bench-spec-"))
     report: dict[str, Any] = {"benchmark": "speculative", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                               "target": target.name, "draft": draft.name, "n_predict": args.n_predict,
                               "reps": args.reps, "cpu_count": os.cpu_count(), "profiles": []}
-    try:
+
+    def body() -> int:
         for profile in args.profiles.split(","):
             report["profiles"].append(run_profile(profile, binaries, target, draft, spec, workdir / profile, started))
         _print(report)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"written {args.json}")
+        write_report(report, args.json)
         shutil.rmtree(workdir, ignore_errors=True)
         return 0
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        started.stop_all()
+
+    return run_benchmark(body, started)
 
 
 if __name__ == "__main__":
