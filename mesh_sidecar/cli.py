@@ -34,7 +34,7 @@ from .logs import follow as follow_logs
 from .logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
 from .identity import load_or_create_identity
 from .llama_build import ensure_binaries
-from .mesh import DEFAULT_QUIC_PORT
+from .mesh import DEFAULT_QUIC_PORT, MESH_FILE_NAME, SavedMesh
 from .model import check_gguf, ensure_model, model_sha256
 from .node import DEFAULT_CTX_SIZE, Node, NodeOptions
 from .ports import LOOPBACK, check_tcp_port_free
@@ -337,6 +337,23 @@ def ticket(
     except MeshError as exc:
         _fail(exc)
     print(new_ticket)
+
+
+@app.command()
+def leave(home: HomeOption = None) -> None:
+    """Leave the mesh for good: the others are told and forget this node, this node forgets the mesh."""
+    node_home = NodeHome.resolve(home)
+    if not node_home.control_file.exists() and (node_home.root / MESH_FILE_NAME).exists():
+        SavedMesh.forget(node_home)
+        err_console.print("No node is running here: forgot its mesh (its members were not told; they will see it "
+                          "as lost). The next start begins a new mesh.", highlight=False)
+        return
+    try:
+        control.leave(node_home)
+    except MeshError as exc:
+        _fail(exc)
+    err_console.print("Leaving: the node tells its peers, waits for them to move work off it, and stops. "
+                      "Its next start begins a new mesh (or joins one with --join).", highlight=False)
 
 
 @app.command()

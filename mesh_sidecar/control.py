@@ -28,6 +28,7 @@ PLAN_PATH = "/plan"
 TICKET_PATH = "/ticket"
 ROTATE_PATH = "/ticket/rotate"
 KICK_PATH = "/kick"
+LEAVE_PATH = "/leave"
 CLIENT_TIMEOUT_S = 5.0
 TOKEN_BYTES = 32
 MAX_CONTROL_BODY_BYTES = 64 * 1024  # requests are a few short fields
@@ -45,6 +46,8 @@ class ControlledNode(Protocol):
     def rotate_secret(self) -> str: ...
 
     def kick(self, which: str) -> tuple[str, str]: ...
+
+    def leave(self) -> None: ...
 
 
 class ControlServer:
@@ -64,6 +67,7 @@ class ControlServer:
         app.router.add_get(TICKET_PATH, self._ticket)
         app.router.add_post(ROTATE_PATH, self._rotate)
         app.router.add_post(KICK_PATH, self._kick)
+        app.router.add_post(LEAVE_PATH, self._leave)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, LOOPBACK, 0)
@@ -124,6 +128,10 @@ class ControlServer:
             return _error(exc)
         return web.json_response({"removed": removed, "ticket": ticket})
 
+    async def _leave(self, request: web.Request) -> web.Response:
+        self._node.leave()
+        return web.json_response({"leaving": True})
+
 
 def _error(exc: MeshError) -> web.Response:
     return web.json_response({"error": str(exc), "kind": type(exc).__name__}, status=409)
@@ -147,6 +155,11 @@ def read_ticket(home: NodeHome) -> str:
 def rotate_secret(home: NodeHome) -> str:
     """Rotate the mesh secret through the node in ``home``; the new ticket."""
     return _request(home, "POST", ROTATE_PATH)["ticket"]
+
+
+def leave(home: NodeHome) -> None:
+    """Ask the node in ``home`` to leave its mesh for good (it stops)."""
+    _request(home, "POST", LEAVE_PATH)
 
 
 def kick(home: NodeHome, which: str) -> dict[str, str]:

@@ -16,13 +16,14 @@ one the transport marks ``preferred`` (dialed by the lower node id) is kept.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,9 @@ HIGHER_ID_DIAL_DELAY_S = 3.0
 # drains its requests and moves its layers off). Longer than serving's drain.
 LEAVE_GRACE_S = 40.0
 MESH_FILE_NAME = "mesh.json"
+MAX_REMEMBERED_MEMBERS = 64
+STOPPED_REASON = "node stopped"
+LEFT_FOR_GOOD_REASON = "left the mesh for good"  # `mesh-inference leave`: members forget it
 # Why a serving node leaves a member out: it holds a different model file.
 WEIGHTS_MISMATCH = "weights_mismatch"
 
@@ -82,6 +86,17 @@ WEIGHTS_MISMATCH = "weights_mismatch"
 def holds_other_weights(own_sha256: str, info: MemberInfo) -> bool:
     """True when both sides name a model file and the files differ."""
     return bool(own_sha256 and info.model_sha256 and own_sha256 != info.model_sha256)
+
+
+def _peer_addresses(texts: tuple[str, ...]) -> list[PeerAddress]:
+    """The addresses among ``texts`` that parse (gossip and mesh.json are checked, but not by this build)."""
+    addresses = []
+    for text in texts:
+        try:
+            addresses.append(PeerAddress.parse(text))
+        except ValueError:
+            continue
+    return addresses
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -95,6 +110,8 @@ class SavedMesh:
     secret: bytes
     epoch: int = 0  # rotations of the secret this node has taken part in
     removed: frozenset[bytes] = frozenset()  # node keys never admitted again
+    # Members met, by id, with their last addresses: dialed again after a restart.
+    members: dict[bytes, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, home: NodeHome, ticket: Ticket | None) -> SavedMesh:
@@ -106,7 +123,9 @@ class SavedMesh:
             try:
                 data = json.loads(path.read_text())
                 saved = cls(bytes.fromhex(data["secret"]), int(data.get("epoch", 0)),
-                            frozenset(bytes.fromhex(n) for n in data.get("removed", [])))
+                            frozenset(bytes.fromhex(n) for n in data.get("removed", [])),
+                            {bytes.fromhex(n): tuple(str(a) for a in addresses)
+                             for n, addresses in data.get("members", {}).items()})
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise UsageError(f"{path} is damaged ({exc}); move it away to start a new mesh.") from exc
             if len(saved.secret) != MESH_SECRET_BYTES:
@@ -122,8 +141,14 @@ class SavedMesh:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"secret": self.secret.hex(), "epoch": self.epoch,
-                       "removed": sorted(n.hex() for n in self.removed)}, f)
+                       "removed": sorted(n.hex() for n in self.removed),
+                       "members": {n.hex(): list(a) for n, a in self.members.items()}}, f)
         partial.replace(path)
+
+    @staticmethod
+    def forget(home: NodeHome) -> None:
+        """`mesh-inference leave`: the next start begins a new mesh."""
+        (home.root / MESH_FILE_NAME).unlink(missing_ok=True)
 
 
 @dataclass
@@ -237,11 +262,29 @@ class Mesh:
                 self._check_health(now)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
-    async def close(self, *, graceful: bool = True) -> None:
-        """Say goodbye to every peer, give them time to move off us, then close everything."""
+    def rejoin(self) -> int:
+        """Dial every member remembered from an earlier run; how many."""
+        remembered = [(n, a) for n, a in self._saved.members.items() if n != self.identity.node_id]
+        for node_id, texts in remembered:
+            self._spawn(self._redial(node_id, _peer_addresses(texts)))
+        return len(remembered)
+
+    async def _redial(self, node_id: bytes, addresses: list[PeerAddress]) -> None:
+        try:
+            await self._dial(node_id, addresses)
+        except MeshError as exc:
+            log.info("remembered member %s did not answer: %s", short_id(node_id), exc)
+
+    async def close(self, *, graceful: bool = True, for_good: bool = False) -> None:
+        """Say goodbye to every peer, give them time to move off us, then close everything.
+
+        ``for_good`` (`mesh-inference leave`): peers forget this node, and it forgets the mesh.
+        """
         self._leaving = True  # peers stop answering our Pings once we say Leave
+        if for_good:
+            SavedMesh.forget(self._home)
         if self._membership is not None:
-            self._membership.leave("node stopped")
+            self._membership.leave(LEFT_FOR_GOOD_REASON if for_good else STOPPED_REASON)
             self._process()
             if graceful and self._peers:
                 self._say("Leaving the mesh: waiting for peers to move their work off this node...")
@@ -358,13 +401,7 @@ class Mesh:
         peer.connection.close(reason)
 
     def _start_dial(self, action: Dial) -> None:
-        addresses = []
-        for text in action.member.addresses:
-            try:
-                addresses.append(PeerAddress.parse(text))
-            except ValueError:
-                continue
-
+        addresses = _peer_addresses(action.member.addresses)
         node_id = action.member.node_id
 
         async def dial() -> None:
@@ -405,17 +442,21 @@ class Mesh:
                     how = f" (learned via gossip from {self.name_of(via)})" if via else ""
                     self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
                     self._check_weights(info)
+                    self._remember(info.node_id, info.addresses)
                     self.changed.set()
                 case MemberLost(node_id=node_id, reason=reason):
                     self._say(f"Lost peer {self.name_of(node_id)}: {reason}")
                     self.changed.set()
-                case MemberLeft(node_id=node_id):
-                    self._say(f"Peer {self.name_of(node_id)} left the mesh")
+                case MemberLeft(node_id=node_id, reason=reason):
+                    self._say(f"Peer {self.name_of(node_id)} left the mesh ({reason})")
+                    if reason == LEFT_FOR_GOOD_REASON:
+                        self._remember(node_id, None)
                     self.changed.set()
                 case MemberRemoved(node_id=node_id, by=by):
                     # At once, not when idle: a removed member must lose its access now.
                     if (peer := self._peers.get(node_id)) is not None:
                         peer.connection.close(f"removed from the mesh by {self.name_of(by)}")
+                    self._remember(node_id, None)
                     self._say(f"Peer {self.name_of(node_id)} was removed from the mesh by {self.name_of(by)}")
                     self.changed.set()
                 case SecretRotated(rekey=rekey):
@@ -424,6 +465,21 @@ class Mesh:
                               f"before now admit no one. New ticket: {self.ticket()}")
                 case MemberUpdated(info=info):
                     self._check_weights(info)
+                    self._remember(info.node_id, info.addresses)
+
+    def _remember(self, node_id: bytes, addresses: tuple[str, ...] | None) -> None:
+        """Keep (or, with None, drop) a member's addresses in mesh.json for the next start."""
+        members = dict(self._saved.members)
+        if addresses is None:
+            members.pop(node_id, None)
+        else:
+            members.pop(node_id, None)  # re-inserted last: the oldest are dropped first
+            members[node_id] = addresses
+            while len(members) > MAX_REMEMBERED_MEMBERS:
+                members.pop(next(iter(members)))
+        if members != self._saved.members:
+            self._saved = dataclasses.replace(self._saved, members=members)
+            self._saved.save(self._home)
 
     def _check_weights(self, info: MemberInfo) -> None:
         """Tell the person at a member with other weights than the serving node, once per pair."""
@@ -462,7 +518,8 @@ class Mesh:
         self._process()
 
     def _adopt(self, secret: bytes, epoch: int, removed: tuple[bytes, ...]) -> None:
-        self._saved = SavedMesh(secret, epoch, self._saved.removed | frozenset(removed))
+        self._saved = SavedMesh(secret, epoch, self._saved.removed | frozenset(removed),
+                                {n: a for n, a in self._saved.members.items() if n not in removed})
         self._saved.save(self._home)
         self._transport.set_secret(secret)
         self._transport.refuse_nodes(removed)

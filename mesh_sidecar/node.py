@@ -108,8 +108,14 @@ class Node:
         self.serving: ServingSupervisor | None = None
         self.metrics = Metrics(self.status_snapshot)
         self._force = False
+        self._for_good = False
         self._closing: asyncio.Task | None = None
         self._control = ControlServer(options.home, self)
+
+    def leave(self) -> None:
+        """`mesh-inference leave`: stop, telling the others this node leaves for good, and forget the mesh."""
+        self._for_good = True
+        self.request_stop()
 
     def request_stop(self) -> None:
         """First call: stop gracefully. A second call: stop now, without waiting for peers."""
@@ -130,6 +136,9 @@ class Node:
                     await self._control.start()
                     if self.options.join is not None:
                         await self.mesh.join(self.options.join)
+                    elif remembered := self.mesh.rejoin():
+                        self._say(f"Rejoining the mesh: dialing {remembered} member(s) remembered from the last run "
+                                  "(`mesh-inference leave` forgets them).")
                     if self.options.serve_port is not None:
                         self.serving = self._serving_supervisor()
                         tg.create_task(self.serving.run())
@@ -225,7 +234,7 @@ class Node:
             await self.serving.close()
         if self.mesh is not None:
             # Cancelled by a second Ctrl-C; then the mesh closes without waiting.
-            self._closing = asyncio.ensure_future(self.mesh.close(graceful=not self._force))
+            self._closing = asyncio.ensure_future(self.mesh.close(graceful=not self._force, for_good=self._for_good))
             try:
                 await self._closing
             except asyncio.CancelledError:

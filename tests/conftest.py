@@ -141,6 +141,19 @@ class NodeProcess:
             time.sleep(0.2)
         raise AssertionError(f"node not ready in {NODE_START_TIMEOUT_S} s:\n{self.text()}")
 
+    def restart(self, drop: Sequence[str] = ()) -> None:
+        """Start the same command again (same home), as after a reboot, without the options named in
+        ``drop`` (each with its value); output appends."""
+        assert self.proc.poll() is not None, "stop the node first"
+        argv, kept = list(self.proc.args), []
+        while argv:
+            arg = argv.pop(0)
+            if arg in drop:
+                argv.pop(0)
+            else:
+                kept.append(arg)
+        self.proc = subprocess.Popen(kept, stdout=open(self.output, "a"), stderr=subprocess.STDOUT)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
