@@ -143,6 +143,17 @@ def _quiet(message: str, done: int, total: int) -> None:
     pass
 
 
+def terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; returns once the process is gone."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class Started:
     """Every process this run started, stopped by pid (last started, first stopped)."""
@@ -160,13 +171,7 @@ class Started:
     def stop_all(self) -> None:
         while self.procs:
             _, proc = self.procs.pop()
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            terminate(proc, 30)
         for pid in self.extra_pids:  # a node's children, should the node not have stopped them
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -62,6 +62,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from benchmarks.decode import terminate
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "relay.json"
 QUIC_PORT = 47470
@@ -244,13 +246,7 @@ class Started:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
 
     def stop(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc, 10)
         self.procs = [p for p in self.procs if p[1] is not proc]
 
     def stop_all(self) -> None:

@@ -141,6 +141,15 @@ class NodeProcess:
             time.sleep(0.2)
         raise AssertionError(f"node not ready in {NODE_START_TIMEOUT_S} s:\n{self.text()}")
 
+    def stop_with_children(self) -> None:
+        """Stop the node, then kill by pid any child it left behind (even if the test failed)."""
+        self.stop()
+        for pid in self.extra_pids:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
     def restart(self, drop: Sequence[str] = ()) -> None:
         """Start the same command again (same home), as after a reboot, without the options named in
         ``drop`` (each with its value); output appends."""
@@ -191,9 +200,4 @@ def start_node(tmp_path: Path, binaries: LlamaBinaries, model_path: Path) -> Ite
 
     yield start
     for node in started:
-        node.stop()
-        for pid in node.extra_pids:  # never leave a child behind, even if the test failed
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
+        node.stop_with_children()

@@ -69,9 +69,7 @@ def mesh3(binaries, model_path, tmp_path_factory):
         yield Mesh3(lab, hosts, nodes, tickets, formed_after_s)
     finally:
         for node in nodes.values():
-            node.stop()
-            for pid in node.extra_pids:
-                subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+            node.stop_with_children()
         lab.close()
 
 

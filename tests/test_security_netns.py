@@ -80,9 +80,7 @@ def lab_mesh(binaries, model_path, tmp_path_factory):
         yield lab, hosts, nodes, ticket_a, root
     finally:
         for node in nodes.values():
-            node.stop()
-            for pid in node.extra_pids:
-                subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+            node.stop_with_children()
         lab.close()
 
 
