@@ -158,7 +158,7 @@ def start_node(node: Node, started: Started, *extra: str) -> None:
     node.home.mkdir(parents=True, exist_ok=True)
     node.log = node.workdir / f"{node.name}-{node.incarnation}.out"
     argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(node.home), "--name", node.name,
-            "--port", str(node.port), *node.args, *extra]
+            "--port", str(node.port), "--no-mdns", *node.args, *extra]
     if node.serve_port is not None:
         argv += ["--serve", str(node.serve_port)]
     # A session of its own: a terminal's Ctrl-C reaches only us, and we stop the nodes in order.

@@ -28,11 +28,12 @@ from rich.text import Text
 from .capacity import parse_size
 from . import control
 from .control import read_plan, read_status
+from .discovery import LAN_BROWSE_S, browse_lan
 from .errors import MeshError, ReceiptError, UsageError
 from .home import NodeHome
 from .logs import follow as follow_logs
 from .logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
-from .identity import load_or_create_identity
+from .identity import load_or_create_identity, short_id
 from .llama_build import ensure_binaries
 from .mesh import DEFAULT_QUIC_PORT, MESH_FILE_NAME, SavedMesh
 from .model import check_gguf, ensure_model, model_sha256
@@ -189,12 +190,19 @@ def run_node(
     fetch_model: Annotated[bool, typer.Option(
         "--fetch-model", help="Without --serve: fetch the serving node's model file over the mesh (resumable, "
                               "sha256-checked) so later loads send only hashes.")] = False,
+    no_mdns: Annotated[bool, typer.Option(
+        "--no-mdns", help="Neither advertise this node on the LAN (mDNS) nor look for members there.")] = False,
+    lan: Annotated[bool, typer.Option(
+        "--lan", help="Only list the meshes seen on this LAN (mDNS) for a few seconds, then exit.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the sidecar's log here too.")] = False,
 ) -> None:
     """Start a node (no subcommand). With --serve PORT it also serves the API."""
     if ctx.invoked_subcommand is not None:
         return
     node_home = NodeHome.resolve(home)
+    if lan:
+        _show_lan(node_home)
+        return
     try:
         ticket = decode_ticket(join) if join is not None else None
         max_memory_bytes = parse_size(max_memory) if max_memory is not None else None
@@ -220,11 +228,33 @@ def run_node(
                               api_access=api_access, model_sha256=sha256, weight_cache=cache,
                               weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
                               receipts=receipt.expanduser().resolve() if receipt else None,
-                              speculate=speculation_mode == "auto")
+                              speculate=speculation_mode == "auto", mdns=not no_mdns)
         console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
         asyncio.run(_run_until_signal(Node(options, identity, _say)))
     except MeshError as exc:
         _fail(exc)
+
+
+def _show_lan(node_home: NodeHome) -> None:
+    """`mesh-inference --lan`: the meshes nearby, and how to get into one."""
+    console.print(f"Looking for meshes on this LAN (mDNS, {LAN_BROWSE_S:.0f} s)...", highlight=False)
+    records = asyncio.run(browse_lan())
+    ours = SavedMesh.remembered_mesh_id(node_home)
+    if not records:
+        console.print("No mesh seen. On a member, check that it runs without --no-mdns and that the "
+                      "firewalls allow mDNS (UDP 5353); or ask a member for its ticket "
+                      "(`mesh-inference ticket`).", highlight=False)
+        return
+    table = Table(title="Meshes on this LAN")
+    for column in ("mesh id", "node", "name", "addresses"):
+        table.add_column(column)
+    for record in records:
+        mesh = record.mesh_id + (" (yours)" if record.mesh_id == ours else "")
+        table.add_row(mesh, short_id(record.node_id), record.name, ", ".join(map(str, record.addresses)))
+    console.print(table)
+    console.print("A mesh admits only holders of its secret. Ask a member of the mesh you want for its ticket "
+                  "(`mesh-inference ticket` on that machine), then run here: mesh-inference --join TICKET",
+                  highlight=False)
 
 
 async def _run_until_signal(node: Node) -> None:
@@ -301,6 +331,13 @@ def _status_view(snapshot: dict) -> Group:
     mesh = snapshot["mesh"]
     parts.append(Text(f"Mesh: {connected} peer(s) connected, UDP port {mesh['quic_port']}, secret rotated "
                       f"{mesh.get('secret_epoch', 0)} time(s)"))
+    lan = mesh.get("lan")
+    if lan is None:
+        parts.append(Text("LAN discovery (mDNS): off"))
+    else:
+        others = {r["mesh_id"] for r in lan if not r["this_mesh"]}
+        parts.append(Text(f"LAN discovery (mDNS): on; {sum(r['this_mesh'] for r in lan)} member(s) and "
+                          f"{len(others)} other mesh(es) seen (`mesh-inference --lan` lists them)"))
     if snapshot["peers"]:
         peers = Table("peer", "id", "address", "state", "health", "rtt ms (p50/p95)", "tunnel port",
                       "rpc-server", "offers GB", "MB to/from")

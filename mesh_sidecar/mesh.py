@@ -29,6 +29,7 @@ from typing import Any
 
 from . import __version__
 from .capacity import Capacity
+from .discovery import LanPresence, LanRecord, lan_record_json, mesh_id
 from .errors import MeshError, ModelError, PortInUseError, UsageError
 from .gossip import (
     MAX_ADDRESSES,
@@ -76,6 +77,8 @@ HIGHER_ID_DIAL_DELAY_S = 3.0
 # drains its requests and moves its layers off). Longer than serving's drain.
 LEAVE_GRACE_S = 40.0
 MESH_FILE_NAME = "mesh.json"
+# A member seen on the LAN is dialed at most this often (its record may be re-announced often).
+LAN_REDIAL_S = 10.0
 MAX_REMEMBERED_MEMBERS = 64
 STOPPED_REASON = "node stopped"
 LEFT_FOR_GOOD_REASON = "left the mesh for good"  # `mesh-inference leave`: members forget it
@@ -146,6 +149,14 @@ class SavedMesh:
         partial.replace(path)
 
     @staticmethod
+    def remembered_mesh_id(home: NodeHome) -> str | None:
+        """The public id of the mesh this home belongs to, if it remembers one (for `--lan`)."""
+        try:
+            return mesh_id(bytes.fromhex(json.loads((home.root / MESH_FILE_NAME).read_text())["secret"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
     def forget(home: NodeHome) -> None:
         """`mesh-inference leave`: the next start begins a new mesh."""
         (home.root / MESH_FILE_NAME).unlink(missing_ok=True)
@@ -176,6 +187,7 @@ class Mesh:
         serving: bool = False,
         model_sha256: str = "",
         model_file: Path | None = None,
+        lan: bool = False,
     ) -> None:
         self.identity = identity
         self._name = name
@@ -196,6 +208,9 @@ class Mesh:
         self._weights_warned: set[tuple[bytes, str]] = set()
         self.port: int | None = None
         self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
+        # mDNS (discovery.py): advertise this node, dial members whose records show up.
+        self._lan = LanPresence(self._lan_record, self._lan_seen) if lan else None
+        self._lan_dialed: dict[bytes, float] = {}  # node id -> when a LAN record last made us dial it
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -244,7 +259,13 @@ class Mesh:
         await self._dial(ticket.node_id, ticket.addresses)
 
     async def run(self) -> None:
-        """Heartbeats, and fresh capacity figures in gossip, until cancelled."""
+        """Heartbeats, fresh capacity figures in gossip and (with mDNS) LAN presence, until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            if self._lan is not None:
+                tg.create_task(self._lan.run())
+            tg.create_task(self._heartbeats())
+
+    async def _heartbeats(self) -> None:
         assert self._membership is not None
         last_refresh = last_beat = time.monotonic()
         while True:
@@ -254,6 +275,10 @@ class Mesh:
             self._membership.heartbeat(now)
             if now - last_refresh >= CAPACITY_REFRESH_S:
                 self._membership.update_self(self._self_info())
+                if self._lan is not None:
+                    # A dial may have failed (the member was still starting): records are offered again.
+                    for record in self._lan.seen():
+                        self._lan_seen(record)
                 last_refresh = now
             self._process()
             if stalled:
@@ -273,7 +298,7 @@ class Mesh:
         try:
             await self._dial(node_id, addresses)
         except MeshError as exc:
-            log.info("remembered member %s did not answer: %s", short_id(node_id), exc)
+            log.info("member %s did not answer at %s: %s", short_id(node_id), ", ".join(map(str, addresses)), exc)
 
     async def close(self, *, graceful: bool = True, for_good: bool = False) -> None:
         """Say goodbye to every peer, give them time to move off us, then close everything.
@@ -320,10 +345,14 @@ class Mesh:
 
     def summary(self) -> dict[str, Any]:
         """This node's side of the mesh, for `mesh-inference status`."""
+        own_mesh = mesh_id(self._saved.secret)
         return {"quic_port": self.port, "secret_epoch": self._saved.epoch,
                 "removed": [short_id(n) for n in sorted(self._saved.removed)],
                 "ignored_datagrams": self._transport.ignored_datagrams,
-                "model_sha256": self.model_sha256 or None}
+                "model_sha256": self.model_sha256 or None,
+                "mesh_id": own_mesh,
+                "lan": None if self._lan is None else [
+                    {**lan_record_json(r), "this_mesh": r.mesh_id == own_mesh} for r in self._lan.seen()]}
 
     def status(self) -> list[dict[str, Any]]:
         """One entry per member we know of, for `mesh-inference status`."""
@@ -525,6 +554,32 @@ class Mesh:
         self._transport.refuse_nodes(removed)
         assert self._membership is not None
         self._membership.update_self(self._self_info())
+        if self._lan is not None:
+            self._lan.refresh()  # the mesh id follows the secret
+
+    # --- the LAN (mDNS) -------------------------------------------------------------
+
+    def _lan_record(self) -> LanRecord:
+        assert self.port is not None
+        return LanRecord(mesh_id(self._saved.secret), self.identity.node_id, self._name,
+                         reachable_addresses(self.port))
+
+    def _lan_seen(self, record: LanRecord) -> None:
+        """A node's record on the LAN: dial it if it claims our mesh and we are not connected.
+
+        The claim is not trusted: the handshake admits it only if it holds the secret.
+        """
+        node_id = record.node_id
+        if (record.mesh_id != mesh_id(self._saved.secret) or node_id in self._peers
+                or node_id in self._saved.removed or self._leaving):
+            return
+        now = time.monotonic()
+        if now - self._lan_dialed.get(node_id, -LAN_REDIAL_S) < LAN_REDIAL_S:
+            return
+        self._lan_dialed[node_id] = now
+        log.info("LAN: %s (%s) advertises this mesh at %s; dialing", record.name, short_id(node_id),
+                 ", ".join(map(str, record.addresses)))
+        self._spawn(self._redial(node_id, list(record.addresses)))
 
     def _check_health(self, now: float) -> None:
         """Judge each pinged peer by its heartbeats; close the connection to a lost one."""

@@ -20,6 +20,7 @@ from typing import Any
 from . import __version__
 from .capacity import Capacity, measure, parse_device_listing
 from .control import ControlServer
+from .dashboard import RecentEvents
 from .errors import ChildExitedError, MeshError, ModelError
 from .home import NodeHome
 from .identity import NodeIdentity
@@ -73,6 +74,8 @@ class NodeOptions:
     # With serve_port: let the node choose speculative decoding (False: never).
     speculate: bool = True
     api_access: ApiAccess = OPEN_ACCESS
+    # Advertise on the LAN and re-find members there (mDNS, discovery.py).
+    mdns: bool = False
 
 
 class _SayEveryTenth:
@@ -99,7 +102,8 @@ class Node:
     def __init__(self, options: NodeOptions, identity: NodeIdentity, say: Callable[[Any], None]) -> None:
         self.options = options
         self.identity = identity
-        self._say = say
+        self._say_out = say
+        self.events = RecentEvents()
         self._stop = asyncio.Event()
         self._started_at = time.time()
         self.rpc_server: ChildProcess | None = None
@@ -111,6 +115,11 @@ class Node:
         self._for_good = False
         self._closing: asyncio.Task | None = None
         self._control = ControlServer(options.home, self)
+
+    def _say(self, message: Any) -> None:
+        """Every line for the user also goes to the recent events (`status --json`, the dashboard)."""
+        self.events.add(time.time(), message)
+        self._say_out(message)
 
     def leave(self) -> None:
         """`mesh-inference leave`: stop, telling the others this node leaves for good, and forget the mesh."""
@@ -181,7 +190,8 @@ class Node:
         self.mesh = Mesh(self.identity, self.options.name, self.options.home, self.rpc_port, self.capacity,
                          self._say, saved=SavedMesh.load(self.options.home, self.options.join),
                          serving=self.options.serve_port is not None, model_sha256=self.options.model_sha256,
-                         model_file=self.options.model if self.options.model_sha256 else None)
+                         model_file=self.options.model if self.options.model_sha256 else None,
+                         lan=self.options.mdns)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
         self._say(f"Node ticket: {ticket}")
@@ -218,7 +228,8 @@ class Node:
             identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
             model=self.options.model, ctx_size=self.options.ctx_size, serve_port=self.options.serve_port,
             min_peers=self.options.min_peers, rpc_port=self.rpc_port, own_capacity=self.capacity,
-            logs=self.options.home.logs, metrics=self.metrics, say=self._say, access=self.options.api_access,
+            logs=self.options.home.logs, metrics=self.metrics, say=self._say, node_status=self.status_snapshot,
+            access=self.options.api_access,
             draft_model=self.options.draft_model, receipts=self.options.receipts,
             speculate=self.options.speculate,
         )
@@ -289,4 +300,5 @@ class Node:
                         if self.serving and self.options.serve_port else None),
             "mesh": self.mesh.summary() if self.mesh else {"quic_port": None},
             "peers": self.mesh.status() if self.mesh else [],
+            "events": self.events.to_json(),
         }

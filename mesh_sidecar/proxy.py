@@ -28,6 +28,10 @@ Access (``ApiAccess``): with an API key, every path but ``/health`` wants
 reaches llama-server. CORS is off unless one origin is allowed: no
 ``Access-Control-*`` header leaves the proxy, whatever llama-server set. Bodies
 over MAX_REQUEST_BODY_BYTES get a 413. Every such refusal is an OpenAI-style error.
+
+The dashboard (``/mesh``, dashboard.py) shares the port: its page and files are
+keyless, its state is not. The proxy feeds it ``token_rate``: every streamed event
+it relays, and llama-server's speed for each finished request.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 import httpx
 from aiohttp import web
 
+from .dashboard import KEYLESS_PATHS, TokenRate
 from .errors import MeshError, UsageError
 from .metrics import Metrics
 from .ports import LOOPBACK
@@ -70,8 +75,9 @@ HOP_HEADERS = frozenset({
 # Not forwarded: the client's key is for this proxy; llama-server has none.
 CLIENT_ONLY_HEADERS = frozenset({"authorization"})
 # Open without a key: readiness only, and load balancers and scripts probe it keyless.
-# /metrics is not open: it reveals usage (request counts, paths, speeds).
-OPEN_PATHS = frozenset({"/health"})
+# /metrics is not open: it reveals usage (request counts, paths, speeds). Nor is the dashboard's
+# state; its page and files hold no data.
+OPEN_PATHS = frozenset({"/health"}) | KEYLESS_PATHS
 CORS_PREFLIGHT_MAX_AGE_S = 600
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
@@ -172,6 +178,7 @@ class ApiProxy:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.token_rate = TokenRate()
         self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES, middlewares=[self._guard])
         self.app.on_response_prepare.append(self._cors)
         self.app.router.add_route("*", "/v1/{tail:.*}", self._forward)
@@ -369,6 +376,7 @@ class ApiProxy:
                                 self.metrics.first_token.observe(time.monotonic() - started)
                             self._observe_timings(out)
                             await response.write(tap.event(out) if tap is not None else out)
+                            self.token_rate.streamed(out, time.monotonic())
                     await response.write_eof()
                     return response
                 finally:
@@ -442,3 +450,4 @@ class ApiProxy:
             return
         if isinstance(speed, (int, float)) and speed > 0:
             self.metrics.tokens_per_second.observe(speed)
+            self.token_rate.finished(speed)

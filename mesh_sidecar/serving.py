@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import dashboard
 from .capacity import Capacity
 from .errors import PlanError, PortInUseError, ProcessError
 from .estimate import ModelEstimate, estimate_model
@@ -104,6 +105,7 @@ class ServingSupervisor:
         logs: Path,
         metrics: Metrics,
         say: Callable[[Any], None],
+        node_status: Callable[[], dict[str, Any]],
         access: ApiAccess = OPEN_ACCESS,
         draft_model: Path | None = None,
         receipts: Path | None = None,
@@ -136,6 +138,7 @@ class ServingSupervisor:
             f.write(upstream_key + "\n")
         self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key,
                                on_generation=self._write_receipt if receipts is not None else None)
+        dashboard.add_routes(self._proxy.app, node_status)
         self._restart_reason: str | None = None
         self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
@@ -328,6 +331,7 @@ class ServingSupervisor:
             "refusal": self.refusal,
             "speculation": self.speculation.to_json() if self.speculation else None,
             "llama_server_restarts": self.restarts,
+            "live": self._proxy.token_rate.to_json(time.monotonic()),
         }
 
 

@@ -184,8 +184,9 @@ def start_node(tmp_path: Path, binaries: LlamaBinaries, model_path: Path) -> Ite
         home = tmp_path / name
         home.mkdir()
         port = free_tcp_port() if serve else None
+        # No mDNS: these nodes share the machine's own network, where a test must send nothing.
         argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", name,
-                "--port", str(free_udp_port()), *args]
+                "--port", str(free_udp_port()), "--no-mdns", *args]
         if port is not None:
             argv += ["--serve", str(port)]
         output = tmp_path / f"{name}.out"

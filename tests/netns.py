@@ -115,6 +115,7 @@ class Host:
     name: str
     netns: str
     ip: str
+    device: str = ""  # its link into the lab, inside the namespace
 
     def exec_argv(self, *argv: str) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *argv]
@@ -258,12 +259,20 @@ class Lab:
             inside = self._link_over_switch(name, netns)
         else:
             inside = self._link_over_bridge(name, netns)
+        host.device = inside
         # IPv6 off inside: its router/neighbour chatter would only blur the sniffer's counts.
         run(*host.exec_argv("sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1"))
         run("ip", "-n", netns, "addr", "add", f"{ip}/24", "dev", inside)
         run("ip", "-n", netns, "link", "set", inside, "up")
         run("ip", "-n", netns, "link", "set", "lo", "up")
         return host
+
+    def readdress(self, host: Host, index: int) -> None:
+        """Give ``host`` the address of host number ``index`` instead of its own, as a new DHCP lease would."""
+        ip = SUBNET.format(run=self.run_octet, host=index)
+        run("ip", "-n", host.netns, "addr", "del", f"{host.ip}/24", "dev", host.device)
+        run("ip", "-n", host.netns, "addr", "add", f"{ip}/24", "dev", host.device)
+        host.ip = ip
 
     def close(self) -> None:
         if self.sniffer is not None:

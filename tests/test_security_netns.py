@@ -28,6 +28,7 @@ pytestmark = [
 
 MARKER = "zebra-quartz-marker-7731"  # a prompt word that must never reach a log
 FLOOD_DATAGRAMS = 20000
+MDNS_PORT = 5353
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -84,7 +85,7 @@ def lab_mesh(binaries, model_path, tmp_path_factory):
         lab.close()
 
 
-def test_only_the_quic_port_faces_the_network(lab_mesh):
+def test_only_the_quic_and_mdns_ports_face_the_network(lab_mesh):
     lab, hosts, nodes, _, _ = lab_mesh
     scan = """
 import json, psutil
@@ -97,7 +98,10 @@ print(json.dumps([[c.type == 1 and "tcp" or "udp", c.laddr.ip, c.laddr.port, c.s
         listening_tcp = [s for s in sockets if s[0] == "tcp" and s[3] == "LISTEN"]
         assert len(listening_tcp) >= 2  # rpc-server and control, at least
         exposed = [s for s in sockets if s[1] not in ("127.0.0.1", "::1") and s[3] in ("LISTEN", "NONE")]
-        assert exposed == [["udp", "0.0.0.0", QUIC_PORT, "NONE"]], f"{name}: {exposed}"
+        # mDNS (LAN discovery, off with --no-mdns) answers only for this node's public record.
+        mdns = [s for s in exposed if s[0] == "udp" and s[2] == MDNS_PORT]
+        assert mdns, f"{name}: {exposed}"
+        assert [s for s in exposed if s not in mdns] == [["udp", "0.0.0.0", QUIC_PORT, "NONE"]], f"{name}: {exposed}"
         # And from another host, no TCP port of it answers.
         for _, _, port, _ in listening_tcp:
             refused = ns_python(hosts["d"], f"""

@@ -1,0 +1,205 @@
+"use strict";
+// The /mesh dashboard: polls /mesh/state about once a second and redraws the page from it.
+// Every value from the state goes in with textContent: member names come from other machines.
+
+const STATE_URL = "/mesh/state";
+const POLL_MS = 1000;
+const KEY_STORAGE = "mesh-inference-api-key"; // sessionStorage: gone when the tab closes
+const SPARK_POINTS = 60; // a minute of tokens/s at one poll a second
+const GB = 1e9;
+const PALETTE = ["#6aa7ff", "#4cc38a", "#e5b454", "#c48cf0", "#ef8f6b", "#5fd0d6", "#e07bb0", "#a7c957"];
+
+const tokenRates = [];
+let nextPoll = null;
+
+function $(id) {
+  return document.getElementById(id);
+}
+
+function el(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (className) node.className = className;
+  return node;
+}
+
+// One colour per node id, the same in the layer map and the members table.
+function colourOf(id) {
+  let hash = 0;
+  for (const c of id) hash = (hash * 31 + c.charCodeAt(0)) >>> 0;
+  return PALETTE[hash % PALETTE.length];
+}
+
+function fixed(value, digits) {
+  return value === null || value === undefined ? "–" : Number(value).toFixed(digits);
+}
+
+function clock(epochSeconds) {
+  return new Date(epochSeconds * 1000).toLocaleTimeString([], { hour12: false });
+}
+
+async function poll() {
+  const key = sessionStorage.getItem(KEY_STORAGE);
+  try {
+    const response = await fetch(STATE_URL, {
+      headers: key ? { Authorization: `Bearer ${key}` } : {},
+      cache: "no-store",
+    });
+    if (response.status === 401) {
+      askForKey(key !== null);
+    } else if (!response.ok) {
+      showApiState(`error ${response.status}`, "bad");
+    } else {
+      showDashboard();
+      draw(await response.json());
+    }
+  } catch (error) {
+    showApiState("node unreachable", "bad");
+  }
+  // Cleared first: a poll started by the key form must not start a second loop.
+  clearTimeout(nextPoll);
+  nextPoll = setTimeout(poll, POLL_MS);
+}
+
+function askForKey(refused) {
+  $("main").hidden = true;
+  $("key-form").hidden = false;
+  $("key-error").textContent = refused ? "That key was refused." : "";
+  showApiState("needs the API key", "warn");
+}
+
+function showDashboard() {
+  $("key-form").hidden = true;
+  $("main").hidden = false;
+}
+
+function showApiState(text, tone) {
+  const pill = $("api-state");
+  pill.textContent = text;
+  pill.className = `pill ${tone}`;
+}
+
+function draw(state) {
+  $("node-name").textContent = `${state.node.name} (${state.node.short_id})`;
+  $("model-name").textContent = `${state.model.name} · ctx ${state.model.ctx_size}`;
+  if (state.plan) showApiState("serving", "good");
+  else if (state.refusal) showApiState("refusing requests", "bad");
+  else showApiState("loading", "warn");
+  $("updated").textContent = `updated ${new Date().toLocaleTimeString([], { hour12: false })}`;
+  drawFigures(state);
+  drawLayerMap(state);
+  drawMembers(state.members);
+  drawEvents(state.events);
+}
+
+function drawFigures(state) {
+  const live = state.live || {};
+  const now = live.tokens_per_second_now ?? 0;
+  $("tps-now").textContent = fixed(now, 1);
+  $("tps-last").textContent = fixed(live.last_request_tokens_per_second, 1);
+  tokenRates.push(now);
+  if (tokenRates.length > SPARK_POINTS) tokenRates.shift();
+  const top = Math.max(1, ...tokenRates);
+  // The newest figure at the right edge; older ones scroll off to the left.
+  const offset = SPARK_POINTS - tokenRates.length;
+  const points = tokenRates.map((v, i) => `${((offset + i) * 120) / (SPARK_POINTS - 1)},${30 - (v / top) * 28}`);
+  $("tps-spark").querySelector("polyline").setAttribute("points", points.join(" "));
+
+  const peers = state.members.filter((m) => m.state !== "self");
+  const connected = peers.filter((m) => m.state === "connected").length;
+  $("members-count").textContent = `${connected + 1} of ${peers.length + 1}`;
+  const counters = state.counters || {};
+  $("requests").textContent = `${counters.requests ?? 0} · ${counters.failovers ?? 0}`;
+}
+
+function drawLayerMap(state) {
+  const map = $("layer-map");
+  const plan = state.plan;
+  if (!plan) {
+    $("plan-caption").textContent = "";
+    $("plan-notes").textContent = "";
+    map.replaceChildren(el("div", state.refusal ? `No plan: ${state.refusal}` : "No plan yet: waiting for members.",
+                           "no-plan"));
+    return;
+  }
+  $("plan-caption").textContent = `${plan.n_layers} layers over ${plan.segments.length} node(s)`;
+  const bar = el("div", null, "layer-bar");
+  const axis = el("div", null, "layer-axis");
+  axis.append(tick(0, plan.n_layers));
+  for (const s of plan.segments) {
+    const label = `${s.name}: ${s.start}–${s.end}`;
+    const segment = el("div", label, "segment");
+    segment.dataset.node = s.name;
+    segment.dataset.id = s.id;
+    segment.dataset.start = s.start;
+    segment.dataset.end = s.end;
+    segment.title = `${s.name}: layers [${s.start}, ${s.end})${s.output ? " + output head" : ""}`;
+    segment.style.flex = `${s.end - s.start} 1 0`;
+    segment.style.background = colourOf(s.id);
+    bar.append(segment);
+    axis.append(tick(s.end, plan.n_layers));
+  }
+  map.replaceChildren(bar, axis);
+  const notes = [];
+  if (plan.left_out.length) notes.push(`Left out (too small): ${plan.left_out.join(", ")}.`);
+  for (const r of plan.refused) notes.push(`Refused: ${r.name} (${r.reason}).`);
+  $("plan-notes").textContent = notes.join(" ");
+}
+
+function tick(layer, nLayers) {
+  const mark = el("span", layer);
+  mark.style.left = `${(layer / nLayers) * 100}%`;
+  return mark;
+}
+
+function memberState(m) {
+  if (m.state === "self") return ["this node", "good"];
+  if (m.state === "connected" && m.health === "degraded") return ["degraded", "warn"];
+  if (m.state === "connected") return ["connected", "good"];
+  if (m.state === "lost") return ["lost", "bad"];
+  return [m.state, "muted"];
+}
+
+function drawMembers(members) {
+  const rows = members.map((m) => {
+    const row = el("tr");
+    row.dataset.node = m.name;
+    row.dataset.id = m.id;
+    row.dataset.state = m.state;
+    const name = el("td");
+    const swatch = el("span", null, "swatch");
+    swatch.style.background = colourOf(m.id);
+    name.append(swatch, el("span", m.name), el("span", m.short_id, "self-tag mono"));
+    const [stateText, tone] = memberState(m);
+    row.append(
+      name,
+      el("td", stateText, tone),
+      el("td", m.address ?? "–", "addr"),
+      el("td", fixed(m.rtt_ms, 1), "num"),
+      el("td", fixed(m.rtt_p50_ms, 1), "num"),
+      el("td", fixed(m.capacity_bytes / GB, 2), "num"),
+      el("td", m.serving ? "serving" : "", m.serving ? "good" : ""),
+    );
+    return row;
+  });
+  $("members").querySelector("tbody").replaceChildren(...rows);
+}
+
+function drawEvents(events) {
+  const items = events.slice().reverse().map((e) => {
+    const item = el("li");
+    item.append(el("time", clock(e.time)), el("span", e.message));
+    return item;
+  });
+  $("events").replaceChildren(...items);
+}
+
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const key = $("key-input").value.trim();
+  if (key) sessionStorage.setItem(KEY_STORAGE, key);
+  $("key-input").value = "";
+  poll();
+});
+
+poll();
