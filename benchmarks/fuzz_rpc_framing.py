@@ -26,6 +26,7 @@ from mesh_sidecar.rpc_framing import (
     DIALECTS,
     HELLO_CMD,
     HELLO_REPLY_CAPS_OFFSET,
+    HELLO_REPLY_FLAGS_OFFSET,
     REGISTER_PEER_ENDPOINT_BYTES,
     RpcDialect,
     RpcStreamFilter,
@@ -52,6 +53,7 @@ def dialect_handshake(dialect: RpcDialect) -> tuple[bytes, bytes]:
     if dialect.hello_reply_bytes > HELLO_REPLY_CAPS_OFFSET:
         caps_bytes = dialect.hello_reply_bytes - HELLO_REPLY_CAPS_OFFSET
         reply[HELLO_REPLY_CAPS_OFFSET:] = dialect.required_caps.to_bytes(caps_bytes, "little")
+        reply[HELLO_REPLY_FLAGS_OFFSET] = dialect.required_flags
     request = rpc_frame(HELLO_CMD, bytes(dialect.hello_request_bytes))
     return request, _REPLY_SIZE.pack(len(reply)) + bytes(reply)
 

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.console import Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -34,7 +35,7 @@ from .home import NodeHome
 from .logs import follow as follow_logs
 from .logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
 from .identity import load_or_create_identity, short_id
-from .llama_build import ensure_binaries
+from .llama_build import B2B, STOCK, ensure_binaries
 from .mesh import DEFAULT_QUIC_PORT, MESH_FILE_NAME, SavedMesh
 from .model import check_gguf, ensure_model, model_sha256
 from .node import DEFAULT_CTX_SIZE, Node, NodeOptions
@@ -60,6 +61,9 @@ HomeOption = Annotated[
     Optional[Path], typer.Option("--home", envvar="MESH_HOME", help="This node's state directory.")
 ]
 CtxOption = Annotated[int, typer.Option("--ctx-size", min=256, help="Context length llama-server gets (tokens).")]
+B2bOption = Annotated[bool, typer.Option(
+    "--b2b", help="Use the b2b build of llama.cpp (patches/README.md): workers pass activations straight to "
+                  "each other. Give it to every node; a node without it still works with the others.")]
 LlamaBinOption = Annotated[
     Optional[Path],
     typer.Option("--llama-bin", envvar="MESH_LLAMA_BIN",
@@ -91,7 +95,7 @@ class _LazyProgress:
             self._progress.stop()
 
 
-def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False):
+def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False, b2b: bool = False):
     """Binaries, model and (if asked) the model's sha256, with a progress bar when slow.
 
     A model the user named is checked first: a typo should not wait for a build.
@@ -100,7 +104,8 @@ def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool
         check_gguf(model)
     progress = _LazyProgress()
     try:
-        binaries, model_path = ensure_binaries(llama_bin, progress), ensure_model(model, progress)
+        binaries = ensure_binaries(llama_bin, progress, B2B if b2b else STOCK)
+        model_path = ensure_model(model, progress)
         return binaries, model_path, model_sha256(model_path, progress) if identify_model else ""
     finally:
         progress.close()
@@ -150,7 +155,8 @@ def _say(message: str) -> None:
 
 
 def _fail(exc: MeshError) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    # Escaped: a message may hold brackets ("[fd00::2]:47470") that rich would take for markup.
+    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -162,6 +168,7 @@ def run_node(
     name: Annotated[Optional[str], typer.Option("--name", help="A name for this node (default: the host name).")] = None,
     home: HomeOption = None,
     llama_bin: LlamaBinOption = None,
+    b2b: B2bOption = False,
     join: Annotated[Optional[str], typer.Option("--join", help="Join the mesh of the node that printed this ticket.")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
     min_peers: Annotated[int, typer.Option("--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
@@ -210,7 +217,7 @@ def run_node(
         if serve is not None:
             check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
         binaries, model_path, sha256 = _prepare(llama_bin, model,
-                                                identify_model=serve is not None or model is not None)
+                                                identify_model=serve is not None or model is not None, b2b=b2b)
         if speculation_mode not in ("auto", "off"):
             raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
         if speculation_mode == "off" and draft_model is not None:
@@ -269,10 +276,11 @@ async def _run_until_signal(node: Node) -> None:
 def setup(
     llama_bin: LlamaBinOption = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="Check this GGUF instead of fetching the default.")] = None,
+    b2b: B2bOption = False,
 ) -> None:
     """Build the pinned llama.cpp (once) and fetch the default model. Prints the binaries' directory last."""
     try:
-        binaries, model_path, _ = _prepare(llama_bin, model)
+        binaries, model_path, _ = _prepare(llama_bin, model, b2b=b2b)
     except MeshError as exc:
         _fail(exc)
     console.print(f"model: {model_path}", highlight=False)

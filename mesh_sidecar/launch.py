@@ -21,6 +21,7 @@ import ctypes
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import struct
 import termios
@@ -63,7 +64,11 @@ LOG_CATCH_UP_S = 1.0
 
 
 def rpc_server_argv(binaries: LlamaBinaries, port: int, *, tensor_cache: bool = False) -> list[str]:
-    argv = [str(binaries.rpc_server), "-H", LOOPBACK, "-p", str(port)]
+    # rpc-server prints its devices and their free memory (capacity.py reads them from its log) with
+    # printf, then serves forever: into a pipe, block-buffered, they would never arrive. stdbuf
+    # (coreutils) makes its stdout line-buffered.
+    line_buffered = [stdbuf, "-oL"] if (stdbuf := shutil.which("stdbuf")) else []
+    argv = [*line_buffered, str(binaries.rpc_server), "-H", LOOPBACK, "-p", str(port)]
     if tensor_cache:
         argv.append("-c")
     return argv

@@ -5,6 +5,11 @@ PyPI (RPC protocol 7.0.0). ``ensure_binaries`` builds the two targets we run,
 ``ggml-rpc-server`` and ``llama-server``, into
 ``<cache>/llama.cpp-<pin>/bin`` and is instant once that directory is complete.
 
+Two builds of the pin (``BuildVariant``): ``stock``, as published, and ``b2b``
+(``--b2b``), the same source with ``patches/llama.cpp-b2b.patch`` applied, so
+workers push activations to each other (patches/README.md). The b2b build has
+its own directory keyed by the patch's hash, so a changed patch is rebuilt.
+
 Build choices, and why:
 - ``GGML_RPC=ON``: the RPC backend is the whole point.
 - ``GGML_NATIVE=ON`` with AMX switched off: native code is fast on the machine
@@ -19,6 +24,7 @@ Build choices, and why:
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -62,6 +68,34 @@ _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 # (message, done, total): total is 0 while a stage has no measurable length.
 ProgressCallback = Callable[[str, int, int], None]
 
+# The patches live in the source checkout, beside the package.
+PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
+B2B_PATCH_NAME = "llama.cpp-b2b.patch"
+PATCH_KEY_HEX_CHARS = 12
+
+
+@dataclass(frozen=True)
+class BuildVariant:
+    """One build of the pinned source: as published, or with one of our patches applied."""
+
+    name: str
+    patch: Path | None = None
+
+    def key(self) -> str:
+        """The build directory's name: the pin, and for a patched build the patch's name and hash."""
+        if self.patch is None:
+            return f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}"
+        if not self.patch.is_file():
+            raise BinariesMissingError(
+                f"The {self.name} build needs {self.patch}, which is part of a source checkout of "
+                "mesh-inference; run from a clone of the repository, or pass --llama-bin.")
+        digest = hashlib.sha256(self.patch.read_bytes()).hexdigest()[:PATCH_KEY_HEX_CHARS]
+        return f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}-{self.name}-{digest}"
+
+
+STOCK = BuildVariant("stock")
+B2B = BuildVariant("b2b", PATCHES_DIR / B2B_PATCH_NAME)
+
 
 @dataclass(frozen=True)
 class LlamaBinaries:
@@ -75,9 +109,9 @@ class LlamaBinaries:
         return self.rpc_server.parent
 
 
-def pinned_build_dir() -> Path:
-    """Cache directory of our pinned build, keyed by the pin."""
-    return cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}"
+def pinned_build_dir(variant: BuildVariant = STOCK) -> Path:
+    """Cache directory of a build of our pin, keyed by the pin (and patch)."""
+    return cache_root() / variant.key()
 
 
 def binaries_in(directory: Path) -> LlamaBinaries:
@@ -93,12 +127,13 @@ def binaries_in(directory: Path) -> LlamaBinaries:
     return LlamaBinaries(found[RPC_SERVER_BINARY], found[LLAMA_SERVER_BINARY])
 
 
-def ensure_binaries(llama_bin: Path | None, progress: ProgressCallback) -> LlamaBinaries:
+def ensure_binaries(llama_bin: Path | None, progress: ProgressCallback,
+                    variant: BuildVariant = STOCK) -> LlamaBinaries:
     """A user's build if named (flag or env), else the pinned build, built if needed."""
     chosen = llama_bin or (Path(os.environ[LLAMA_BIN_ENV]) if os.environ.get(LLAMA_BIN_ENV) else None)
     if chosen is not None:
         return binaries_in(chosen.expanduser())
-    root = pinned_build_dir()
+    root = pinned_build_dir(variant)
     bin_dir = root / "bin"
     if (bin_dir / BUILD_STAMP_NAME).exists():
         return binaries_in(bin_dir)
@@ -107,14 +142,14 @@ def ensure_binaries(llama_bin: Path | None, progress: ProgressCallback) -> Llama
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (bin_dir / BUILD_STAMP_NAME).exists():
-            _build(root, progress)
+            _build(root, progress, variant)
     return binaries_in(bin_dir)
 
 
-def _build(root: Path, progress: ProgressCallback) -> None:
+def _build(root: Path, progress: ProgressCallback, variant: BuildVariant) -> None:
     source = root / "src"
     if not (source / "CMakeLists.txt").exists():
-        _fetch_source(source, progress)
+        _fetch_source(source, progress, variant)
     for tool in ("cmake", "ninja"):
         if shutil.which(tool) is None:
             raise BuildError(
@@ -137,7 +172,8 @@ def _build(root: Path, progress: ProgressCallback) -> None:
         shutil.copy2(build / "bin" / name, bin_dir / name)
     # Written last: its presence means the directory is complete.
     (bin_dir / BUILD_STAMP_NAME).write_text(
-        json.dumps({"llama_cpp_python": LLAMA_CPP_PYTHON_PIN, "cmake_options": CMAKE_OPTIONS}, indent=2)
+        json.dumps({"llama_cpp_python": LLAMA_CPP_PYTHON_PIN, "variant": variant.name,
+                    "cmake_options": CMAKE_OPTIONS}, indent=2)
     )
 
 
@@ -168,7 +204,27 @@ def _run_logged(
         )
 
 
-def _fetch_source(source: Path, progress: ProgressCallback) -> None:
+def _fetch_source(source: Path, progress: ProgressCallback, variant: BuildVariant) -> None:
+    """The pinned source in ``source``, patched for ``variant``; complete or absent, never half-made."""
+    staging = source.with_name("src.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    stock = pinned_build_dir(STOCK) / "src"
+    if variant.patch is not None and (stock / "CMakeLists.txt").exists():
+        shutil.copytree(stock, staging, symlinks=True)  # no second download
+    else:
+        _download_source(staging, progress)
+    if variant.patch is not None:
+        progress(f"Applying {variant.patch.name}", 0, 0)
+        result = subprocess.run(["git", "apply", "--whitespace=nowarn", str(variant.patch)], cwd=staging,
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BuildError(f"{variant.patch.name} does not apply to llama.cpp from llama-cpp-python=="
+                             f"{LLAMA_CPP_PYTHON_PIN}:\n{result.stderr.strip()[-2000:]}\n"
+                             "Rebase it with scripts/rebase_b2b_patch.sh (patches/README.md).")
+    staging.rename(source)
+
+
+def _download_source(staging: Path, progress: ProgressCallback) -> None:
     progress(f"Downloading llama-cpp-python=={LLAMA_CPP_PYTHON_PIN} source from PyPI", 0, 0)
     with tempfile.TemporaryDirectory(prefix="mesh-llama-src-") as tmp:
         result = subprocess.run(
@@ -183,8 +239,6 @@ def _fetch_source(source: Path, progress: ProgressCallback) -> None:
                 f"from PyPI:\n{result.stderr.strip()[-2000:]}\nCheck the network or pip's index "
                 "settings, or pass --llama-bin with your own llama.cpp build."
             )
-        staging = source.with_name("src.partial")
-        shutil.rmtree(staging, ignore_errors=True)
         with tarfile.open(sdist) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(SDIST_VENDOR_PREFIX)]
             for i, member in enumerate(members):
@@ -193,4 +247,3 @@ def _fetch_source(source: Path, progress: ProgressCallback) -> None:
                     tar.extract(member, staging, filter="data")
                 if i % 500 == 0:
                     progress("Unpacking llama.cpp source", i, len(members))
-        staging.rename(source)

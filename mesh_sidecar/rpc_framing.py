@@ -21,7 +21,10 @@ HELLO (cmd 14) is always the first command. Its reply, server -> client::
     | size u64 LE | major u8 | minor u8 | patch u8 |                       b2b fork 3.x, size 3
     +-------------+----------+----------+----------+
 
-REGISTER_PEER payload (backend-to-backend fork only; 132 bytes)::
+Our b2b build (``--b2b``, patches/llama.cpp-b2b.patch) answers 7.0.1 with B2B_HELLO_FLAG in the
+pad byte and adds REGISTER_PEER = 18 and PUSH_TENSOR_TO_PEER = 19 after upstream's commands.
+
+REGISTER_PEER payload (the b2b fork and our b2b build; 132 bytes)::
 
     0                4                                                132
     +----------------+------------------------------------------------+
@@ -58,6 +61,10 @@ RPC_HEADER_BYTES = 1 + 8  # cmd u8 | size u64
 HELLO_CMD = 14  # upstream static_asserts it never moves; the fork keeps it
 HELLO_REPLY_SIZE_BYTES = 8  # the reply's size u64
 HELLO_REPLY_CAPS_OFFSET = 4  # major, minor, patch, pad; then caps[24] in 7.x
+# Upstream's pad byte; our b2b patch (patches/llama.cpp-b2b.patch) sets a flag in it rather than in
+# caps, which RDMA transports read. Stock clients ignore it, so they still talk to b2b servers.
+HELLO_REPLY_FLAGS_OFFSET = 3
+B2B_HELLO_FLAG = 0x01
 RPC_CONN_CAPS_BYTES = 24  # upstream 7.x connection capabilities (RDMA data or zeros)
 FORK_HELLO_REPLY_BYTES = 3  # the fork's reply: major, minor, patch
 REGISTER_PEER_ENDPOINT_BYTES = 128  # char endpoint[128], NUL included
@@ -95,6 +102,8 @@ class RpcDialect:
     """REGISTER_PEER's command number; None: the dialect has no REGISTER_PEER."""
     required_caps: int = 0
     """Bits that must be set in the reply's caps (read as a little-endian integer)."""
+    required_flags: int = 0
+    """Bits that must be set in the reply's fourth byte (upstream's padding, our b2b patch's flags)."""
 
     def matches(self, hello_request_bytes: int, reply: bytes) -> bool:
         """Whether a HELLO request of that size and this reply payload are this dialect."""
@@ -107,6 +116,8 @@ class RpcDialect:
             and hello_request_bytes == self.hello_request_bytes
             and len(reply) == self.hello_reply_bytes
             and caps & self.required_caps == self.required_caps
+            and (len(reply) > HELLO_REPLY_FLAGS_OFFSET and reply[HELLO_REPLY_FLAGS_OFFSET] or 0)
+            & self.required_flags == self.required_flags
         )
 
 
@@ -116,6 +127,16 @@ class RpcDialect:
 # Assumption (no published version table for the fork): REGISTER_PEER is 17 in 3.0.x and
 # moved to 18 (when SET_TENSOR_GGUF took 17) in 3.1 and later.
 DIALECTS: tuple[RpcDialect, ...] = (
+    RpcDialect(
+        "mesh-b2b-7",
+        major=7,
+        min_minor=0,
+        max_minor=None,
+        hello_request_bytes=RPC_CONN_CAPS_BYTES,
+        hello_reply_bytes=HELLO_REPLY_CAPS_OFFSET + RPC_CONN_CAPS_BYTES,
+        register_peer_cmd=18,  # after upstream's last command (17, MEMSET_TENSOR)
+        required_flags=B2B_HELLO_FLAG,
+    ),
     RpcDialect(
         "upstream-7",
         major=7,

@@ -6,6 +6,8 @@ import pytest
 
 from mesh_sidecar.capacity import MIB, Capacity, Device, measure, parse_device_listing, parse_size
 from mesh_sidecar.errors import UsageError
+from mesh_sidecar.launch import start_rpc_server
+from mesh_sidecar.ports import free_tcp_port
 
 LISTING = """Starting RPC server v7.0.0
   endpoint       : 127.0.0.1:50052
@@ -62,3 +64,14 @@ def test_gossip_round_trip() -> None:
     capacity = Capacity(5, 6, 7, 8)
     assert Capacity.from_gossip(dict(capacity.to_gossip())) == capacity
     assert Capacity.from_gossip({}).usable_bytes == 0
+
+
+@pytest.mark.slow
+async def test_a_real_rpc_server_lists_its_devices_in_its_log(binaries, tmp_path) -> None:
+    """The listing must reach the log while rpc-server runs (its stdout is a pipe), or GPUs go uncounted."""
+    server = await start_rpc_server(binaries, free_tcp_port(), tmp_path)
+    try:
+        devices = parse_device_listing(server.log_path.read_text())
+    finally:
+        await server.stop()
+    assert devices and devices[0].total_bytes > 0, server.log_path.read_text()

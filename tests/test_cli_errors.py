@@ -66,3 +66,10 @@ def test_truncated_ticket(tmp_path: Path) -> None:
     whole = encode_ticket(Ticket(b"\x01" * 32, b"\x02" * 32, (PeerAddress("127.0.0.1", 47470),)))
     result = cli("--home", str(tmp_path), "--join", whole[:-20])
     assert_clean_error(result, "truncated")
+
+
+def test_brackets_in_a_message_are_printed_as_they_are(tmp_path: Path) -> None:
+    """An IPv6 address ("[fd00::2]:47470") or any bracketed text must survive the error printer."""
+    result = cli("--home", str(tmp_path), "--max-memory", "[fd00::2]:4G")
+    assert result.returncode == 1
+    assert "[fd00::2]:4G" in result.stderr

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from mesh_sidecar.errors import FrameTooLargeError, MalformedMessageError, WireError
 from mesh_sidecar.rpc_framing import (
+    B2B_HELLO_FLAG,
     DIALECTS,
     MAX_HELD_BEFORE_REPLY_BYTES,
     MAX_RPC_FRAME_BYTES,
@@ -52,8 +53,8 @@ def hello_reply(payload: bytes) -> bytes:
     return len(payload).to_bytes(8, "little") + payload
 
 
-def reply_7x(major: int = 7, minor: int = 0, patch: int = 0, caps: int = 0) -> bytes:
-    return hello_reply(bytes([major, minor, patch, 0]) + caps.to_bytes(24, "little"))
+def reply_7x(major: int = 7, minor: int = 0, patch: int = 0, caps: int = 0, flags: int = 0) -> bytes:
+    return hello_reply(bytes([major, minor, patch, flags]) + caps.to_bytes(24, "little"))
 
 
 def reply_fork(minor: int, patch: int = 0, major: int = 3) -> bytes:
@@ -444,18 +445,31 @@ def test_fork_minor_picks_the_register_peer_number(
     assert flt.next_event() is None
 
 
+def test_our_b2b_dialect_is_told_apart_by_its_hello_flag() -> None:
+    """A b2b rpc-server (7.0.1 with the flag) gets REGISTER_PEER (18) rewritten; a stock one's 18 is left alone."""
+    register = frame(18, register_payload(1, b"10.0.0.1:50052"))
+    for flags, patch, name, expected in [
+        (B2B_HELLO_FLAG, 1, "mesh-b2b-7", frame(18, register_payload(1, RESOLVED[1].encode()))),
+        (0, 0, "upstream-7", register),
+    ]:
+        flt = RpcStreamFilter(Recorder())
+        out, events, _ = drive([("c", HELLO_7X + register), ("s", reply_7x(patch=patch, flags=flags))], flt)
+        assert out == HELLO_7X + expected
+        assert events[0] == DialectDetected(name, f"7.0.{patch}")
+
+
 def test_a_new_dialect_is_one_more_row() -> None:
-    """A hypothetical 7.x with a b2b caps flag: one row above upstream-7 in the table."""
+    """A hypothetical 7.x with a b2b caps flag: one row above the others in the table."""
     b2b_flag = 1 << 0
     table = (
         RpcDialect(
-            "upstream-7-b2b", 7, 0, None, 24, 28, register_peer_cmd=18, required_caps=b2b_flag
+            "upstream-7-caps-b2b", 7, 0, None, 24, 28, register_peer_cmd=18, required_caps=b2b_flag
         ),
         *DIALECTS,
     )
     register = frame(18, register_payload(1, b"10.0.0.1:50052"))
     for caps, name, expected in [
-        (b2b_flag, "upstream-7-b2b", frame(18, register_payload(1, RESOLVED[1].encode()))),
+        (b2b_flag, "upstream-7-caps-b2b", frame(18, register_payload(1, RESOLVED[1].encode()))),
         (0, "upstream-7", register),
     ]:
         flt = RpcStreamFilter(Recorder(), dialects=table)
