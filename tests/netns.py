@@ -32,6 +32,7 @@ from tests.waiting import wait_until
 
 SUBNET = "10.231.{run}.{host}"
 QUIC_PORT = 47470
+MDNS_PORT = 5353  # LAN discovery (zeroconf), on by default in lab nodes
 API_PORT = 8080
 ETH_P_ALL = 0x0003
 ETH_HEADER_BYTES = 14

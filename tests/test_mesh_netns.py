@@ -18,8 +18,8 @@ import pytest
 
 from mesh_sidecar.ticket import PeerAddress, Ticket, decode_ticket, encode_ticket
 from tests.conftest import NodeProcess, cli
-from tests.netns import (API_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names, ns_complete,
-                         ns_python, ns_tcp_refused, start_in, ticket_of)
+from tests.netns import (API_PORT, MDNS_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names,
+                         ns_complete, ns_python, ns_tcp_refused, start_in, ticket_of)
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -104,11 +104,13 @@ def test_layers_on_all_three_nodes_and_output_matches_one_machine(mesh3, referen
     assert all(p["bytes_to_peer"] > 1_000_000 and p["bytes_from_peer"] > 0 for p in status["peers"])
 
 
-def test_only_quic_crosses_between_hosts(mesh3):
+def test_only_quic_and_mdns_cross_between_hosts(mesh3):
     sniffer = mesh3.lab.sniffer
     assert not sniffer.tcp, f"TCP between hosts: {dict(sniffer.tcp)}"
     assert sum(sniffer.udp_ports.values()) > 100
-    assert all(QUIC_PORT in ports for ports in sniffer.udp_ports), dict(sniffer.udp_ports)
+    # mDNS (LAN discovery) goes port 5353 to 5353; everything else is QUIC.
+    assert all(QUIC_PORT in ports or ports == (MDNS_PORT, MDNS_PORT) for ports in sniffer.udp_ports), \
+        dict(sniffer.udp_ports)
     # Nothing but the QUIC port answers from another host.
     c = mesh3.nodes["c"].status()
     ports = [p["port"] for p in c["processes"]] + [p["tunnel_port"] for p in c["peers"]]

@@ -16,8 +16,8 @@ import pytest
 
 from mesh_sidecar.mesh import WEIGHTS_MISMATCH
 from tests.conftest import cli
-from tests.netns import (API_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names, ns_python,
-                         start_in, ticket_of)
+from tests.netns import (API_PORT, MDNS_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names,
+                         ns_python, start_in, ticket_of)
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -28,7 +28,6 @@ pytestmark = [
 
 MARKER = "zebra-quartz-marker-7731"  # a prompt word that must never reach a log
 FLOOD_DATAGRAMS = 20000
-MDNS_PORT = 5353
 REPO = Path(__file__).resolve().parent.parent
 
 
