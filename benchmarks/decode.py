@@ -23,7 +23,8 @@ rate limits on every link, or the delay switch that holds every frame between
 hosts for a fixed time (both setups cross it alike).
 
 Run as root: ``.venv/bin/python -m benchmarks.decode [--reps N] [--n-predict N]
-[--profiles unshaped,1gbit,100mbit,5ms,20ms] [--model PATH|bench-1gb] [--json PATH]``.
+[--profiles unshaped,1gbit,100mbit,5ms,20ms] [--model PATH|bench-1gb] [--json PATH] [--b2b]``.
+With ``--b2b`` a third setup runs: the mesh with every node on the b2b build.
 Figures are printed and written as JSON; nothing is asserted.
 """
 
@@ -214,16 +215,16 @@ def _listening(host, port: int) -> bool:
 
 def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
              model: Path | None = None, serve_args: tuple[str, ...] = (),
-             label: str = "mesh") -> tuple[dict, list[str], dict]:
-    """Start a, b, c as in the netns test (c serves `model`, by default the default one, with
-    ``serve_args``); measure through c's :8080; return (client result, order, info)."""
+             label: str = "mesh", node_args: tuple[str, ...] = ()) -> tuple[dict, list[str], dict]:
+    """Start a, b, c as in the netns test, each with ``node_args`` (c serves `model`, by default the
+    default one, with ``serve_args``); measure through c's :8080; return (client result, order, info)."""
     homes = {name: workdir / label / name for name in "abc"}
 
     def start(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         homes[name].mkdir(parents=True)
         log = workdir / f"{label}-{name}.out"
         argv = lab_hosts[name].exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(homes[name]),
-                                         "--name", name, "--port", str(QUIC_PORT), *args)
+                                         "--name", name, "--port", str(QUIC_PORT), *node_args, *args)
         return started.popen(f"mesh node {name}", argv, log), log
 
     def ticket(log: Path) -> str:
@@ -341,8 +342,9 @@ def _print(report: dict[str, Any]) -> None:
     for col in ("setup", "prompt tok/s (med)", "decode tok/s (med)", "decode min–max", "TTFT ms (med)",
                 "decode mesh/direct"):
         table.add_column(col, justify="right" if col != "setup" else "left")
-    for name, s in (("direct", d), ("mesh", m)):
-        ratio = f"{m['decode_tok_s']['median'] / d['decode_tok_s']['median']:.2f}" if name == "mesh" else ""
+    setups = [("direct", d), ("mesh", m)] + ([("mesh --b2b", report["mesh_b2b"])] if "mesh_b2b" in report else [])
+    for name, s in setups:
+        ratio = f"{s['decode_tok_s']['median'] / d['decode_tok_s']['median']:.2f}" if name != "direct" else ""
         table.add_row(name, f"{s['prompt_tok_s']['median']:.1f}", f"{s['decode_tok_s']['median']:.1f}",
                       f"{s['decode_tok_s']['min']:.1f}–{s['decode_tok_s']['max']:.1f}",
                       f"{s['ttft_ms']['median']:.1f}", ratio)
@@ -350,9 +352,10 @@ def _print(report: dict[str, Any]) -> None:
     tunnels = Table(title="mesh tunnels on c, over the timed repetitions")
     for col in ("tunnel", "bytes c→peer / token", "bytes peer→c / token", "RPC commands / token"):
         tunnels.add_column(col, justify="right" if col != "tunnel" else "left")
-    for name, row in sorted(report["mesh_tunnels"].items()):
-        tunnels.add_row(name, f"{row['to_peer_per_token']:,.0f}", f"{row['from_peer_per_token']:,.0f}",
-                        f"{row['rpc_commands_per_token']:.1f}")
+    for setup, key in (("", "mesh_tunnels"), (" (--b2b)", "mesh_b2b_tunnels")):
+        for name, row in sorted(report.get(key, {}).items()):
+            tunnels.add_row(name + setup, f"{row['to_peer_per_token']:,.0f}", f"{row['from_peer_per_token']:,.0f}",
+                            f"{row['rpc_commands_per_token']:.1f}")
     console.print(tunnels)
     same = report["greedy_texts_identical"]
     console.print(f"greedy text direct == mesh: {'yes' if same else 'NO'}"
@@ -398,8 +401,9 @@ def _resolve_model(given: str | None) -> Path:
 
 
 def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workdir: Path,
-                started: Started) -> dict[str, Any]:
-    """The mesh, then the direct setup, on a fresh lab with this link profile; its report entry."""
+                started: Started, b2b: bool = False) -> dict[str, Any]:
+    """The mesh, then the direct setup (and with ``b2b`` the mesh on the b2b build), on a fresh lab
+    with this link profile; its report entry."""
     from tests.netns import LINK_PROFILES, Lab
 
     workdir.mkdir(parents=True)
@@ -413,6 +417,11 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         started.stop_all()
         print(f"[{profile}] direct: rpc-servers on a, b, c over TCP, order {','.join(order)}...", flush=True)
         direct_result, direct_info = run_direct(hosts, started, workdir, spec, order, binaries, model)
+        if b2b:
+            started.stop_all()
+            print(f"[{profile}] mesh with --b2b: workers pass activations to each other...", flush=True)
+            b2b_result, b2b_order, b2b_info = run_mesh(hosts, started, workdir, spec, model,
+                                                       ("--speculation", "off"), "mesh-b2b", ("--b2b",))
     finally:
         started.stop_all()
         lab.close()
@@ -431,6 +440,13 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
     entry["decode_ratio_mesh_over_direct"] = (entry["mesh"]["decode_tok_s"]["median"]
                                               / entry["direct"]["decode_tok_s"]["median"])
     entry["greedy_texts_identical"] = entry["direct"]["text"] == entry["mesh"]["text"]
+    if b2b:
+        entry["mesh_b2b"] = {**_summary(b2b_result), **b2b_info}
+        entry["mesh_b2b_tunnels"] = _tunnel_bytes(b2b_result)
+        entry["raw"]["mesh_b2b"] = b2b_result["reps"]
+        entry["decode_ratio_b2b_over_direct"] = (entry["mesh_b2b"]["decode_tok_s"]["median"]
+                                                 / entry["direct"]["decode_tok_s"]["median"])
+        entry["greedy_texts_identical"] &= entry["mesh_b2b"]["text"] == entry["direct"]["text"]
     if lab.switch_stats is not None:
         entry["delay_switch"] = lab.switch_stats
     return entry
@@ -442,16 +458,18 @@ def _print_summary(report: dict[str, Any]) -> None:
 
     table = Table(title=f"decode across link profiles: {report['model']}, {report['n_predict']} tokens, "
                         f"{report['reps']} reps (medians)")
-    for col in ("profile", "decode tok/s direct", "mesh", "mesh/direct", "TTFT ms direct", "mesh",
-                "prompt tok/s direct", "mesh", "same text"):
+    for col in ("profile", "decode tok/s direct", "mesh", "mesh/direct", "mesh --b2b", "b2b/direct",
+                "TTFT ms direct", "mesh", "prompt tok/s direct", "mesh", "same text"):
         table.add_column(col, justify="left" if col == "profile" else "right")
     for e in report["profiles"]:
         if "error" in e:
-            table.add_row(e["profile"], "failed", "", "", "", "", "", "", "")
+            table.add_row(e["profile"], "failed", *[""] * 10)
             continue
-        d, m = e["direct"], e["mesh"]
+        d, m, b = e["direct"], e["mesh"], e.get("mesh_b2b")
         table.add_row(e["profile"], f"{d['decode_tok_s']['median']:.1f}", f"{m['decode_tok_s']['median']:.1f}",
-                      f"{e['decode_ratio_mesh_over_direct']:.2f}", f"{d['ttft_ms']['median']:.0f}",
+                      f"{e['decode_ratio_mesh_over_direct']:.2f}",
+                      f"{b['decode_tok_s']['median']:.1f}" if b else "-",
+                      f"{e['decode_ratio_b2b_over_direct']:.2f}" if b else "-", f"{d['ttft_ms']['median']:.0f}",
                       f"{m['ttft_ms']['median']:.0f}", f"{d['prompt_tok_s']['median']:.1f}",
                       f"{m['prompt_tok_s']['median']:.1f}", "yes" if e["greedy_texts_identical"] else "NO")
     Console(width=max(Console().width, 140)).print(table)
@@ -467,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="GGUF file, or a synthetic preset name such as bench-1gb "
                                         "(default: the default model)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--b2b", action="store_true",
+                        help="also run the mesh on the b2b build (workers pass activations to each other)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
@@ -477,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs root (network namespaces)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO_ROOT))
-    from mesh_sidecar.llama_build import ensure_binaries
+    from mesh_sidecar.llama_build import B2B, ensure_binaries
     from tests.netns import LINK_PROFILES
 
     profiles = args.profiles.split(",")
@@ -486,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown profile(s) {', '.join(unknown)}; choose from {', '.join(LINK_PROFILES)}", file=sys.stderr)
         return 2
     binaries = ensure_binaries(None, _quiet)
+    if args.b2b:
+        ensure_binaries(None, _quiet, B2B)  # built now, not under a node's start timeout
     model = _resolve_model(args.model)
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps}
     report = {
@@ -507,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = False
         for profile in profiles:
             try:
-                entry = run_profile(profile, binaries, model, spec, workdir / profile, started)
+                entry = run_profile(profile, binaries, model, spec, workdir / profile, started, args.b2b)
             except Exception as exc:  # one profile failing (a start timeout, a crash) keeps the others' figures
                 print(f"[{profile}] failed: {exc!r}", file=sys.stderr, flush=True)
                 report["profiles"].append({"profile": profile, "error": repr(exc)})

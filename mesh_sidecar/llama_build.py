@@ -215,6 +215,11 @@ def _fetch_source(source: Path, progress: ProgressCallback, variant: BuildVarian
         _download_source(staging, progress)
     if variant.patch is not None:
         progress(f"Applying {variant.patch.name}", 0, 0)
+        # The sdist's tree carries a `.git` file pointing at a repository that is not there; git apply
+        # would follow it and refuse to run.
+        gitlink = staging / ".git"
+        if gitlink.is_file():
+            gitlink.unlink()
         result = subprocess.run(["git", "apply", "--whitespace=nowarn", str(variant.patch)], cwd=staging,
                                 capture_output=True, text=True)
         if result.returncode != 0:

@@ -392,6 +392,9 @@ class Mesh:
                 "bytes_from_peer_in": counters.inbound_bytes_from_peer if counters else 0,
                 "bytes_to_peer_in": counters.inbound_bytes_to_peer if counters else 0,
                 "rpc_commands": counters.rpc_commands if counters else 0,
+                # Of those, the bytes that moved layer outputs (both ways): from the serving node
+                # without --b2b, from the worker before us in the plan with it.
+                "activation_bytes_in": counters.inbound_activation_bytes if counters else 0,
             })
         return rows
 

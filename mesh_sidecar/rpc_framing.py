@@ -40,6 +40,13 @@ Command numbers depend on the dialect (17 is MEMSET_TENSOR upstream and REGISTER
 no row matches it stops parsing and passes bytes through untouched: a filter that does not
 understand a stream must not alter it.
 
+Activation bytes (``activation_bytes_*``): frames that move a layer's output between servers,
+the traffic backend-to-backend transfer takes off the serving node's links. They are SET_TENSOR
+and GET_TENSOR of a tensor llama.cpp names ``l_out-N`` (its name for every layer's output; the
+scheduler's copy on another device is ``<device>#l_out-N#<k>``), and every PUSH_TENSOR_TO_PEER.
+The filter reads the tensor's name from the first bytes of the payload as they pass; it holds
+nothing back for it. A GET_TENSOR's reply is counted from the size it asked for.
+
 Sans-I/O: bytes in, bytes and events out; no sockets, no clock. Payload bytes pass as
 memoryview slices of the caller's ``bytes`` (no copy until :meth:`data_to_server` joins them,
 and none at all when one whole input chunk is released alone). Only a 9-byte header, one
@@ -50,6 +57,7 @@ the HELLO reply (none from a conforming client; bounded) are ever held.
 from __future__ import annotations
 
 import enum
+import re
 import struct
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -59,7 +67,8 @@ from .errors import FrameTooLargeError, MalformedMessageError
 
 RPC_HEADER_BYTES = 1 + 8  # cmd u8 | size u64
 HELLO_CMD = 14  # upstream static_asserts it never moves; the fork keeps it
-HELLO_REPLY_SIZE_BYTES = 8  # the reply's size u64
+REPLY_SIZE_BYTES = 8  # every reply starts with its payload's size, u64
+HELLO_REPLY_SIZE_BYTES = REPLY_SIZE_BYTES
 HELLO_REPLY_CAPS_OFFSET = 4  # major, minor, patch, pad; then caps[24] in 7.x
 # Upstream's pad byte; our b2b patch (patches/llama.cpp-b2b.patch) sets a flag in it rather than in
 # caps, which RDMA transports read. Stock clients ignore it, so they still talk to b2b servers.
@@ -76,6 +85,16 @@ MAX_RPC_FRAME_BYTES = 1 << 36
 # A conforming client blocks on the HELLO reply and sends nothing after HELLO until it
 # arrives; this bounds what a misbehaving one can make us hold.
 MAX_HELD_BEFORE_REPLY_BYTES = 64 * 1024
+
+SET_TENSOR_CMD = 6  # upstream 7.x, and our b2b build
+GET_TENSOR_CMD = 8
+RPC_TENSOR_BYTES = 296
+RPC_TENSOR_NAME_OFFSET = 228  # char name[64] inside rpc_tensor
+RPC_TENSOR_NAME_BYTES = 64
+GET_TENSOR_SIZE_OFFSET = RPC_TENSOR_BYTES + 8  # rpc_tensor | offset u64 | size u64
+PUSH_PEER_ID_BYTES = 4  # PUSH_TENSOR_TO_PEER: peer_id u32 | src rpc_tensor | ...
+PUSH_REPLY_BYTES = 1  # u8: pushed or not
+_LAYER_OUTPUT = re.compile(rb"(?:^|#)l_out-\d+(?:#|$)")
 
 _HEADER = struct.Struct("<BQ")
 _REPLY_SIZE = struct.Struct("<Q")
@@ -100,6 +119,8 @@ class RpcDialect:
     """Payload size of the server's HELLO reply."""
     register_peer_cmd: int | None
     """REGISTER_PEER's command number; None: the dialect has no REGISTER_PEER."""
+    push_tensor_cmd: int | None = None
+    """PUSH_TENSOR_TO_PEER's command number, for the activation counters; None: not counted."""
     required_caps: int = 0
     """Bits that must be set in the reply's caps (read as a little-endian integer)."""
     required_flags: int = 0
@@ -135,6 +156,7 @@ DIALECTS: tuple[RpcDialect, ...] = (
         hello_request_bytes=RPC_CONN_CAPS_BYTES,
         hello_reply_bytes=HELLO_REPLY_CAPS_OFFSET + RPC_CONN_CAPS_BYTES,
         register_peer_cmd=18,  # after upstream's last command (17, MEMSET_TENSOR)
+        push_tensor_cmd=19,
         required_flags=B2B_HELLO_FLAG,
     ),
     RpcDialect(
@@ -254,6 +276,14 @@ class RpcStreamFilter:
         """Frames seen per command number (HELLO included; nothing counted when opaque)."""
         self.frames_seen = 0
         """Frames seen in all."""
+        self.activation_bytes_to_server = 0
+        """Bytes of frames that moved a layer's output into (or, PUSH, out of) the server."""
+        self.activation_bytes_from_server = 0
+        """Bytes of the replies to them (GET_TENSOR data, PUSH results), headers included."""
+        self._tap: bytearray | None = None  # the first payload bytes of a tensor command, as they pass
+        self._tap_need = 0
+        self._tap_cmd = 0
+        self._tap_frame_bytes = 0
         self._phase = _Phase.AWAIT_HELLO
         self._header = bytearray()
         self._remaining = 0  # payload bytes of the current frame still to pass through
@@ -324,6 +354,11 @@ class RpcStreamFilter:
             if self._remaining:
                 take = min(self._remaining, end - pos)
                 self._out.append(view[pos : pos + take])
+                if self._tap is not None:
+                    self._tap += view[pos : pos + min(take, self._tap_need - len(self._tap))]
+                    if len(self._tap) == self._tap_need:
+                        self._count_activation(bytes(self._tap))
+                        self._tap = None
                 self._remaining -= take
                 pos += take
             elif self._phase is _Phase.AWAIT_REPLY:
@@ -371,8 +406,39 @@ class RpcStreamFilter:
         self._out.append(bytes(self._header))
         self._header.clear()
         self._remaining = size
+        self._tap_tensor_command(cmd, size)
         if self._phase is _Phase.AWAIT_REPLY:
             self._resolve_dialect()  # the reply may have come first
+
+    def _tap_tensor_command(self, cmd: int, size: int) -> None:
+        """Start reading the payload of a command that may move a layer's output."""
+        if self.dialect is None:
+            return
+        if cmd == SET_TENSOR_CMD:
+            need = RPC_TENSOR_NAME_OFFSET + RPC_TENSOR_NAME_BYTES
+        elif cmd == GET_TENSOR_CMD:
+            need = GET_TENSOR_SIZE_OFFSET + 8
+        elif cmd == self.dialect.push_tensor_cmd:
+            need = PUSH_PEER_ID_BYTES + RPC_TENSOR_NAME_OFFSET + RPC_TENSOR_NAME_BYTES
+        else:
+            return
+        if size < need:
+            return  # malformed; rpc-server will close the connection
+        self._tap, self._tap_need, self._tap_cmd = bytearray(), need, cmd
+        self._tap_frame_bytes = RPC_HEADER_BYTES + size
+
+    def _count_activation(self, payload_start: bytes) -> None:
+        if self._tap_cmd == self.dialect.push_tensor_cmd:
+            self.activation_bytes_to_server += self._tap_frame_bytes
+            self.activation_bytes_from_server += REPLY_SIZE_BYTES + PUSH_REPLY_BYTES
+            return
+        name = payload_start[RPC_TENSOR_NAME_OFFSET:RPC_TENSOR_NAME_OFFSET + RPC_TENSOR_NAME_BYTES]
+        if not _LAYER_OUTPUT.search(name.split(b"\0", 1)[0]):
+            return
+        self.activation_bytes_to_server += self._tap_frame_bytes
+        if self._tap_cmd == GET_TENSOR_CMD:
+            (asked,) = struct.unpack_from("<Q", payload_start, GET_TENSOR_SIZE_OFFSET)
+            self.activation_bytes_from_server += REPLY_SIZE_BYTES + asked
 
     def _hold(self, chunk: memoryview) -> None:
         self._held_bytes += len(chunk)

@@ -78,6 +78,9 @@ class TunnelCounters:
     inbound_bytes_from_peer: int = 0
     inbound_bytes_to_peer: int = 0
     rpc_commands: int = 0  # RPC frames the peer sent our rpc-server, HELLO included
+    # Of the inbound bytes, those that moved a layer's output (rpc_framing.py): with --b2b they come
+    # from the worker that computed it; without, from the serving node, which fetched it first.
+    inbound_activation_bytes: int = 0
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
@@ -212,12 +215,15 @@ async def serve_inbound_stream(
     rpc_filter = RpcStreamFilter(resolve_endpoint)
     counts = counters if counters is not None else TunnelCounters()
     counts.inbound_streams += 1
-    frames_counted = 0
+    frames_counted = activation_counted = 0
 
     def forward_to_server() -> None:
-        nonlocal frames_counted
+        nonlocal frames_counted, activation_counted
         counts.rpc_commands += rpc_filter.frames_seen - frames_counted
         frames_counted = rpc_filter.frames_seen
+        activation = rpc_filter.activation_bytes_to_server + rpc_filter.activation_bytes_from_server
+        counts.inbound_activation_bytes += activation - activation_counted
+        activation_counted = activation
         if out := rpc_filter.data_to_server():
             tcp_writer.write(out)
         while (event := rpc_filter.next_event()) is not None:

@@ -581,3 +581,29 @@ def test_fuzz_raises_only_wire_errors(
     assert len(out) <= len(client)
     if not any(isinstance(e, EndpointRewritten) for e in events):
         assert client.startswith(out)
+
+
+def rpc_tensor(name: bytes) -> bytes:
+    """A 296-byte rpc_tensor that only has a name."""
+    return bytes(228) + name.ljust(64, b"\0") + bytes(4)
+
+
+def test_activation_bytes_count_layer_outputs_only() -> None:
+    """SET/GET of `l_out-N` (or the scheduler's copy of it) and every PUSH count; weights and inputs do not."""
+    moved = frame(6, rpc_tensor(b"RPC0[127.0.0.1:5]#l_out-10#0") + bytes(9) + bytes(2304))
+    fetched = frame(8, rpc_tensor(b"l_out-9") + (0).to_bytes(8, "little") + (2304).to_bytes(8, "little"))
+    pushed = frame(19, bytes(4) + rpc_tensor(b"l_out-20") * 2 + bytes(16))
+    weights = frame(6, rpc_tensor(b"blk.0.ffn_up.weight") + bytes(9) + bytes(4096))
+    inputs = frame(6, rpc_tensor(b"RPC0[127.0.0.1:5]#attn_inp_kq_mask#0") + bytes(9) + bytes(512))
+    lookalike = frame(6, rpc_tensor(b"l_out-x") + bytes(9) + bytes(64))
+    stream = moved + fetched + pushed + weights + inputs + lookalike
+    for flags in (B2B_HELLO_FLAG, 0):
+        flt = RpcStreamFilter(Recorder())
+        flt.receive_from_client(HELLO_7X)
+        flt.receive_from_server(reply_7x(patch=1, flags=flags))
+        for i in range(len(stream)):  # byte by byte: names are read across chunk boundaries
+            flt.receive_from_client(stream[i:i + 1])
+        assert flt.data_to_server() == HELLO_7X + stream  # counting alters nothing
+        push_bytes = len(pushed) if flags else 0  # a stock server has no PUSH command: 19 is not one
+        assert flt.activation_bytes_to_server == len(moved) + len(fetched) + push_bytes
+        assert flt.activation_bytes_from_server == 8 + 2304 + (8 + 1 if flags else 0)
