@@ -33,6 +33,15 @@ USABLE_KEY = "usable_bytes"
 FREE_RAM_KEY = "free_ram_bytes"
 DEVICE_FREE_KEY = "device_free_bytes"
 MAX_MEMORY_KEY = "max_memory_bytes"
+# Memory an rpc-server holds for one serving node's llama-server: "held_" + the first hex digits of
+# its id. Gossip carries at most 8 capacity entries, 4 of them the ones above.
+HELD_KEY_PREFIX = "held_"
+HELD_ID_HEX_CHARS = 16
+MAX_HELD_ENTRIES = 4
+
+
+def held_key(node_id: bytes) -> str:
+    return HELD_KEY_PREFIX + node_id.hex()[:HELD_ID_HEX_CHARS]
 
 
 @dataclass(frozen=True)
@@ -83,16 +92,27 @@ class Capacity:
     free_ram_bytes: int
     device_free_bytes: int
     max_memory_bytes: int = 0  # 0: no cap given
+    # (held_key(serving node), bytes) its rpc-server holds for that node's llama-server. Those bytes
+    # are inside usable_bytes (rpc-server's own memory counts as usable, so a replan can reuse it):
+    # another serving node must not plan on them (``usable_for``).
+    held: tuple[tuple[str, int], ...] = ()
 
     def to_gossip(self) -> tuple[tuple[str, int], ...]:
         return ((USABLE_KEY, self.usable_bytes), (FREE_RAM_KEY, self.free_ram_bytes),
-                (DEVICE_FREE_KEY, self.device_free_bytes), (MAX_MEMORY_KEY, self.max_memory_bytes))
+                (DEVICE_FREE_KEY, self.device_free_bytes), (MAX_MEMORY_KEY, self.max_memory_bytes),
+                *self.held[:MAX_HELD_ENTRIES])
 
     @classmethod
     def from_gossip(cls, pairs: Mapping[str, int]) -> "Capacity":
         """From a member's announced pairs; a member that announced none offers nothing."""
         return cls(pairs.get(USABLE_KEY, 0), pairs.get(FREE_RAM_KEY, 0), pairs.get(DEVICE_FREE_KEY, 0),
-                   pairs.get(MAX_MEMORY_KEY, 0))
+                   pairs.get(MAX_MEMORY_KEY, 0),
+                   tuple(sorted((k, v) for k, v in pairs.items() if k.startswith(HELD_KEY_PREFIX))))
+
+    def usable_for(self, serving_node: bytes) -> int:
+        """What ``serving_node`` may plan on: all but what is held for other serving nodes."""
+        own = held_key(serving_node)
+        return max(0, self.usable_bytes - sum(n for key, n in self.held if key != own))
 
 
 def measure(devices: tuple[Device, ...], rpc_server_pid: int | None, max_memory_bytes: int | None) -> Capacity:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .capacity import Capacity
+from .capacity import MAX_HELD_ENTRIES, Capacity, held_key
 from .discovery import LanPresence, LanRecord, lan_record_json, mesh_id
 from .errors import MeshError, ModelError, PortInUseError, UsageError
 from .gossip import (
@@ -411,12 +411,22 @@ class Mesh:
             name=self._name,
             addresses=addresses,
             version=__version__,
-            capacity=self._capacity().to_gossip(),
+            capacity=dataclasses.replace(self._capacity(), held=self._held_for_peers()).to_gossip(),
             serving=self._serving,
             rpc_ready=True,
             model_sha256=self.model_sha256,
             secret_epoch=self._saved.epoch,
         )
+
+    def held_for_peers_bytes(self) -> int:
+        """Memory our rpc-server holds for other nodes' llama-servers (not ours: it connects locally)."""
+        return sum(peer.tunnel.counters.inbound_held_bytes for peer in self._peers.values())
+
+    def _held_for_peers(self) -> tuple[tuple[str, int], ...]:
+        held = sorted(((held_key(node_id), peer.tunnel.counters.inbound_held_bytes)
+                       for node_id, peer in self._peers.items() if peer.tunnel.counters.inbound_held_bytes > 0),
+                      key=lambda entry: -entry[1])
+        return tuple(sorted(held[:MAX_HELD_ENTRIES]))
 
     async def _dial(self, node_id: bytes, addresses: list[PeerAddress] | tuple[PeerAddress, ...]) -> None:
         await self._transport.connect([(a.host, a.port) for a in addresses], node_id)

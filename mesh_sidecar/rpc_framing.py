@@ -86,7 +86,9 @@ MAX_RPC_FRAME_BYTES = 1 << 36
 # arrives; this bounds what a misbehaving one can make us hold.
 MAX_HELD_BEFORE_REPLY_BYTES = 64 * 1024
 
-SET_TENSOR_CMD = 6  # upstream 7.x, and our b2b build
+ALLOC_BUFFER_CMD = 0  # upstream 7.x, and our b2b build
+ALLOC_BUFFER_PAYLOAD_BYTES = 12  # device u32 | size u64
+SET_TENSOR_CMD = 6
 GET_TENSOR_CMD = 8
 RPC_TENSOR_BYTES = 296
 RPC_TENSOR_NAME_OFFSET = 228  # char name[64] inside rpc_tensor
@@ -221,7 +223,7 @@ class EndpointRewritten:
 
 @dataclass(frozen=True, slots=True)
 class EndpointUnresolved:
-    """The resolver knew no endpoint for a peer; its REGISTER_PEER passed unchanged."""
+    """The resolver knew no endpoint for a peer; its REGISTER_PEER went on with the endpoint cleared."""
 
     peer_id: int
     """The peer id in the frame."""
@@ -229,7 +231,7 @@ class EndpointUnresolved:
 
 @dataclass(frozen=True, slots=True)
 class EndpointTooLong:
-    """The resolved endpoint does not fit the 128-byte field with its NUL; frame unchanged."""
+    """The resolved endpoint does not fit the 128-byte field with its NUL; the field went on cleared."""
 
     peer_id: int
     """The peer id in the frame."""
@@ -280,6 +282,9 @@ class RpcStreamFilter:
         """Bytes of frames that moved a layer's output into (or, PUSH, out of) the server."""
         self.activation_bytes_from_server = 0
         """Bytes of the replies to them (GET_TENSOR data, PUSH results), headers included."""
+        self.allocated_bytes = 0
+        """Buffer bytes the client asked the server for (ALLOC_BUFFER); rpc-server frees a client's
+        buffers when its connection closes, so this is what the stream holds while it is open."""
         self._tap: bytearray | None = None  # the first payload bytes of a tensor command, as they pass
         self._tap_need = 0
         self._tap_cmd = 0
@@ -414,7 +419,9 @@ class RpcStreamFilter:
         """Start reading the payload of a command that may move a layer's output."""
         if self.dialect is None:
             return
-        if cmd == SET_TENSOR_CMD:
+        if cmd == ALLOC_BUFFER_CMD and self.dialect.major == 7:
+            need = ALLOC_BUFFER_PAYLOAD_BYTES
+        elif cmd == SET_TENSOR_CMD:
             need = RPC_TENSOR_NAME_OFFSET + RPC_TENSOR_NAME_BYTES
         elif cmd == GET_TENSOR_CMD:
             need = GET_TENSOR_SIZE_OFFSET + 8
@@ -428,6 +435,10 @@ class RpcStreamFilter:
         self._tap_frame_bytes = RPC_HEADER_BYTES + size
 
     def _count_activation(self, payload_start: bytes) -> None:
+        if self._tap_cmd == ALLOC_BUFFER_CMD:
+            (asked,) = struct.unpack_from("<Q", payload_start, 4)
+            self.allocated_bytes += asked
+            return
         if self._tap_cmd == self.dialect.push_tensor_cmd:
             self.activation_bytes_to_server += self._tap_frame_bytes
             self.activation_bytes_from_server += REPLY_SIZE_BYTES + PUSH_REPLY_BYTES
@@ -481,14 +492,22 @@ class RpcStreamFilter:
         peer_id, field = _REGISTER_PEER.unpack_from(frame, RPC_HEADER_BYTES)
         original = field.split(b"\0", 1)[0].decode("utf-8", "replace")
         endpoint = self._resolve_endpoint(peer_id)
+        # An endpoint we cannot map is cleared, never passed on: it means nothing on this machine,
+        # and a b2b rpc-server would connect to whatever a member wrote there. The server answers
+        # an empty endpoint with 0, and the client copies through the serving node instead.
         if endpoint is None:
             self._events.append(EndpointUnresolved(peer_id))
-            return bytes(frame)
+            return self._cleared(frame, peer_id)
         encoded = endpoint.encode()
         if len(encoded) >= REGISTER_PEER_ENDPOINT_BYTES:  # the server needs room for the NUL
             self._events.append(EndpointTooLong(peer_id, endpoint))
-            return bytes(frame)
+            return self._cleared(frame, peer_id)
         # struct pads the field with NULs, so no byte of the old endpoint survives.
         _REGISTER_PEER.pack_into(frame, RPC_HEADER_BYTES, peer_id, encoded)
         self._events.append(EndpointRewritten(peer_id, original, endpoint))
+        return bytes(frame)
+
+    @staticmethod
+    def _cleared(frame: bytearray, peer_id: int) -> bytes:
+        _REGISTER_PEER.pack_into(frame, RPC_HEADER_BYTES, peer_id, b"")
         return bytes(frame)

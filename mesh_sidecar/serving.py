@@ -76,13 +76,17 @@ def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
     """
     members, refused = [], []
     for info in mesh.connected_members():
-        member = NodeCapacity(info.node_id, info.name, Capacity.from_gossip(dict(info.capacity)).usable_bytes)
+        # Less what the member's rpc-server holds for other serving nodes (they run their own models).
+        member = NodeCapacity(info.node_id, info.name,
+                              Capacity.from_gossip(dict(info.capacity)).usable_for(identity.node_id))
         if holds_other_weights(mesh.model_sha256, info):
             refused.append((member, WEIGHTS_MISMATCH))
         else:
             members.append(member)
     # The serving host also keeps the input embeddings in its own memory.
-    members.append(NodeCapacity(identity.node_id, name, max(0, own.usable_bytes - estimate.host_bytes)))
+    held_for_others = mesh.held_for_peers_bytes()
+    members.append(NodeCapacity(identity.node_id, name,
+                                max(0, own.usable_bytes - held_for_others - estimate.host_bytes)))
     return dataclasses.replace(plan_layers(members, estimate), refused=tuple(refused))
 
 

@@ -81,6 +81,8 @@ class TunnelCounters:
     # Of the inbound bytes, those that moved a layer's output (rpc_framing.py): with --b2b they come
     # from the worker that computed it; without, from the serving node, which fetched it first.
     inbound_activation_bytes: int = 0
+    # Buffers its open streams asked our rpc-server for: memory held for that peer's llama-server.
+    inbound_held_bytes: int = 0
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
@@ -215,10 +217,12 @@ async def serve_inbound_stream(
     rpc_filter = RpcStreamFilter(resolve_endpoint)
     counts = counters if counters is not None else TunnelCounters()
     counts.inbound_streams += 1
-    frames_counted = activation_counted = 0
+    frames_counted = activation_counted = held_counted = 0
 
     def forward_to_server() -> None:
-        nonlocal frames_counted, activation_counted
+        nonlocal frames_counted, activation_counted, held_counted
+        counts.inbound_held_bytes += rpc_filter.allocated_bytes - held_counted
+        held_counted = rpc_filter.allocated_bytes
         counts.rpc_commands += rpc_filter.frames_seen - frames_counted
         frames_counted = rpc_filter.frames_seen
         activation = rpc_filter.activation_bytes_to_server + rpc_filter.activation_bytes_from_server
@@ -253,3 +257,5 @@ async def serve_inbound_stream(
     except* WireError as group:
         log.warning("tunnel from %s closed: %s", peer_name, group.exceptions[0])
         _abort(quic_writer, tcp_writer)
+    finally:
+        counts.inbound_held_bytes -= held_counted  # rpc-server freed this client's buffers

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mesh_sidecar.capacity import Capacity, held_key
 from mesh_sidecar.llama_build import B2B, ensure_binaries
 from mesh_sidecar.ports import free_tcp_port
 from tests.conftest import N_PREDICT, _quiet, api_healthy, complete
@@ -174,6 +175,14 @@ def test_two_serving_nodes_answer_at_once(b2b_binaries, reference_text, tmp_path
         assert answers == {"a": reference_text, "b": reference_text}
         for node in nodes[1:]:
             assert len(node.status()["serving"]["plan"]["nodes"]) == 3  # each uses every member
+        # The planners count both: w announces what it holds for each serving node, and each
+        # serving node plans on w's memory less what w holds for the other.
+        ids = {n.home.name: bytes.fromhex(n.status()["node"]["id"]) for n in nodes}
+        w_seen_by_a = next(p for p in nodes[1].status()["peers"] if p["name"] == "w")["capacity"]
+        offer = Capacity.from_gossip(w_seen_by_a)
+        held = dict(offer.held)
+        assert held[held_key(ids["a"])] > 0 and held[held_key(ids["b"])] > 0, w_seen_by_a
+        assert offer.usable_for(ids["a"]) == offer.usable_bytes - held[held_key(ids["b"])]
     finally:
         for node in nodes:
             node.stop_with_children()

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from mesh_sidecar.capacity import MIB, Capacity, Device, measure, parse_device_listing, parse_size
+from mesh_sidecar.capacity import (MAX_HELD_ENTRIES, MIB, Capacity, Device, held_key, measure,
+                                   parse_device_listing, parse_size)
 from mesh_sidecar.errors import UsageError
+from mesh_sidecar.gossip import MemberInfo
 from mesh_sidecar.launch import start_rpc_server
 from mesh_sidecar.ports import free_tcp_port
+
+GIB = 1024 * MIB
 
 LISTING = """Starting RPC server v7.0.0
   endpoint       : 127.0.0.1:50052
@@ -75,3 +79,17 @@ async def test_a_real_rpc_server_lists_its_devices_in_its_log(binaries, tmp_path
     finally:
         await server.stop()
     assert devices and devices[0].total_bytes > 0, server.log_path.read_text()
+
+
+def test_memory_held_for_other_serving_nodes_is_not_offered_again() -> None:
+    a, b = b"\x0a" * 32, b"\x0b" * 32
+    offer = Capacity(10 * GIB, 4 * GIB, 10 * GIB, 0, held=((held_key(a), 3 * GIB), (held_key(b), 2 * GIB)))
+    back = Capacity.from_gossip(dict(MemberInfo(
+        node_id=b"\x01" * 32, name="w", addresses=(), version="0", capacity=offer.to_gossip(),
+        serving=False, rpc_ready=True).capacity))
+    assert back == offer
+    assert back.usable_for(a) == 8 * GIB  # a may reuse what w holds for a, not what it holds for b
+    assert back.usable_for(b) == 7 * GIB
+    assert back.usable_for(b"\x0c" * 32) == 5 * GIB
+    crowded = Capacity(GIB, 0, 0, 0, held=tuple((held_key(bytes([i]) * 32), 1) for i in range(9)))
+    assert len(crowded.to_gossip()) == 4 + MAX_HELD_ENTRIES  # gossip's limit of 8 entries holds

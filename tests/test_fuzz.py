@@ -512,7 +512,7 @@ def test_hostile_frames_after_each_dialect_handshake(
     resolver=resolvers,
     client_cuts=cuts,
 )
-def test_register_peer_with_any_endpoint_is_rewritten_in_place_or_passed(
+def test_register_peer_with_any_endpoint_is_rewritten_in_place_or_cleared(
     dialect: RpcDialect,
     registrations: list[tuple[int, bytes]],
     resolver: Resolver,
@@ -532,10 +532,11 @@ def test_register_peer_with_any_endpoint_is_rewritten_in_place_or_passed(
         arrived = out[offset : offset + len(sent)]
         offset += len(sent)
         endpoint = resolver(peer_id)
+        cleared = register_frame(dialect.register_peer_cmd, peer_id, b"")
         if endpoint is None:
-            assert (event, arrived) == (EndpointUnresolved(peer_id), sent)
+            assert (event, arrived) == (EndpointUnresolved(peer_id), cleared)
         elif len(endpoint.encode()) >= REGISTER_PEER_ENDPOINT_BYTES:  # no room for the NUL
-            assert (event, arrived) == (EndpointTooLong(peer_id, endpoint), sent)
+            assert (event, arrived) == (EndpointTooLong(peer_id, endpoint), cleared)
         else:
             assert isinstance(event, EndpointRewritten) and event.rewritten == endpoint
             assert arrived == register_frame(dialect.register_peer_cmd, peer_id, endpoint.encode())
