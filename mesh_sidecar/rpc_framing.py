@@ -56,6 +56,7 @@ the HELLO reply (none from a conforming client; bounded) are ever held.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 import struct
@@ -149,27 +150,21 @@ class RpcDialect:
 # Every 7.x minor frames commands alike and has no REGISTER_PEER, so one row covers them all.
 # Assumption (no published version table for the fork): REGISTER_PEER is 17 in 3.0.x and
 # moved to 18 (when SET_TENSOR_GGUF took 17) in 3.1 and later.
+UPSTREAM_7 = RpcDialect(
+    "upstream-7",
+    major=7,
+    min_minor=0,
+    max_minor=None,
+    hello_request_bytes=RPC_CONN_CAPS_BYTES,
+    hello_reply_bytes=HELLO_REPLY_CAPS_OFFSET + RPC_CONN_CAPS_BYTES,
+    register_peer_cmd=None,
+)
+# Our b2b build is upstream 7.x plus a HELLO flag and two commands after upstream's last (17).
+MESH_B2B_7 = dataclasses.replace(UPSTREAM_7, name="mesh-b2b-7", register_peer_cmd=18, push_tensor_cmd=19,
+                                 required_flags=B2B_HELLO_FLAG)
 DIALECTS: tuple[RpcDialect, ...] = (
-    RpcDialect(
-        "mesh-b2b-7",
-        major=7,
-        min_minor=0,
-        max_minor=None,
-        hello_request_bytes=RPC_CONN_CAPS_BYTES,
-        hello_reply_bytes=HELLO_REPLY_CAPS_OFFSET + RPC_CONN_CAPS_BYTES,
-        register_peer_cmd=18,  # after upstream's last command (17, MEMSET_TENSOR)
-        push_tensor_cmd=19,
-        required_flags=B2B_HELLO_FLAG,
-    ),
-    RpcDialect(
-        "upstream-7",
-        major=7,
-        min_minor=0,
-        max_minor=None,
-        hello_request_bytes=RPC_CONN_CAPS_BYTES,
-        hello_reply_bytes=HELLO_REPLY_CAPS_OFFSET + RPC_CONN_CAPS_BYTES,
-        register_peer_cmd=None,
-    ),
+    MESH_B2B_7,
+    UPSTREAM_7,
     RpcDialect(
         "b2b-fork-3.0",
         major=3,
