@@ -173,12 +173,14 @@ def decode_ticket(text: str) -> Ticket:
     return _parse(raw, tail_is_canonical)
 
 
-def reachable_addresses(port: int) -> tuple[PeerAddress, ...]:
+def reachable_addresses(port: int, ipv6: bool = False) -> tuple[PeerAddress, ...]:
     """Addresses to put in this node's ticket: interface IPs, then 127.0.0.1 last.
 
-    Link-local IPv6 is skipped because it needs a scope id (an interface name on
-    *this* machine) that means nothing to the peer. Loopback comes last and always
-    survives the cap, so a second node on the same machine can still connect.
+    Loopback comes last and always survives the cap, so a second node on the same
+    machine can still connect. With ``ipv6`` (a socket that takes IPv6), global
+    IPv6 addresses come after IPv4; link-local ones never, since their scope id
+    names an interface on *this* machine. The mesh listens on IPv4 only for now, so
+    it leaves them out: a ticket must not list addresses nobody can dial.
     """
     ipv4: list[PeerAddress] = []
     ipv6: list[PeerAddress] = []
@@ -192,7 +194,7 @@ def reachable_addresses(port: int) -> tuple[PeerAddress, ...]:
                 continue  # something odd an OS reports; it cannot go in a ticket anyway
             if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
                 continue
-            if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
+            if isinstance(ip, ipaddress.IPv6Address) and (not ipv6 or ip.scope_id is not None):
                 continue
             address = PeerAddress(str(ip), port)
             bucket = ipv4 if ip.version == 4 else ipv6

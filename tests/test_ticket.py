@@ -296,7 +296,8 @@ def _fake_interfaces() -> dict[str, list[_Snic]]:
 
 def test_reachable_addresses_filters_dedups_and_caps(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ticket_module.psutil, "net_if_addrs", _fake_interfaces)
-    found = reachable_addresses(9000)
+    assert "fd00::2" not in [a.host for a in reachable_addresses(9000)]  # an IPv4 socket cannot take it
+    found = reachable_addresses(9000, ipv6=True)
     hosts = [a.host for a in found]
     assert len(found) == MAX_TICKET_ADDRESSES
     assert hosts[-1] == "127.0.0.1"
