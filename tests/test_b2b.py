@@ -14,6 +14,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mesh_sidecar.capacity import Capacity, held_key
@@ -118,8 +119,17 @@ def test_b2b_mesh_moves_activations_worker_to_worker(b2b_binaries, reference_tex
 
 
 def _rpc_server(binaries, port: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(binaries.rpc_server), "-H", "127.0.0.1", "-p", str(port)],
+    """A bare rpc-server, returned once it listens (llama-server aborts on a port not yet open)."""
+    proc = subprocess.Popen([str(binaries.rpc_server), "-H", "127.0.0.1", "-p", str(port)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+    def listening() -> bool:  # its sockets, not a probe connection: that would be a client
+        assert proc.poll() is None, log.read_text()
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process(proc.pid).net_connections(kind="tcp"))
+
+    wait_until(listening, 30, f"rpc-server listens on {port}")
+    return proc
 
 
 @pytest.mark.parametrize("client_build, server_build", [("stock", "b2b"), ("b2b", "stock")])
@@ -129,18 +139,21 @@ def test_either_build_talks_to_the_other(client_build, server_build, binaries, b
     sends them only to servers whose HELLO carries the b2b flag; both give the same text."""
     builds = {"stock": binaries, "b2b": b2b_binaries}
     ports = [free_tcp_port(), free_tcp_port()]
-    servers = [_rpc_server(builds[server_build], port, tmp_path / f"rpc{i}.log") for i, port in enumerate(ports)]
-    api = free_tcp_port()
-    client = subprocess.Popen(
-        [str(builds[client_build].llama_server), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(api),
-         "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "99", "--tensor-split", "1,1"],
-        stdout=open(tmp_path / "llama-server.log", "w"), stderr=subprocess.STDOUT)
+    started: list[subprocess.Popen] = []  # stopped whatever happens
     try:
+        for i, port in enumerate(ports):
+            started.append(_rpc_server(builds[server_build], port, tmp_path / f"rpc{i}.log"))
+        api = free_tcp_port()
+        client = subprocess.Popen(
+            [str(builds[client_build].llama_server), "-m", str(model_path), "--host", "127.0.0.1", "--port",
+             str(api), "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "99", "--tensor-split", "1,1"],
+            stdout=open(tmp_path / "llama-server.log", "w"), stderr=subprocess.STDOUT)
+        started.append(client)
         wait_until(lambda: api_healthy(api) or client.poll() is not None, 120, "llama-server loads")
         assert client.poll() is None, (tmp_path / "llama-server.log").read_text()
         assert complete(api) == reference_text
     finally:
-        for proc in (client, *servers):
+        for proc in started:
             proc.terminate()
             proc.wait(10)
 
