@@ -374,6 +374,14 @@ def write_report(report: dict[str, Any], path: Path) -> None:
     print(f"written {path}")
 
 
+def lacks_root() -> bool:
+    """True (after saying so) when this process cannot make network namespaces."""
+    if os.geteuid() == 0:
+        return False
+    print("needs root (network namespaces)", file=sys.stderr)
+    return True
+
+
 def run_benchmark(body: Callable[[], int], started: Started, *closers: Callable[[], None]) -> int:
     """``body()``'s exit status; Ctrl-C or SIGTERM ends it through the same cleanup: every process
     ``started`` stopped by pid, then ``closers`` (labs) run."""
@@ -493,8 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_client(json.loads(args.client))))
         return 0
 
-    if os.geteuid() != 0:
-        print("needs root (network namespaces)", file=sys.stderr)
+    if lacks_root():
         return 2
     sys.path.insert(0, str(REPO_ROOT))
     from mesh_sidecar.llama_build import B2B, ensure_binaries

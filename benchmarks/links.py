@@ -26,6 +26,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.decode import lacks_root
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "links.json"
 DEFAULT_PROFILES = "unshaped,1gbit,100mbit,0ms,5ms,20ms"
@@ -185,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tcp_send:
         print(json.dumps(_tcp_send(args.tcp_send[0], int(args.tcp_send[1]), float(args.tcp_send[2]))))
         return 0
-    if os.geteuid() != 0:
-        print("needs root (network namespaces)", file=sys.stderr)
+    if lacks_root():
         return 2
 
     rows = []

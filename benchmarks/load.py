@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decode import (DIRECT_API_PORT, DIRECT_RPC_PORT, MESH_API_PORT, QUIC_PORT, REPO_ROOT, START_TIMEOUT_S,
-                               Started, _listening, _quiet, _status, run_benchmark, write_report)
+                               Started, _listening, _quiet, _status, lacks_root, run_benchmark, write_report)
 from tests.waiting import wait_until
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "load.json"
@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="a GGUF (default: the synthetic cache-test model)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        print("needs root (network namespaces)", file=sys.stderr)
+    if lacks_root():
         return 2
     from benchmarks.synthetic_model import CACHE_TEST, ensure_synthetic_model
     from mesh_sidecar.llama_build import ensure_binaries

@@ -62,7 +62,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import terminate
+from benchmarks.decode import lacks_root, run_benchmark, terminate, write_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "relay.json"
@@ -485,10 +485,6 @@ def _print(report: dict[str, Any]) -> None:
             console.print(f"    top functions: {top}")
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def _tweak(text: str) -> tuple[str, int]:
     name, _, value = text.partition("=")
     if not value or "." not in name:
@@ -518,8 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             (_target if args.role == "target" else _node)(spec)
         return 0
 
-    if os.geteuid() != 0:
-        print("needs root (network namespaces)", file=sys.stderr)
+    if lacks_root():
         return 2
     libraries = [lib for lib in args.libraries.split(",") if lib]
     for lib in libraries:
@@ -533,12 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO_ROOT))
     from tests.netns import Lab
 
-    signal.signal(signal.SIGTERM, _interrupt)
     started = Started()
-    lab = None
+    labs: list = []  # closed by run_benchmark, however the run ends
     workdir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
-    try:
+
+    def run() -> int:
         lab = Lab()
+        labs.append(lab)
         lab.sniffer.stop()  # its per-frame Python loop would only compete for the CPU
         hosts = {name: lab.add_host(name) for name in "ab"}
         if args.mtu != 1500:
@@ -591,19 +587,11 @@ def main(argv: list[str] | None = None) -> int:
             "raw": {name: {"bulk": r["bulk"], "round_trip_us": r["round_trip"]["us"]} for name, r in results.items()},
         }
         _print(report)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"written {args.json}")
+        write_report(report, args.json)
         shutil.rmtree(workdir, ignore_errors=True)  # kept, with the logs, when something failed
         return 0
-    except KeyboardInterrupt:
-        print("interrupted; cleaning up", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        started.stop_all()
-        if lab is not None:
-            lab.close()
+
+    return run_benchmark(run, started, lambda: [lab.close() for lab in labs])
 
 
 if __name__ == "__main__":

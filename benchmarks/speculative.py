@@ -28,8 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import (PROMPT, REPO_ROOT, Started, _quiet, _summary, run_benchmark, run_direct, run_mesh,
-                               write_report)
+from benchmarks.decode import (PROMPT, REPO_ROOT, Started, _quiet, _summary, lacks_root, run_benchmark, run_direct,
+                               run_mesh, write_report)
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "speculative.json"
 DEFAULT_PROFILES = "0ms,5ms,20ms"
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", default=DEFAULT_PROFILES)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        print("needs root (network namespaces)", file=sys.stderr)
+    if lacks_root():
         return 2
     from benchmarks.spec_models import ensure_padded_target
     from mesh_sidecar.llama_build import ensure_binaries
