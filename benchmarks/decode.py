@@ -382,12 +382,19 @@ def lacks_root() -> bool:
     return True
 
 
-def run_benchmark(body: Callable[[], int], started: Started, *closers: Callable[[], None]) -> int:
+def run_benchmark(body: Callable[[], int], started: Started, workdir: Path,
+                  *closers: Callable[[], None]) -> int:
     """``body()``'s exit status; Ctrl-C or SIGTERM ends it through the same cleanup: every process
-    ``started`` stopped by pid, then ``closers`` (labs) run."""
+    ``started`` stopped by pid, then ``closers`` (labs) run. ``workdir`` (the runs' logs) is removed
+    after a success and kept, and named, otherwise."""
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return body()
+        status = body()
+        if status == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"logs kept in {workdir}", file=sys.stderr)
+        return status
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
         return 130
@@ -546,13 +553,9 @@ def main(argv: list[str] | None = None) -> int:
             _print({**report, **entry})
         _print_summary(report)
         write_report(report, args.json)
-        if failed:
-            print(f"logs of the failed profiles kept in {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
         return 1 if failed else 0
 
-    return run_benchmark(body, started)
+    return run_benchmark(body, started, workdir)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -174,10 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 lab.close()
         _print(report)
         write_report(report, args.json)
-        shutil.rmtree(workdir, ignore_errors=True)
         return 0
 
-    return run_benchmark(body, started)
+    return run_benchmark(body, started, workdir)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -588,10 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         _print(report)
         write_report(report, args.json)
-        shutil.rmtree(workdir, ignore_errors=True)  # kept, with the logs, when something failed
         return 0
 
-    return run_benchmark(run, started, lambda: [lab.close() for lab in labs])
+    return run_benchmark(run, started, workdir, lambda: [lab.close() for lab in labs])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -121,10 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             report["profiles"].append(run_profile(profile, binaries, target, draft, spec, workdir / profile, started))
         _print(report)
         write_report(report, args.json)
-        shutil.rmtree(workdir, ignore_errors=True)
         return 0
 
-    return run_benchmark(body, started)
+    return run_benchmark(body, started, workdir)
 
 
 if __name__ == "__main__":
