@@ -376,6 +376,7 @@ class Mesh:
                 "rtt_p50_ms": _ms(health.rtt_p50_s) if health else None,
                 "rtt_p95_ms": _ms(health.rtt_p95_s) if health else None,
                 "quic_rtt_ms": _ms(peer.connection.rtt) if peer else None,  # QUIC's smoothed estimate
+                "datagram_bytes": peer.connection.datagram_size if peer else None,  # as probed (path_mtu.py)
                 "missed_heartbeats": health.missed if health else None,
                 "tunnel_port": peer.tunnel.port if peer else None,
                 "rpc_server_up": member.info.rpc_ready,

@@ -79,11 +79,13 @@ from cryptography.hazmat.primitives import serialization
 # the same API and Rust parts; only the adapter section below knows how their internals differ.
 QUIC_LIBRARY = os.environ.get("MESH_QUIC", "aioquic")
 if QUIC_LIBRARY == "aioquic":
+    from aioquic import tls
     from aioquic.buffer import Buffer
     from aioquic.quic import events
     from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfiguration
     from aioquic.quic.connection import QuicConnection
-    from aioquic.quic.packet import QuicPacketType, pull_quic_header
+    from aioquic.quic.packet import QuicFrameType, QuicPacketType, pull_quic_header
+    from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder
 elif QUIC_LIBRARY == "qh3":
     from qh3._hazmat import Buffer
     from qh3.quic import events
@@ -100,11 +102,10 @@ elif QUIC_LIBRARY == "qh3":
 else:
     raise ImportError(f"MESH_QUIC={QUIC_LIBRARY!r}: the QUIC library must be aioquic or qh3")
 if TYPE_CHECKING:
-    from aioquic.quic.packet_builder import QuicPacketBuilder
     from aioquic.quic.recovery import QuicPacketSpace
     from aioquic.quic.stream import QuicStream
 
-from . import auth
+from . import auth, path_mtu
 from .errors import (
     AuthError,
     FrameTooLargeError,
@@ -125,7 +126,7 @@ ALPN = "mesh-inference/1"
 KEEPALIVE_INTERVAL_S = 2.0
 IDLE_TIMEOUT_S = 10.0
 DIAL_TIMEOUT_S = 3.0  # per address, TLS and admission included
-MAX_DATAGRAM_BYTES = 1200  # QUIC's minimum: passes every path, and aioquic does no PMTU discovery
+MAX_DATAGRAM_BYTES = path_mtu.BASE_DATAGRAM_BYTES  # until a bigger size is probed (path_mtu.py)
 CONNECTION_ID_BYTES = 8
 SOCKET_BUFFER_BYTES = 4 * MIB  # asked of the kernel, which may cap it
 MAX_DATAGRAMS_PER_READ = 64  # read in one go when the socket is readable, then each connection pumps once
@@ -286,6 +287,50 @@ class _Quic(QuicConnection):
         recovery = self._loss
         return recovery._rtt_smoothed if recovery._rtt_initialized else None
 
+    # Datagram size (path_mtu.py): aioquic sends what it was configured with and has no probes.
+    probes_datagram_size = True
+
+    @property
+    def datagram_size(self) -> int:
+        return self._max_datagram_size
+
+    def set_datagram_size(self, size: int) -> None:
+        self._max_datagram_size = size
+        self._loss._cc._max_datagram_size = size  # the window grows by it
+        self._loss._pacer._max_datagram_size = size
+
+    def probe_timeouts(self) -> int:
+        """Loss recovery's probe timeouts in a row: nothing sent since has been acknowledged."""
+        return self._loss._pto_count
+
+    def datagram_size_probe(self, size: int, now: float,
+                            on_result: Callable[[int, bool], None]) -> list[tuple[bytes, tuple]]:
+        """One PING padded to ``size`` bytes; ``on_result(size, acknowledged)`` once its fate is known.
+
+        The probe is kept out of bytes in flight, so its loss (the likely outcome of a size too
+        big) does not shrink the congestion window (RFC 8899 section 3).
+        """
+        builder = QuicPacketBuilder(
+            host_cid=self.host_cid, is_client=self._is_client, max_datagram_size=size,
+            packet_number=self._packet_number, peer_cid=self._peer_cid.cid, quic_logger=self._quic_logger,
+            spin_bit=self._spin_bit, version=self._version,
+        )
+        builder.start_packet(QuicPacketType.ONE_RTT, self._cryptos[tls.Epoch.ONE_RTT])
+        frame = builder.start_frame(QuicFrameType.PING, handler=self._on_size_probe, handler_args=(size, on_result))
+        frame.push_bytes(bytes(builder.remaining_buffer_space))  # PADDING frames are single zero bytes
+        datagrams, packets = builder.flush()
+        self._packet_number = builder.packet_number
+        for packet in packets:
+            packet.in_flight = False
+            packet.sent_time = now
+            self._loss.on_packet_sent(packet=packet, space=self._spaces[tls.Epoch.ONE_RTT])
+        address = self._network_paths[0].addr
+        return [(datagram, address) for datagram in datagrams]
+
+    @staticmethod
+    def _on_size_probe(delivery: QuicDeliveryState, size: int, on_result: Callable[[int, bool], None]) -> None:
+        on_result(size, delivery == QuicDeliveryState.ACKED)
+
 
 def _qh3_credentials(configuration: QuicConfiguration, identity: NodeIdentity, *, is_client: bool) -> None:
     """qh3 takes its own certificate and key types, and offers EdDSA only when asked."""
@@ -300,6 +345,8 @@ def _qh3_credentials(configuration: QuicConfiguration, identity: NodeIdentity, *
 
 class _Qh3Quic(_Quic):
     """qh3 1.x: aioquic's core with Rust parts; it doubles windows inline, where aioquic has hooks."""
+
+    probes_datagram_size = False  # it probes 1350 and 1452 itself, with per-space packet numbers
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -564,6 +611,8 @@ class PeerConnection:
         self._auth_timer = self._loop.call_at(handshake.deadline, self._auth_timed_out)
         self._transmit_scheduled = False
         self._terminated = asyncio.Event()
+        self._size_search: path_mtu.DatagramSizeSearch | None = None  # from admission on
+        self._size_probe_due = False
 
     # public ------------------------------------------------------------------
 
@@ -577,6 +626,11 @@ class PeerConnection:
     def rtt(self) -> float | None:
         """Smoothed round-trip time in seconds, None before the first sample."""
         return self._quic.smoothed_rtt()
+
+    @property
+    def datagram_size(self) -> int:
+        """Bytes per datagram to this peer: QUIC's minimum until a bigger size is probed."""
+        return self._quic.datagram_size
 
     @property
     def preferred(self) -> bool:
@@ -646,6 +700,8 @@ class PeerConnection:
         if self._terminated.is_set():
             return 0
         datagrams = self._quic.datagrams_to_send(now=self._loop.time())
+        if self._size_probe_due:
+            datagrams += self._size_probe()
         self._transport._send_datagrams(datagrams)
         when = self._quic.get_timer()
         # Compared with the deadline we asked for: uvloop hands back a plain Handle for one already due.
@@ -661,6 +717,7 @@ class PeerConnection:
     def _on_timer(self) -> None:
         self._timer = None
         self._quic.handle_timer(now=self._loop.time())
+        self._check_black_hole()
         self._pump()
 
     def _transmit_soon(self) -> None:
@@ -737,6 +794,9 @@ class PeerConnection:
         self._quic.admit()
         self._settled.set()
         logger.info("admitted %s (%s)", self._name(), "outbound" if self.initiator else "inbound")
+        if self._quic.probes_datagram_size:
+            self._size_search = path_mtu.DatagramSizeSearch(self._size_candidates())
+            self._size_probe_due = True
         self._spawn(self._keepalive())
         self._spawn(self._serve_peer())
 
@@ -763,6 +823,39 @@ class PeerConnection:
                 self._failure = MeshError(f"closed before admission: {reason}")
         self._shutdown(reason)
         self._finalize()
+
+    # datagram size (path_mtu.py) ---------------------------------------------------
+
+    def _size_candidates(self) -> list[int]:
+        address = self._quic.get_peer_address()
+        if address is None:
+            return []
+        return path_mtu.candidate_sizes(path_mtu.route_mtu(address), ipv6=":" in address[0])
+
+    def _size_probe(self) -> list[tuple[bytes, tuple]]:
+        self._size_probe_due = False
+        if self._size_search is None or (size := self._size_search.next_probe()) is None:
+            return []
+        return self._quic.datagram_size_probe(size, self._loop.time(), self._on_size_probe_result)
+
+    def _on_size_probe_result(self, size: int, acknowledged: bool) -> None:
+        # Called from inside aioquic's ACK or loss handling: the next probe goes at the next pump.
+        search = self._size_search
+        assert search is not None
+        search.on_probe_result(size, acknowledged)
+        if acknowledged and search.confirmed == size:
+            self._quic.set_datagram_size(size)
+            logger.info("datagrams to %s: %d bytes", self._name(), size)
+        self._size_probe_due = not search.done
+
+    def _check_black_hole(self) -> None:
+        if (self._size_search is not None and self._quic.datagram_size > path_mtu.BASE_DATAGRAM_BYTES
+                and self._quic.probe_timeouts() >= path_mtu.BLACK_HOLE_PROBE_TIMEOUTS):
+            logger.info("datagrams of %d bytes to %s go unanswered: back to %d bytes, probing again",
+                        self._quic.datagram_size, self._name(), path_mtu.BASE_DATAGRAM_BYTES)
+            self._quic.set_datagram_size(path_mtu.BASE_DATAGRAM_BYTES)
+            self._size_search.on_black_hole(self._size_candidates())
+            self._size_probe_due = True
 
     # streams -----------------------------------------------------------------
 
@@ -1031,6 +1124,7 @@ class MeshTransport:
         self._family = sock.family
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        path_mtu.set_dont_fragment(sock)
         started = self._loop.create_future()
         self._supervisor = asyncio.create_task(self._supervise(started), name="mesh-transport")
         await started
@@ -1200,6 +1294,8 @@ class MeshTransport:
         except BlockingIOError:
             return False
         except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                return True  # too big for the link now: lost, and the black-hole check shrinks them
             self._gso = False
             logger.info("UDP segmentation offload unavailable (%s): one datagram per send from now on", exc)
             return False

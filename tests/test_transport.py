@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from mesh_sidecar import auth, transport
+from mesh_sidecar import auth, path_mtu, transport
 from mesh_sidecar.errors import AuthError, FrameTooLargeError, MeshError
 from mesh_sidecar.identity import NodeIdentity, generate_identity
 from mesh_sidecar.transport import (
@@ -144,6 +144,29 @@ async def test_stream_carries_50_mb_both_ways_with_bounded_buffers(make_node) ->
         assert r.peak_buffered <= transport.STREAM_RECEIVE_WINDOW_BYTES
     # The stalls did fill a window: the bound was tested, not just never approached.
     assert max(reader.peak_buffered, far_reader.peak_buffered) > transport.STREAM_RECEIVE_WINDOW_BYTES // 2
+
+
+@pytest.mark.skipif(not transport._QuicConnection.probes_datagram_size, reason="qh3 probes its own sizes")
+async def test_datagram_size_grows_to_what_loopback_carries(make_node) -> None:
+    a, b = await make_node(), await make_node()
+    outbound = await b.dial(a)
+    inbound = await a.next_peer()
+    largest = path_mtu.candidate_sizes(path_mtu.route_mtu((HOST, a.port)))[0]
+    async with asyncio.timeout(PROMPT_S):
+        while not outbound.datagram_size == inbound.datagram_size == largest:
+            await asyncio.sleep(0.01)
+    assert largest > path_mtu.BASE_DATAGRAM_BYTES
+    data = os.urandom(4 * 1024 * 1024)  # whole at the new size, both ways
+    served: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def echo_hash(reader: MeshStreamReader, writer: MeshStreamWriter) -> None:
+        served.set_result(await hash_reader(reader))
+        await send_all(writer, data)
+
+    inbound.set_stream_handler(echo_hash)
+    reader, writer = await outbound.open_stream()
+    received, _ = await asyncio.gather(hash_reader(reader), send_all(writer, data))
+    assert await served == received == hashlib.sha256(data).hexdigest()
 
 
 async def test_half_close_leaves_the_other_direction_open(make_node) -> None:
