@@ -201,6 +201,12 @@ def _run_client(host, spec: dict[str, Any], watched: list[tuple[str, subprocess.
     return json.loads(out)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _status(host, home: Path) -> dict[str, Any]:
     out = subprocess.run(host.exec_argv(sys.executable, "-m", "mesh_sidecar", "status", "--home", str(home),
                                         "--json"), capture_output=True, text=True, check=True, timeout=60,
@@ -258,11 +264,15 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
 
     # RPC commands are counted where they arrive: each worker's row for c.
     commands_before = {n: _commands_from_c(_status(lab_hosts[n], homes[n])) for n in "ab"}
+    # The sidecars' own CPU (Python QUIC, relaying): on a machine whose cores the llama.cpp
+    # processes share, it is time their compute waits for.
+    cpu_before = {n: cpu_seconds(proc.pid) for n, (proc, _) in procs.items()}
     result = _run_client(lab_hosts["c"], {**spec, "port": MESH_API_PORT, "status_home": str(homes["c"])},
                          [(f"mesh node {n}", p, log) for n, (p, log) in procs.items()])
     # Over the warm-up and the timed repetitions: a plain and a streamed request each.
     result["rpc_commands"] = {n: _commands_from_c(_status(lab_hosts[n], homes[n])) - commands_before[n]
                               for n in "ab"}
+    result["sidecar_cpu_s"] = {n: cpu_seconds(proc.pid) - cpu_before[n] for n, (proc, _) in procs.items()}
     info = {"rpc_list": rpc_list, "order": order}
     return result, order, info
 
@@ -311,9 +321,20 @@ def _commands_from_c(status: dict[str, Any]) -> int:
     return next(p["rpc_commands"] for p in status["peers"] if p["name"] == "c")
 
 
+def _tokens(result: dict) -> int:
+    """Tokens generated in the timed repetitions: a plain and a streamed request each."""
+    return sum(r["completion_tokens"] for r in result["reps"]) * 2
+
+
+def _sidecar_cpu_ms_per_token(result: dict) -> dict[str, float]:
+    """Each node's sidecar CPU per token, over the warm-up and the timed repetitions."""
+    tokens = _tokens(result) * (len(result["reps"]) + 1) / len(result["reps"])
+    return {name: 1000 * seconds / tokens for name, seconds in result["sidecar_cpu_s"].items()}
+
+
 def _tunnel_bytes(result: dict) -> dict[str, Any]:
     """Bytes per generated token on each of c's tunnels over the timed repetitions."""
-    tokens = sum(r["completion_tokens"] for r in result["reps"]) * 2  # a plain and a streamed request each
+    tokens = _tokens(result)
     before = {p["name"]: p for p in result["status_before"]["peers"]}
     rows = {}
     for peer in result["status_after"]["peers"]:
@@ -357,6 +378,10 @@ def _print(report: dict[str, Any]) -> None:
             tunnels.add_row(name + setup, f"{row['to_peer_per_token']:,.0f}", f"{row['from_peer_per_token']:,.0f}",
                             f"{row['rpc_commands_per_token']:.1f}")
     console.print(tunnels)
+    for setup, key in (("mesh", "mesh_sidecar_cpu_ms_per_token"), ("mesh --b2b", "mesh_b2b_sidecar_cpu_ms_per_token")):
+        if key in report:
+            console.print(f"{setup}: sidecar CPU ms per token " + ", ".join(
+                f"{name} {ms:.2f}" for name, ms in sorted(report[key].items())))
     same = report["greedy_texts_identical"]
     console.print(f"greedy text direct == mesh: {'yes' if same else 'NO'}"
                   f" (every request within each setup identical: direct "
@@ -450,6 +475,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         "direct": {**_summary(direct_result), **direct_info},
         "mesh": {**_summary(mesh_result), **mesh_info},
         "mesh_tunnels": _tunnel_bytes(mesh_result),
+        "mesh_sidecar_cpu_ms_per_token": _sidecar_cpu_ms_per_token(mesh_result),
         "raw": {"direct": direct_result["reps"], "mesh": mesh_result["reps"]},
     }
     entry["decode_ratio_mesh_over_direct"] = (entry["mesh"]["decode_tok_s"]["median"]
@@ -458,6 +484,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
     if b2b:
         entry["mesh_b2b"] = {**_summary(b2b_result), **b2b_info}
         entry["mesh_b2b_tunnels"] = _tunnel_bytes(b2b_result)
+        entry["mesh_b2b_sidecar_cpu_ms_per_token"] = _sidecar_cpu_ms_per_token(b2b_result)
         entry["raw"]["mesh_b2b"] = b2b_result["reps"]
         entry["decode_ratio_b2b_over_direct"] = (entry["mesh_b2b"]["decode_tok_s"]["median"]
                                                  / entry["direct"]["decode_tok_s"]["median"])

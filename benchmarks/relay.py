@@ -62,7 +62,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import lacks_root, run_benchmark, terminate, write_report
+from benchmarks.decode import cpu_seconds, lacks_root, run_benchmark, terminate, write_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "relay.json"
@@ -258,11 +258,6 @@ def _role_argv(host, role: str, spec: dict[str, Any]) -> list[str]:
     return host.exec_argv(sys.executable, "-m", "benchmarks.relay", "--role", role, "--spec", json.dumps(spec))
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _udp_drops(hosts) -> dict[str, int]:
     """Datagrams each host's kernel dropped for want of socket buffer room (both ways), so far."""
     drops = {}
@@ -290,7 +285,7 @@ def _measure(bench: Bench, spec: dict[str, Any], watched: dict[str, int]) -> dic
     """One client run on host a; the CPU seconds each watched pid spent meanwhile, and the UDP drops."""
     hosts = bench.hosts.values()
     drops_before = _udp_drops(hosts)
-    before = {name: _cpu_seconds(pid) for name, pid in watched.items()}
+    before = {name: cpu_seconds(pid) for name, pid in watched.items()}
     proc = subprocess.Popen(_role_argv(bench.hosts["a"], "client", spec), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     try:
@@ -298,7 +293,7 @@ def _measure(bench: Bench, spec: dict[str, Any], watched: dict[str, int]) -> dic
             bench.started.check()
             time.sleep(0.05)
         out, err = proc.communicate()
-        cpu = {name: _cpu_seconds(pid) - before[name] for name, pid in watched.items()}
+        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in watched.items()}
         drops = {name: n - drops_before[name] for name, n in _udp_drops(hosts).items()}
     finally:
         if proc.poll() is None:
