@@ -9,7 +9,8 @@ socket sets don't-fragment (transport.py), so a probe too big for a link is drop
 split into IP fragments.
 
 The search is pure (sizes in, sizes out): the largest size the local interface allows first,
-then the common MTUs below it; the first one acknowledged is kept. A path that stops carrying
+then the common MTUs below it; the first one acknowledged is kept. A size is given up only
+after PROBE_ATTEMPTS losses, since a busy receiver drops datagrams of any size. A path that stops carrying
 the kept size (a route change: repeated probe timeouts in QUIC's loss recovery) falls back to
 the base size and searches again.
 """
@@ -29,6 +30,7 @@ IPV6_UDP_HEADER_BYTES = 40 + 8
 # Loss recovery's probe timeouts in a row (no acknowledgement at all) that mean the path no
 # longer carries our datagram size.
 BLACK_HOLE_PROBE_TIMEOUTS = 3
+PROBE_ATTEMPTS = 3  # RFC 8899's MAX_PROBES
 
 # Linux socket options, absent from Python's socket module on some builds.
 IP_MTU = getattr(socket, "IP_MTU", 14)
@@ -79,6 +81,7 @@ class DatagramSizeSearch:
     confirmed: int = BASE_DATAGRAM_BYTES
     in_flight: int | None = None  # the size being probed
     _untried: list[int] = field(init=False)
+    _losses: int = field(init=False, default=0)  # of the size at the head of _untried
 
     def __post_init__(self) -> None:
         self._untried = list(self.candidates)
@@ -91,7 +94,7 @@ class DatagramSizeSearch:
         """The next size to probe, or None while one is in flight or when the search is over."""
         if self.in_flight is not None or not self._untried:
             return None
-        self.in_flight = self._untried.pop(0)
+        self.in_flight = self._untried[0]
         return self.in_flight
 
     def on_probe_result(self, size: int, acknowledged: bool) -> None:
@@ -101,6 +104,11 @@ class DatagramSizeSearch:
         if acknowledged:
             self.confirmed = size
             self._untried.clear()  # sizes are tried largest first: nothing below can be better
+            return
+        self._losses += 1
+        if self._losses >= PROBE_ATTEMPTS:
+            self._untried.pop(0)
+            self._losses = 0
 
     def on_black_hole(self, candidates: list[int]) -> None:
         """The confirmed size stopped getting through: back to the base size, and search again."""
@@ -108,3 +116,4 @@ class DatagramSizeSearch:
         self.in_flight = None
         self.candidates = candidates
         self._untried = list(candidates)
+        self._losses = 0
