@@ -10,9 +10,9 @@ split into IP fragments.
 
 The search is pure (sizes in, sizes out): the largest size the local interface allows first,
 then the common MTUs below it; the first one acknowledged is kept. A size is given up only
-after PROBE_ATTEMPTS losses, since a busy receiver drops datagrams of any size. A path that stops carrying
-the kept size (a route change: repeated probe timeouts in QUIC's loss recovery) falls back to
-the base size and searches again.
+after PROBE_ATTEMPTS losses, since a busy receiver drops datagrams of any size. A path that
+stops carrying the kept size (a route change: repeated probe timeouts in QUIC's loss
+recovery) falls back to the base size and searches again.
 """
 
 from __future__ import annotations
