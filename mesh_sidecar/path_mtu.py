@@ -18,7 +18,7 @@ recovery) falls back to the base size and searches again.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 BASE_DATAGRAM_BYTES = 1200  # QUIC's minimum (RFC 9000 14.1): every path carries it
 # Bigger datagrams pay on loopback too, up to where one lost datagram costs a whole window
@@ -77,14 +77,14 @@ def candidate_sizes(link_mtu: int | None, *, ipv6: bool = False, ceiling: int = 
 class DatagramSizeSearch:
     """Which size to probe next, and the size confirmed so far, for one peer's path."""
 
-    candidates: list[int]
+    candidates: InitVar[list[int]]
     confirmed: int = BASE_DATAGRAM_BYTES
     in_flight: int | None = None  # the size being probed
     _untried: list[int] = field(init=False)
     _losses: int = field(init=False, default=0)  # of the size at the head of _untried
 
-    def __post_init__(self) -> None:
-        self._untried = list(self.candidates)
+    def __post_init__(self, candidates: list[int]) -> None:
+        self._untried = list(candidates)
 
     @property
     def done(self) -> bool:
@@ -114,6 +114,5 @@ class DatagramSizeSearch:
         """The confirmed size stopped getting through: back to the base size, and search again."""
         self.confirmed = BASE_DATAGRAM_BYTES
         self.in_flight = None
-        self.candidates = candidates
         self._untried = list(candidates)
         self._losses = 0
