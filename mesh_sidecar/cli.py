@@ -147,6 +147,9 @@ def _configure_logging(home: NodeHome, verbose: bool) -> None:
     stderr_handler.setLevel(logging.INFO if verbose else logging.WARNING)
     stderr_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[file_handler, stderr_handler], force=True)
+    # httpx logs every request at INFO: readiness polls (20 a second while a model
+    # loads) and every proxied API call would crowd out what the log is for.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _say(message: str) -> None:

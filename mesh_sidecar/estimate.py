@@ -19,7 +19,7 @@ of one micro-batch, the attention mask); :func:`estimate_model` derives a margin
 for them, checked against what llama.cpp logs (docs/memory-estimate.md has the
 formulas and the measured numbers).
 
-Pure apart from reading the GGUF's header with :class:`gguf.GGUFReader`.
+Pure apart from reading the GGUF's header (:mod:`.gguf_header`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader
 
 from .errors import ModelError
+from .gguf_header import GGUFHeader, read_header
 from .model import check_gguf
 
 MiB = 1024 * 1024
@@ -199,12 +199,8 @@ def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) 
     if n_ctx < 1:
         raise ValueError(f"n_ctx must be positive, not {n_ctx}")
     path = check_gguf(Path(path))
-    try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # the reader raises assorted errors on damaged files
-        raise ModelError(f"Cannot read the GGUF header of {path}: {exc}. The file may be truncated "
-                         "or corrupt; download it again.") from exc
-    meta = _Metadata(reader, path)
+    header = read_header(path)
+    meta = _Metadata(header, path)
     arch = meta.string("general.architecture")
     if arch is None:
         raise ModelError(f"{path} has no general.architecture key: it is not a llama.cpp model GGUF.")
@@ -229,8 +225,8 @@ def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) 
     layer_weights = [0] * n_layers
     host = output = 0
     sizes = {}
-    for tensor in reader.tensors:
-        nbytes = _aligned(int(tensor.n_bytes), alignment)
+    for tensor in header.tensors:
+        nbytes = _aligned(tensor.n_bytes, alignment)
         sizes[tensor.name] = nbytes
         match = _BLOCK_TENSOR.match(tensor.name)
         if match:
@@ -257,7 +253,7 @@ def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) 
     # The planner charges every layer the same K/V, so take the largest layer's.
     kv_per_layer = max(cells * h * (k + v) * KV_BYTES_PER_ELEMENT
                        for h, k, v in zip(head_kv, key_length, value_length))
-    n_vocab = _vocab_size(reader, meta, arch)
+    n_vocab = _vocab_size(header, meta, arch)
     margin = compute_margin(n_ctx=n_ctx, n_embd=n_embd, n_ff=_ffn_width(meta, arch, n_layers, n_embd),
                             n_vocab=n_vocab, n_ubatch=n_ubatch)
     return ModelEstimate(
@@ -286,31 +282,25 @@ def _ffn_width(meta: _Metadata, arch: str, n_layers: int, n_embd: int) -> int:
     return max(dense, expert * used) or DEFAULT_FFN_RATIO * n_embd
 
 
-def _vocab_size(reader: GGUFReader, meta: _Metadata, arch: str) -> int:
+def _vocab_size(header: GGUFHeader, meta: _Metadata, arch: str) -> int:
     vocab = meta.integer(f"{arch}.vocab_size")
     if vocab:
         return vocab
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         if tensor.name == TOKEN_EMBD:
-            return int(tensor.shape[-1])  # ne = [n_embd, n_vocab]
+            return tensor.shape[-1]  # ne = [n_embd, n_vocab]
     return 0
 
 
 class _Metadata:
-    """Typed access to a GGUFReader's key/value fields, with ModelError for bad ones."""
+    """Typed access to a GGUF header's key/value fields, with ModelError for bad ones."""
 
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
-        self._fields = reader.fields
+    def __init__(self, header: GGUFHeader, path: Path) -> None:
+        self._fields = header.fields
         self._path = path
 
     def value(self, key: str):
-        field = self._fields.get(key)
-        if field is None:
-            return None
-        try:
-            return field.contents()
-        except Exception as exc:
-            raise ModelError(f"{self._path}: metadata key {key} cannot be decoded ({exc}).") from exc
+        return self._fields.get(key)
 
     def string(self, key: str) -> str | None:
         value = self.value(key)
@@ -323,7 +313,7 @@ class _Metadata:
                 raise ModelError(f"{self._path} lacks the metadata key {key}, which the memory estimate "
                                  "needs; the GGUF may come from an old or unusual converter.")
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, bool) or not isinstance(value, int):
             raise ModelError(f"{self._path}: metadata key {key} is {value!r}, expected an integer.")
         return int(value)
 

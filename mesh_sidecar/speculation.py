@@ -23,9 +23,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGUFReader
-
 from .errors import ModelError
+from .gguf_header import read_header
 from .home import cache_root
 
 AUTO = "auto"
@@ -63,19 +62,19 @@ class Speculation:
 
 def tokenizer_fingerprint(model: Path) -> str:
     """sha256 over a GGUF's tokenizer type and token list; ModelError if it has none."""
-    try:
-        reader = GGUFReader(model)
-    except Exception as exc:  # the reader raises assorted errors on damaged files
-        raise ModelError(f"Cannot read the GGUF header of {model}: {exc}.") from exc
-    tokens = reader.get_field(TOKENS_KEY)
-    kind = reader.get_field(TOKENIZER_MODEL_KEY)
-    if tokens is None or kind is None:
+    fields = read_header(model).fields
+    tokens, kind = fields.get(TOKENS_KEY), fields.get(TOKENIZER_MODEL_KEY)
+    if not isinstance(tokens, list) or not isinstance(kind, str):
         raise ModelError(f"{model} has no tokenizer in its GGUF metadata, so it cannot serve as a draft.")
-    digest = hashlib.sha256(bytes(kind.parts[kind.data[0]]))
-    for index in tokens.data:
-        part = bytes(tokens.parts[index])
+    digest = hashlib.sha256(_utf8(kind))
+    for token in tokens:
+        part = _utf8(token)
         digest.update(len(part).to_bytes(4, "little") + part)
     return digest.hexdigest()
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")  # the bytes as stored, valid UTF-8 or not
 
 
 def check_pair(target: Path, draft: Path) -> None:

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from gguf import GGUFReader
-
 from .errors import SetupError
+from .gguf_header import read_header
 from .home import cache_root
 from .llama_build import ProgressCallback
 
@@ -78,8 +77,7 @@ class WeightCache:
 
 def hashed_tensor_ranges(model: Path) -> list[tuple[int, int]]:
     """(file offset, size) of every tensor the RPC client would send by hash."""
-    reader = GGUFReader(model)
-    return [(int(t.data_offset), int(t.n_bytes)) for t in reader.tensors if int(t.n_bytes) > HASH_THRESHOLD_BYTES]
+    return [(t.data_offset, t.n_bytes) for t in read_header(model).tensors if t.n_bytes > HASH_THRESHOLD_BYTES]
 
 
 def ensure_tool(progress: ProgressCallback) -> Path:
