@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decode import (DIRECT_API_PORT, DIRECT_RPC_PORT, MESH_API_PORT, QUIC_PORT, REPO_ROOT, START_TIMEOUT_S,
-                               Started, _listening, _quiet, _status, lacks_root, run_benchmark, write_report)
+                               Started, _listening, _resolve_model, _quiet, _status, lacks_root, run_benchmark, write_report)
 from tests.waiting import wait_until
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "load.json"
@@ -193,7 +193,8 @@ def _print(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, help="a GGUF (default: the synthetic cache-test model)")
+    parser.add_argument("--model", help="a GGUF, or a synthetic preset's name such as bench-1gb "
+                                         "(default: the synthetic cache-test model)")
     parser.add_argument("--reps", type=int, default=3, help="rounds of the three setups (default 3)")
     parser.add_argument("--profile", default="unshaped",
                         help="link profile from tests/netns.py LINK_PROFILES, e.g. 1gbit, 100mbit (default unshaped)")
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile not in LINK_PROFILES:
         parser.error(f"unknown --profile {args.profile!r}; choose from {', '.join(LINK_PROFILES)}")
     binaries = ensure_binaries(None, _quiet)
-    model = args.model.resolve() if args.model else ensure_synthetic_model(CACHE_TEST)
+    model = _resolve_model(args.model).resolve() if args.model else ensure_synthetic_model(CACHE_TEST)
     started = Started()
     workdir = Path(tempfile.mkdtemp(prefix="bench-load-"))
     report: dict[str, Any] = {"benchmark": "load", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
