@@ -169,6 +169,37 @@ async def test_datagram_size_grows_to_what_loopback_carries(make_node) -> None:
     assert await served == received == hashlib.sha256(data).hexdigest()
 
 
+def _burst(pacer) -> int:
+    """Datagrams a full pacing bucket lets out before the pacer asks the sender to wait."""
+    pacer.update_bucket(now=10.0)
+    sent = 0
+    while pacer.next_send_time(10.0) is None and sent < 10_000:
+        pacer.update_after_send(10.0)
+        sent += 1
+    return sent
+
+
+@pytest.mark.skipif(not transport._QuicConnection.paces_in_bursts, reason="qh3's pacer is native code")
+async def test_a_full_pacing_bucket_releases_one_gso_batch(make_node) -> None:
+    from aioquic.quic.recovery import QuicPacketPacer
+
+    size = 1472
+    window, rtt = 400 * size, 0.002  # 294 MB/s: 5 us a datagram, above the pacer's 1 us floor
+    ours, stock = transport._BurstPacer(max_datagram_size=size), QuicPacketPacer(max_datagram_size=size)
+    for pacer in (ours, stock):
+        pacer.update_rate(congestion_window=window, smoothed_rtt=rtt)
+    assert _burst(stock) <= 17  # aioquic's own: 16 datagrams
+    assert transport.PACING_BURST_DATAGRAMS <= _burst(ours) <= transport.PACING_BURST_DATAGRAMS + 1
+    small = transport._BurstPacer(max_datagram_size=size)
+    small.update_rate(congestion_window=20 * size, smoothed_rtt=rtt)
+    assert 10 <= _burst(small) <= 11  # never more than half the window at once
+    # And connections use it.
+    a, b = await make_node(), await make_node()
+    outbound = await b.dial(a)
+    inbound = await a.next_peer()
+    assert all(isinstance(c._quic._loss._pacer, transport._BurstPacer) for c in (outbound, inbound))
+
+
 async def test_half_close_leaves_the_other_direction_open(make_node) -> None:
     a, b = await make_node(), await make_node()
     outbound = await b.dial(a)
