@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0
 RESTART_DELAY_S = 1.0
+# A llama-server that dies while loading (a tunnel torn down under it, say) is
+# started again after this, doubling per failure in a row up to the maximum.
+START_RETRY_FIRST_S = 2.0
+START_RETRY_MAX_S = 60.0
 UPSTREAM_KEY_FILE = "llama-server.key"  # in the node's home, mode 0600
 UPSTREAM_KEY_BYTES = 32
 
@@ -150,6 +154,7 @@ class ServingSupervisor:
         self.plan: Plan | None = None
         self.refusal: str | None = None
         self.restarts = 0
+        self._start_failures = 0  # in a row; reset by a start that reaches the API
 
     # --- planning ------------------------------------------------------------------
 
@@ -245,10 +250,12 @@ class ServingSupervisor:
         try:
             self.llama_server = await start_llama_server(argv, self.llama_port, self._logs)
         except ProcessError as exc:
+            self._start_failures += 1
             self.refusal = f"llama-server failed to start: {exc}"
-            self._say(self.refusal)
+            self._say(f"{self.refusal}\nTrying again in {start_retry_delay(self._start_failures):.0f} s.")
             self._proxy.refuse(self.refusal)
             return
+        self._start_failures = 0
         self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}")
         self._say(f"OpenAI-compatible API ready on http://localhost:{self._serve_port}/v1"
                   + (" (requires the API key: Authorization: Bearer KEY)" if self._access.api_key is not None else ""))
@@ -256,14 +263,20 @@ class ServingSupervisor:
     async def _trouble(self) -> tuple[str, bool]:
         """Wait until llama-server must be restarted (or started); say why, and if it is a failover."""
         exited = asyncio.ensure_future(self.llama_server.wait()) if self.llama_server else None
+        loop = asyncio.get_running_loop()
+        retry_at = (loop.time() + start_retry_delay(self._start_failures)
+                    if self.llama_server is None and self.plan is not None and self._start_failures else None)
         try:
             while exited is None or not exited.done():
                 if (trouble := self._replan_reason()) is not None:
                     return trouble
+                if retry_at is not None and loop.time() >= retry_at:
+                    return "Starting llama-server again", False
                 self._mesh.changed.clear()
                 self._wakeup.clear()
                 woken = {asyncio.ensure_future(self._mesh.changed.wait()), asyncio.ensure_future(self._wakeup.wait())}
-                await asyncio.wait(woken | ({exited} if exited else set()), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(woken | ({exited} if exited else set()), return_when=asyncio.FIRST_COMPLETED,
+                                   timeout=None if retry_at is None else max(0.0, retry_at - loop.time()))
                 for task in woken:
                     task.cancel()
             assert self.llama_server is not None
@@ -337,6 +350,11 @@ class ServingSupervisor:
             "llama_server_restarts": self.restarts,
             "live": self._proxy.token_rate.to_json(time.monotonic()),
         }
+
+
+def start_retry_delay(failures: int) -> float:
+    """Seconds before starting llama-server again after ``failures`` failed starts in a row."""
+    return min(START_RETRY_MAX_S, START_RETRY_FIRST_S * 2 ** max(0, failures - 1))
 
 
 def _layout(plan: Plan) -> list[tuple[bytes, int, int]]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.conftest import GREEDY, cli, complete
+from tests.conftest import GREEDY, NODE_START_TIMEOUT_S, cli, complete
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +88,26 @@ def test_status_table_for_people(start_node):
     assert result.returncode == 0, result.stderr
     for phrase in ("people", "Current plan", "ggml-rpc-server", "llama-server", "failovers 0", "Mesh: 0 peer(s)"):
         assert phrase in result.stdout, phrase
+
+
+def test_llama_server_dying_while_it_loads_is_started_again(start_node, reference_text):
+    """A start that fails (here: llama-server killed before its API answers) is retried, not left refusing."""
+    node = start_node("retry", serve=True, wait=False)
+    deadline = time.monotonic() + NODE_START_TIMEOUT_S
+    killed = None
+    while killed is None and time.monotonic() < deadline:
+        assert node.proc.poll() is None, node.text()
+        for child in psutil.Process(node.proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if child.name() == "llama-server":
+                    child.kill()
+                    killed = child.pid
+        time.sleep(0.005)
+    assert killed is not None, node.text()
+    node.wait_ready()
+    text = node.text()
+    # Killed before it answered: the start failed, was announced, and retried.
+    assert "llama-server failed to start" in text and "Trying again in 2 s." in text, text
+    assert "Starting llama-server again" in text
+    assert complete(node.serve_port) == reference_text
+    assert killed not in node.child_pids()
