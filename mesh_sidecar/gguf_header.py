@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .errors import ModelError
 
-MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 ALIGNMENT_KEY = "general.alignment"
 DEFAULT_ALIGNMENT = 32
@@ -125,10 +125,10 @@ class _BadValueType(Exception):
 
 def parse_header(buf, source: str = "the GGUF") -> GGUFHeader:
     """The header at the start of ``buf`` (bytes or mmap); ModelError if it is not one."""
-    if bytes(buf[:4]) != MAGIC:
+    if bytes(buf[:len(GGUF_MAGIC)]) != GGUF_MAGIC:
         raise ModelError(f"{source} does not start with the GGUF magic: it is not a GGUF file.")
     cursor = _Cursor(buf)
-    cursor.pos = 4
+    cursor.pos = len(GGUF_MAGIC)
     try:
         version = cursor.unpack("I")
         if version not in SUPPORTED_VERSIONS:

