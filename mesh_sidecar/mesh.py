@@ -10,7 +10,9 @@ This is the asyncio edge that joins the pure parts together:
     inbound QUIC streams -> serve_inbound_stream -> local rpc-server
 
 Two nodes may dial each other at once; both connections are admitted and the
-one the transport marks ``preferred`` (dialed by the lower node id) is kept.
+one the transport marks ``preferred`` (dialed by the lower node id) carries the
+peer from then on. The other is retired, not cut: llama-server aborts on any
+transport error, so streams already on it run to their end before it closes.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ HIGHER_ID_DIAL_DELAY_S = 3.0
 # closes once nothing runs through its tunnel to the leaver (the serving node first
 # drains its requests and moves its layers off). Longer than serving's drain.
 LEAVE_GRACE_S = 40.0
+# A connection replaced by a simultaneous one closes after carrying no stream this
+# long: both ends have moved new streams to the kept one well before then.
+RETIRE_IDLE_S = 10.0
+RETIRE_POLL_S = 1.0
+REPLACED_REASON = "replaced by a simultaneous connection"
 MESH_FILE_NAME = "mesh.json"
 # A member seen on the LAN is dialed at most this often (its record may be re-announced often).
 LAN_REDIAL_S = 10.0
@@ -169,6 +176,12 @@ class _Peer:
     connection: PeerConnection
     tunnel: TunnelListener
     health: PeerHealth
+    # Connections to it replaced by a simultaneous one, still finishing their streams.
+    retired: set[PeerConnection] = field(default_factory=set)
+
+    def close(self, reason: str) -> None:
+        for connection in (self.connection, *self.retired):
+            connection.close(reason)
 
 
 class Mesh:
@@ -441,7 +454,7 @@ class Mesh:
         # Requests still running through this peer finish first (a leaving
         # node waits for us); the serving node's replan ends them soon.
         await peer.tunnel.wait_idle(LEAVE_GRACE_S)
-        peer.connection.close(reason)
+        peer.close(reason)
 
     def _start_dial(self, action: Dial) -> None:
         addresses = _peer_addresses(action.member.addresses)
@@ -498,7 +511,7 @@ class Mesh:
                 case MemberRemoved(node_id=node_id, by=by):
                     # At once, not when idle: a removed member must lose its access now.
                     if (peer := self._peers.get(node_id)) is not None:
-                        peer.connection.close(f"removed from the mesh by {self.name_of(by)}")
+                        peer.close(f"removed from the mesh by {self.name_of(by)}")
                     self._remember(node_id, None)
                     self._say(f"Peer {self.name_of(node_id)} was removed from the mesh by {self.name_of(by)}")
                     self.changed.set()
@@ -619,7 +632,7 @@ class Mesh:
                     reason = f"no heartbeat answer for {silent_s:.1f} s"
                     log.warning("peer %s lost: %s (%d missed)", short_id(node_id), reason, missed)
                     # _serve_peer sees the close, marks the member lost and closes its tunnel.
-                    peer.connection.close(reason)
+                    peer.close(reason)
 
     def name_of(self, node_id: bytes) -> str:
         assert self._membership is not None
@@ -646,30 +659,27 @@ class Mesh:
         node_id = connection.peer_id
         membership = self._membership
         assert membership is not None
-        existing = self._peers.get(node_id)
-        if existing is not None and not existing.connection.closed:
-            if not connection.preferred:
-                return  # the other connection between us is the one both sides keep
-            del self._peers[node_id]
-            existing.connection.close("replaced by a simultaneous connection")
-            await existing.tunnel.close()
-            membership.peer_disconnected(node_id, time.monotonic(), "replaced by a simultaneous connection")
-        tunnel = TunnelListener(connection)
-        await tunnel.start()
-        peer = _Peer(connection, tunnel, PeerHealth(node_id))
-        self._peers[node_id] = peer
-        name = short_id(node_id)
-        servers = {
-            StreamKind.RPC: lambda reader, writer: serve_inbound_stream(
-                reader, writer, self._rpc_port, self._resolve_endpoint, name, counters=tunnel.counters),
-            StreamKind.MODEL_FILE: lambda reader, writer: serve_model_file(
-                reader, writer, self._model_file_for, name),
-        }
-        connection.set_stream_handler(lambda reader, writer: serve_peer_stream(reader, writer, servers, name))
+        peer = self._peers.get(node_id)
+        joined = peer is None or peer.connection.closed
+        if joined:
+            tunnel = TunnelListener(connection)
+            await tunnel.start()
+            peer = _Peer(connection, tunnel, PeerHealth(node_id))
+            self._peers[node_id] = peer
+        elif connection.preferred:  # both ends move to this one; the tunnel port stays
+            log.info("peer %s dialed us as we dialed it: keeping the new connection", short_id(node_id))
+            self._retire(peer, peer.connection)
+            peer.connection = connection
+            peer.tunnel.use(connection)
+        else:
+            log.info("peer %s dialed us as we dialed it: keeping the first connection", short_id(node_id))
+            self._retire(peer, connection)
+        self._serve_streams(peer, connection)
         reason = "connection closed"
         try:
-            membership.peer_connected(node_id, time.monotonic())
-            self._process()
+            if joined:
+                membership.peer_connected(node_id, time.monotonic())
+                self._process()
             decoder = GossipDecoder()
             while True:
                 decoder.feed(await connection.receive_control())
@@ -684,8 +694,33 @@ class Mesh:
         finally:
             # A close from our side (a lost heartbeat) cancels this task: its reason is the one.
             reason = connection.close_reason or reason
-            if self._peers.get(node_id) is peer:
-                del self._peers[node_id]
-                await tunnel.close()
-                membership.peer_disconnected(node_id, time.monotonic(), reason)
-                self._process()
+            peer.retired.discard(connection)
+            if peer.connection is connection:  # not retired: the peer is gone from here
+                await peer.tunnel.close()
+                if self._peers.get(node_id) is peer:
+                    del self._peers[node_id]
+                    membership.peer_disconnected(node_id, time.monotonic(), reason)
+                    self._process()
+
+    def _serve_streams(self, peer: _Peer, connection: PeerConnection) -> None:
+        """Streams the peer opens on ``connection``: RPC tunnels and model files."""
+        name = short_id(peer.connection.peer_id)
+        servers = {
+            StreamKind.RPC: lambda reader, writer: serve_inbound_stream(
+                reader, writer, self._rpc_port, self._resolve_endpoint, name, counters=peer.tunnel.counters),
+            StreamKind.MODEL_FILE: lambda reader, writer: serve_model_file(
+                reader, writer, self._model_file_for, name),
+        }
+        connection.set_stream_handler(lambda reader, writer: serve_peer_stream(reader, writer, servers, name))
+
+    def _retire(self, peer: _Peer, connection: PeerConnection) -> None:
+        """No new streams on ``connection``; close it once its streams have ended."""
+        peer.retired.add(connection)
+        self._spawn(self._close_when_unused(connection))
+
+    async def _close_when_unused(self, connection: PeerConnection) -> None:
+        idle_s = 0.0
+        while idle_s < RETIRE_IDLE_S and not connection.closed:
+            await asyncio.sleep(RETIRE_POLL_S)
+            idle_s = 0.0 if connection.open_streams else idle_s + RETIRE_POLL_S
+        connection.close(REPLACED_REASON)

@@ -52,7 +52,8 @@ ConnectionResetError (a stream whose FIN had arrived keeps its data).
 
 Simultaneous dials: two nodes may dial each other at once and get two admitted
 connections. The transport keeps both and says which to keep:
-``PeerConnection.preferred`` is true for the one dialed by the lower node id.
+``PeerConnection.preferred`` is true for the one dialed by the lower node id;
+``open_streams`` tells when the other one has finished its work.
 """
 
 from __future__ import annotations
@@ -667,6 +668,11 @@ class PeerConnection:
         own_id = self._transport.node_id
         dialer, other = (own_id, self.peer_id) if self.initiator else (self.peer_id, own_id)
         return dialer < other
+
+    @property
+    def open_streams(self) -> int:
+        """Streams not yet finished both ways, whoever opened them."""
+        return len(self._streams)
 
     @property
     def closed(self) -> bool:

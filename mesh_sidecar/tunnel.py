@@ -8,7 +8,8 @@
 
 One listener per peer, bound to 127.0.0.1. Each TCP connection to it becomes one
 QUIC stream; the peer connects that stream to its own rpc-server and to nothing
-else. Bytes relay both ways with backpressure (``drain`` on both kinds of
+else. The port outlives a connection that is replaced (``use``): connections
+already relaying stay on their stream, new ones take the new connection. Bytes relay both ways with backpressure (``drain`` on both kinds of
 writer) and half-closes travel as FIN. When the peer is lost, the listener
 closes and live connections are ended at once (reset when data was still in
 flight), so llama-server gets an error, not a hang.
@@ -139,6 +140,10 @@ class TunnelListener:
         self._server = await asyncio.start_server(self._handle, LOOPBACK, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
+
+    def use(self, peer: PeerConnection) -> None:
+        """Open the streams of TCP connections accepted from now on over ``peer``."""
+        self.peer = peer
 
     async def wait_idle(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until no connection runs through this tunnel."""

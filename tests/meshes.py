@@ -20,13 +20,13 @@ def tiny_capacity() -> Capacity:
 
 
 def make_mesh(root: Path, name: str, secret: bytes, say: Callable[[str], None] = lambda _m: None,
-              **options) -> Mesh:
-    """A Mesh with its own home under ``root``; rpc port 1 (nothing listens there)."""
+              rpc_port: int = 1, **options) -> Mesh:
+    """A Mesh with its own home under ``root``; by default rpc port 1 (nothing listens there)."""
     home = NodeHome(root / name)
     home.create()
     saved = SavedMesh(secret)
     saved.save(home)
-    return Mesh(generate_identity(), name, home, 1, tiny_capacity, say, saved=saved, **options)
+    return Mesh(generate_identity(), name, home, rpc_port, tiny_capacity, say, saved=saved, **options)
 
 
 def ticket_of(mesh: Mesh, secret: bytes) -> Ticket:
