@@ -704,7 +704,7 @@ class Mesh:
 
     def _serve_streams(self, peer: _Peer, connection: PeerConnection) -> None:
         """Streams the peer opens on ``connection``: RPC tunnels and model files."""
-        name = short_id(peer.connection.peer_id)
+        name = short_id(connection.peer_id)
         servers = {
             StreamKind.RPC: lambda reader, writer: serve_inbound_stream(
                 reader, writer, self._rpc_port, self._resolve_endpoint, name, counters=peer.tunnel.counters),

@@ -9,8 +9,9 @@
 One listener per peer, bound to 127.0.0.1. Each TCP connection to it becomes one
 QUIC stream; the peer connects that stream to its own rpc-server and to nothing
 else. The port outlives a connection that is replaced (``use``): connections
-already relaying stay on their stream, new ones take the new connection. Bytes relay both ways with backpressure (``drain`` on both kinds of
-writer) and half-closes travel as FIN. When the peer is lost, the listener
+already relaying stay on their stream, new ones take the new connection. Bytes
+relay both ways with backpressure (``drain`` on both kinds of writer) and
+half-closes travel as FIN. When the peer is lost, the listener
 closes and live connections are ended at once (reset when data was still in
 flight), so llama-server gets an error, not a hang.
 

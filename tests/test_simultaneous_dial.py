@@ -18,13 +18,11 @@ from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.ticket import PeerAddress
 from mesh_sidecar.transport import PeerConnection
 from tests.meshes import HANG_S, make_mesh, row, ticket_of, wait_for
+from tests.test_tunnel import DEVICE_COUNT_CMD, HELLO_REQUEST, RPC_HEADER
 
 pytestmark = pytest.mark.slow
 
 SECRET = b"s" * auth.MESH_SECRET_BYTES
-RPC_HEADER = struct.Struct("<BQ")
-HELLO_CMD, DEVICE_COUNT_CMD = 14, 15
-HELLO_REQUEST = RPC_HEADER.pack(HELLO_CMD, 24) + bytes(24)  # protocol 7: caps[24], all zero
 
 
 async def rpc_client(m: Mesh, peer: Mesh) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
