@@ -1,0 +1,185 @@
+"""Scorecard: the decode, relay and load benchmarks in one run, checked against the performance goals.
+
+Runs, one after the other, each as its own process with its JSON kept in this run's directory:
+
+- ``benchmarks.decode`` on the unshaped and the 20 ms profiles;
+- ``benchmarks.relay`` on the product's QUIC library (aioquic), once with 1500-byte links
+  (Ethernet) and once with 9000-byte ones (jumbo frames);
+- ``benchmarks.load`` with the synthetic 1.25 GB model (``bench-1gb``), stock vs. seeded.
+
+Each prints its own tables as it goes. Then one table: every goal, the figure this run measured,
+and whether the figure meets it. A benchmark that fails leaves its goals without a figure
+(its logs are kept, see its output) and the others still run. Nothing here is asserted anywhere;
+the figures depend on the machine and on what else runs on it.
+
+Run as root: ``.venv/bin/python -m benchmarks.scorecard [--decode-reps N] [--relay-mb N]
+[--load-reps N] [--json PATH]`` (about 7 minutes on 2 cores once builds and models are cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from benchmarks.decode import REPO_ROOT, lacks_root, write_report
+
+DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "scorecard.json"
+PRODUCT_QUIC_LIBRARY = "aioquic"  # mesh_sidecar.transport's default (MESH_QUIC unset)
+RELAY_MTUS = (1500, 9000)
+Reports = dict[str, dict[str, Any]]  # a run's name -> its JSON report
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One performance goal: a figure read from the runs' reports, and the bound it must meet."""
+
+    name: str
+    bound: float
+    at_least: bool  # the figure must be >= bound (else <= bound)
+    figure: Callable[[Reports], float | None]
+
+    def met(self, value: float | None) -> bool | None:
+        if value is None:
+            return None
+        return value >= self.bound if self.at_least else value <= self.bound
+
+    def describe_bound(self) -> str:
+        return f"{'>=' if self.at_least else '<='} {self.bound:g}"
+
+
+def _decode_ratio(profile: str) -> Callable[[Reports], float | None]:
+    def figure(reports: Reports) -> float | None:
+        for entry in reports.get("decode", {}).get("profiles", []):
+            if entry.get("profile") == profile and "decode_ratio_mesh_over_direct" in entry:
+                return entry["decode_ratio_mesh_over_direct"]
+        return None
+    return figure
+
+
+def _relay_gbit_s(mtu: int) -> Callable[[Reports], float | None]:
+    def figure(reports: Reports) -> float | None:
+        report = reports.get(f"relay-{mtu}", {})
+        for label, library in report.get("libraries", {}).items():
+            if library == PRODUCT_QUIC_LIBRARY:
+                return report["paths"][f"tunnel {label}"]["bulk_gbit_s"]["median"]
+        return None
+    return figure
+
+
+def _seeded_over_stock(measure: Callable[[dict[str, Any]], float]) -> Callable[[Reports], float | None]:
+    def figure(reports: Reports) -> float | None:
+        load = reports.get("load")
+        if not load or "mesh seeded" not in load:
+            return None
+        stock = measure(load["mesh stock"])
+        return measure(load["mesh seeded"]) / stock if stock else None
+    return figure
+
+
+GOALS = (
+    Goal("decode tok/s mesh/direct, unshaped veth", 0.95, True, _decode_ratio("unshaped")),
+    Goal("decode tok/s mesh/direct, +20 ms one way", 0.95, True, _decode_ratio("20ms")),
+    *(Goal(f"relay bulk Gbit/s ({PRODUCT_QUIC_LIBRARY}), MTU {mtu}", 1.0, True, _relay_gbit_s(mtu))
+      for mtu in RELAY_MTUS),
+    Goal("load: weight bytes over tunnels, seeded/stock", 0.05, False,
+         _seeded_over_stock(lambda setup: sum(setup["tunnel_bytes_to_peer"].values()))),
+    Goal("load: load time, seeded/stock", 0.2, False, _seeded_over_stock(lambda setup: setup["load_s"])),
+)
+
+
+def evaluate(reports: Reports) -> list[dict[str, Any]]:
+    """One row per goal: its bound, this run's figure (None if its benchmark failed) and whether it is met."""
+    rows = []
+    for goal in GOALS:
+        value = goal.figure(reports)
+        rows.append({"goal": goal.name, "bound": goal.describe_bound(), "figure": value, "met": goal.met(value)})
+    return rows
+
+
+def greedy_texts_identical(reports: Reports) -> bool | None:
+    """Whether direct and mesh decoded the same text in every decode profile that ran."""
+    profiles = [p for p in reports.get("decode", {}).get("profiles", []) if "greedy_texts_identical" in p]
+    return all(p["greedy_texts_identical"] for p in profiles) if profiles else None
+
+
+def _runs(args: argparse.Namespace, directory: Path) -> dict[str, list[str]]:
+    """Each benchmark's command line, by the name its report goes under."""
+    def module(name: str, *flags: str, report: str) -> list[str]:
+        return [sys.executable, "-m", f"benchmarks.{name}", *flags, "--json", str(directory / f"{report}.json")]
+
+    return {
+        "decode": module("decode", "--profiles", "unshaped,20ms", "--reps", str(args.decode_reps),
+                         "--n-predict", str(args.n_predict), report="decode"),
+        **{f"relay-{mtu}": module("relay", "--libraries", PRODUCT_QUIC_LIBRARY, "--mtu", str(mtu),
+                                  "--bulk-mb", str(args.relay_mb), report=f"relay-{mtu}") for mtu in RELAY_MTUS},
+        "load": module("load", "--model", args.load_model, "--reps", str(args.load_reps), report="load"),
+    }
+
+
+def _print(rows: list[dict[str, Any]], texts_identical: bool | None, elapsed: dict[str, float]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="performance goals, one run")
+    for column in ("goal", "bound", "this run", "met"):
+        table.add_column(column, justify="left" if column == "goal" else "right")
+    for row in rows:
+        value, met = row["figure"], row["met"]
+        table.add_row(row["goal"], row["bound"], "no figure" if value is None else f"{value:.4g}",
+                      {True: "yes", False: "no", None: "-"}[met])
+    Console(width=max(Console().width, 100)).print(table)
+    print(f"greedy text mesh == direct in every decode profile: "
+          f"{ {True: 'yes', False: 'NO', None: 'no figure'}[texts_identical] }")
+    print("minutes per benchmark: " + ", ".join(f"{name} {s / 60:.1f}" for name, s in elapsed.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scorecard", description=__doc__.split("\n")[0])
+    parser.add_argument("--decode-reps", type=int, default=5)
+    parser.add_argument("--n-predict", type=int, default=128)
+    parser.add_argument("--relay-mb", type=int, default=100)
+    parser.add_argument("--load-model", default="bench-1gb", help="a GGUF or a synthetic preset (default bench-1gb)")
+    parser.add_argument("--load-reps", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    if lacks_root():
+        return 2
+
+    directory = args.json.parent / f"{args.json.stem}-runs"
+    directory.mkdir(parents=True, exist_ok=True)
+    reports: Reports = {}
+    elapsed: dict[str, float] = {}
+    failed: list[str] = []
+    for name, command in _runs(args, directory).items():
+        print(f"\n== {name}: {' '.join(command[1:])}", flush=True)
+        report = Path(command[-1])
+        report.unlink(missing_ok=True)  # an earlier run's figures must not stand in for this one's
+        began = time.monotonic()
+        status = subprocess.run(command, check=False, cwd=REPO_ROOT).returncode
+        elapsed[name] = time.monotonic() - began
+        if report.exists():  # decode writes the profiles that ran even when another failed
+            reports[name] = json.loads(report.read_text())
+        if status != 0:
+            failed.append(name)
+            print(f"== {name} failed (exit {status}): goals it measured get no figure", file=sys.stderr, flush=True)
+
+    rows = evaluate(reports)
+    texts_identical = greedy_texts_identical(reports)
+    _print(rows, texts_identical, elapsed)
+    write_report({"benchmark": "scorecard", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                  "goals": rows, "greedy_texts_identical": texts_identical, "failed": failed,
+                  "minutes": {name: s / 60 for name, s in elapsed.items()},
+                  "reports": {name: str(directory / f"{name}.json") for name in reports}}, args.json)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
