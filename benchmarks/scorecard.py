@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decode import REPO_ROOT, lacks_root, write_report
+from mesh_sidecar.transport import DEFAULT_QUIC_LIBRARY
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "scorecard.json"
-PRODUCT_QUIC_LIBRARY = "aioquic"  # mesh_sidecar.transport's default (MESH_QUIC unset)
 RELAY_MTUS = (1500, 9000)
 Reports = dict[str, dict[str, Any]]  # a run's name -> its JSON report
 
@@ -68,7 +68,7 @@ def _relay_gbit_s(mtu: int) -> Callable[[Reports], float | None]:
     def figure(reports: Reports) -> float | None:
         report = reports.get(f"relay-{mtu}", {})
         for label, library in report.get("libraries", {}).items():
-            if library == PRODUCT_QUIC_LIBRARY:
+            if library == DEFAULT_QUIC_LIBRARY:
                 return report["paths"][f"tunnel {label}"]["bulk_gbit_s"]["median"]
         return None
     return figure
@@ -87,7 +87,7 @@ def _seeded_over_stock(measure: Callable[[dict[str, Any]], float]) -> Callable[[
 GOALS = (
     Goal("decode tok/s mesh/direct, unshaped veth", 0.95, True, _decode_ratio("unshaped")),
     Goal("decode tok/s mesh/direct, +20 ms one way", 0.95, True, _decode_ratio("20ms")),
-    *(Goal(f"relay bulk Gbit/s ({PRODUCT_QUIC_LIBRARY}), MTU {mtu}", 1.0, True, _relay_gbit_s(mtu))
+    *(Goal(f"relay bulk Gbit/s ({DEFAULT_QUIC_LIBRARY}), MTU {mtu}", 1.0, True, _relay_gbit_s(mtu))
       for mtu in RELAY_MTUS),
     Goal("load: weight bytes over tunnels, seeded/stock", 0.05, False,
          _seeded_over_stock(lambda setup: sum(setup["tunnel_bytes_to_peer"].values()))),
@@ -110,17 +110,14 @@ def greedy_texts_identical(reports: Reports) -> bool | None:
     return all(p["greedy_texts_identical"] for p in profiles) if profiles else None
 
 
-def _runs(args: argparse.Namespace, directory: Path) -> dict[str, list[str]]:
-    """Each benchmark's command line, by the name its report goes under."""
-    def module(name: str, *flags: str, report: str) -> list[str]:
-        return [sys.executable, "-m", f"benchmarks.{name}", *flags, "--json", str(directory / f"{report}.json")]
-
+def _runs(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each benchmark's module and arguments (all but ``--json``), by the name its report goes under."""
     return {
-        "decode": module("decode", "--profiles", "unshaped,20ms", "--reps", str(args.decode_reps),
-                         "--n-predict", str(args.n_predict), report="decode"),
-        **{f"relay-{mtu}": module("relay", "--libraries", PRODUCT_QUIC_LIBRARY, "--mtu", str(mtu),
-                                  "--bulk-mb", str(args.relay_mb), report=f"relay-{mtu}") for mtu in RELAY_MTUS},
-        "load": module("load", "--model", args.load_model, "--reps", str(args.load_reps), report="load"),
+        "decode": ["benchmarks.decode", "--profiles", "unshaped,20ms", "--reps", str(args.decode_reps),
+                   "--n-predict", str(args.n_predict)],
+        **{f"relay-{mtu}": ["benchmarks.relay", "--libraries", DEFAULT_QUIC_LIBRARY, "--mtu", str(mtu),
+                            "--bulk-mb", str(args.relay_mb)] for mtu in RELAY_MTUS},
+        "load": ["benchmarks.load", "--model", args.load_model, "--reps", str(args.load_reps)],
     }
 
 
@@ -136,8 +133,8 @@ def _print(rows: list[dict[str, Any]], texts_identical: bool | None, elapsed: di
         table.add_row(row["goal"], row["bound"], "no figure" if value is None else f"{value:.4g}",
                       {True: "yes", False: "no", None: "-"}[met])
     Console(width=max(Console().width, 100)).print(table)
-    print(f"greedy text mesh == direct in every decode profile: "
-          f"{ {True: 'yes', False: 'NO', None: 'no figure'}[texts_identical] }")
+    answer = {True: "yes", False: "NO", None: "no figure"}[texts_identical]
+    print(f"greedy text mesh == direct in every decode profile: {answer}")
     print("minutes per benchmark: " + ", ".join(f"{name} {s / 60:.1f}" for name, s in elapsed.items()))
 
 
@@ -158,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     reports: Reports = {}
     elapsed: dict[str, float] = {}
     failed: list[str] = []
-    for name, command in _runs(args, directory).items():
+    runs = _runs(args)
+    paths = {name: directory / f"{name}.json" for name in runs}
+    for name, arguments in runs.items():
+        report = paths[name]
+        command = [sys.executable, "-m", *arguments, "--json", str(report)]
         print(f"\n== {name}: {' '.join(command[1:])}", flush=True)
-        report = Path(command[-1])
         report.unlink(missing_ok=True)  # an earlier run's figures must not stand in for this one's
         began = time.monotonic()
         status = subprocess.run(command, check=False, cwd=REPO_ROOT).returncode
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report({"benchmark": "scorecard", "date": datetime.now(UTC).isoformat(timespec="seconds"),
                   "goals": rows, "greedy_texts_identical": texts_identical, "failed": failed,
                   "minutes": {name: s / 60 for name, s in elapsed.items()},
-                  "reports": {name: str(directory / f"{name}.json") for name in reports}}, args.json)
+                  "reports": {name: str(paths[name]) for name in reports}}, args.json)
     return 1 if failed else 0
 
 

@@ -78,7 +78,8 @@ from cryptography.hazmat.primitives import serialization
 
 # The QUIC library, chosen once per process: aioquic, or qh3 1.x (MESH_QUIC=qh3), a fork with
 # the same API and Rust parts; only the adapter section below knows how their internals differ.
-QUIC_LIBRARY = os.environ.get("MESH_QUIC", "aioquic")
+DEFAULT_QUIC_LIBRARY = "aioquic"
+QUIC_LIBRARY = os.environ.get("MESH_QUIC", DEFAULT_QUIC_LIBRARY)
 if QUIC_LIBRARY == "aioquic":
     from aioquic import tls
     from aioquic.buffer import Buffer
