@@ -496,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(REPO_ROOT))
-    from mesh_sidecar.llama_build import ensure_binaries
-    from mesh_sidecar.model import ensure_model
+    from mesh_sidecar.llama.build import ensure_binaries
+    from mesh_sidecar.llama.model import ensure_model
 
     ensure_binaries(None, _quiet)
     model = ensure_model(None, _quiet)

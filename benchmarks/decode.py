@@ -279,7 +279,7 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
 
 def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any], order: list[str],
                binaries, model: Path) -> tuple[dict, dict]:
-    from mesh_sidecar.launch import llama_server_argv
+    from mesh_sidecar.llama.launch import llama_server_argv
 
     watched = []
     for name in "abc":
@@ -433,7 +433,7 @@ def run_benchmark(body: Callable[[], int], started: Started, workdir: Path,
 def _resolve_model(given: str | None) -> Path:
     """A GGUF path, a synthetic preset's name (made if missing), or None: the default model."""
     from benchmarks.synthetic_model import PRESETS, ensure_synthetic_model
-    from mesh_sidecar.model import ensure_model
+    from mesh_sidecar.llama.model import ensure_model
 
     if given in PRESETS:
         return ensure_synthetic_model(PRESETS[given])
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     if lacks_root():
         return 2
     sys.path.insert(0, str(REPO_ROOT))
-    from mesh_sidecar.llama_build import B2B, ensure_binaries
+    from mesh_sidecar.llama.build import B2B, ensure_binaries
     from tests.netns import LINK_PROFILES
 
     profiles = args.profiles.split(",")

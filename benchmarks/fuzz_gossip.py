@@ -12,7 +12,7 @@ that decodes must encode again and decode to itself (what we accept, we can rela
 
 from __future__ import annotations
 
-from mesh_sidecar.gossip import (
+from mesh_sidecar.wire.gossip import (
     FRAME_HEADER_BYTES,
     GOSSIP_WIRE_VERSION,
     LENGTH_PREFIX_BYTES,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 
-from mesh_sidecar.rpc_framing import (
+from mesh_sidecar.wire.rpc_framing import (
     DIALECTS,
     HELLO_CMD,
     HELLO_REPLY_CAPS_OFFSET,

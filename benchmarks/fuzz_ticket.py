@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 
-from mesh_sidecar.ticket import TICKET_PREFIX, decode_ticket, encode_ticket
+from mesh_sidecar.wire.ticket import TICKET_PREFIX, decode_ticket, encode_ticket
 from tests.test_ticket import SAMPLE
 
 from .fuzzing import Input, run

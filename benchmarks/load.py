@@ -98,7 +98,7 @@ def _ticket(log: Path) -> str:
 
 
 def run_direct(hosts, started: Started, workdir: Path, binaries, model: Path, round_: int) -> dict[str, Any]:
-    from mesh_sidecar.launch import llama_server_argv
+    from mesh_sidecar.llama.launch import llama_server_argv
 
     for name in "abc":
         host = hosts[name]
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if lacks_root():
         return 2
     from benchmarks.synthetic_model import CACHE_TEST, ensure_synthetic_model
-    from mesh_sidecar.llama_build import ensure_binaries
+    from mesh_sidecar.llama.build import ensure_binaries
     from tests.netns import LINK_PROFILES, Lab
 
     if args.profile not in LINK_PROFILES:

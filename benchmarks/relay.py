@@ -188,10 +188,10 @@ def _node(spec: dict[str, Any]) -> None:
 
 
 async def _node_main(spec: dict[str, Any]) -> None:
-    from mesh_sidecar import transport
+    from mesh_sidecar.net import transport
     from mesh_sidecar.identity import generate_identity
     from mesh_sidecar.ports import LOOPBACK
-    from mesh_sidecar.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
+    from mesh_sidecar.net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
 
     workdir = Path(spec["workdir"])
     stop = asyncio.Event()
@@ -558,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name.startswith("node "):
                     started.stop(proc)
 
-        from mesh_sidecar import transport, tunnel
+        from mesh_sidecar.net import transport
+        from mesh_sidecar.net import tunnel
 
         report = {
             "benchmark": "relay",

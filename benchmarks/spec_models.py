@@ -27,7 +27,7 @@ import numpy as np
 
 from benchmarks.synthetic_model import raw_contents
 from mesh_sidecar.home import cache_root
-from mesh_sidecar.model import ensure_model
+from mesh_sidecar.llama.model import ensure_model
 
 DEFAULT_EXTRA_BLOCKS = 30
 DEFAULT_SCALE = 0.1

@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if lacks_root():
         return 2
     from benchmarks.spec_models import ensure_padded_target
-    from mesh_sidecar.llama_build import ensure_binaries
-    from mesh_sidecar.model import ensure_model
+    from mesh_sidecar.llama.build import ensure_binaries
+    from mesh_sidecar.llama.model import ensure_model
 
     binaries = ensure_binaries(None, _quiet)
     draft = ensure_model(None, _quiet)

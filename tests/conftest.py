@@ -18,8 +18,8 @@ import httpx
 import psutil
 import pytest
 
-from mesh_sidecar.llama_build import LlamaBinaries, ensure_binaries
-from mesh_sidecar.model import ensure_model
+from mesh_sidecar.llama.build import LlamaBinaries, ensure_binaries
+from mesh_sidecar.llama.model import ensure_model
 from mesh_sidecar.ports import free_tcp_port
 
 NODE_START_TIMEOUT_S = 180.0

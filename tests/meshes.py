@@ -6,11 +6,11 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from mesh_sidecar.capacity import Capacity
+from mesh_sidecar.llama.capacity import Capacity
 from mesh_sidecar.home import NodeHome
 from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.mesh import Mesh, SavedMesh
-from mesh_sidecar.ticket import PeerAddress, Ticket
+from mesh_sidecar.mesh.runtime import Mesh, SavedMesh
+from mesh_sidecar.wire.ticket import PeerAddress, Ticket
 
 HANG_S = 15.0  # a wait that only fails if something hangs
 

@@ -24,10 +24,10 @@ from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent
 
-from mesh_sidecar import auth
+from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import MeshError
 from mesh_sidecar.identity import NodeIdentity, generate_identity
-from mesh_sidecar.transport import ALPN, MeshTransport
+from mesh_sidecar.net.transport import ALPN, MeshTransport
 
 SILENT_WAIT_S = auth.AUTH_TIMEOUT_S + 5
 

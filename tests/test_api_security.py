@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 
 from mesh_sidecar.errors import UsageError
-from mesh_sidecar.metrics import Metrics
+from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.ports import free_tcp_port
-from mesh_sidecar.proxy import MAX_REQUEST_BODY_BYTES, ApiAccess, ApiProxy
+from mesh_sidecar.serve.proxy import MAX_REQUEST_BODY_BYTES, ApiAccess, ApiProxy
 from tests.conftest import GREEDY, cli
 
 KEY = "s3cret-key-0123456789"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh_sidecar import auth
+from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import AuthError, MalformedMessageError, ProtocolVersionError
 from mesh_sidecar.identity import generate_identity
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mesh_sidecar.capacity import Capacity, held_key
-from mesh_sidecar.llama_build import B2B, ensure_binaries
+from mesh_sidecar.llama.capacity import Capacity, held_key
+from mesh_sidecar.llama.build import B2B, ensure_binaries
 from mesh_sidecar.ports import free_tcp_port
 from tests.conftest import N_PREDICT, _quiet, api_healthy, complete
 from tests.netns import API_PORT, Lab, can_make_namespaces, ns_complete, start_in, ticket_of

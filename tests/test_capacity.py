@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from mesh_sidecar.capacity import (MAX_HELD_ENTRIES, MIB, Capacity, Device, held_key, measure,
+from mesh_sidecar.llama.capacity import (MAX_HELD_ENTRIES, MIB, Capacity, Device, held_key, measure,
                                    parse_device_listing, parse_size)
 from mesh_sidecar.errors import UsageError
-from mesh_sidecar.gossip import MemberInfo
-from mesh_sidecar.launch import start_rpc_server
+from mesh_sidecar.wire.gossip import MemberInfo
+from mesh_sidecar.llama.launch import start_rpc_server
 from mesh_sidecar.ports import free_tcp_port
 
 GIB = 1024 * MIB

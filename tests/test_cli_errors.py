@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from mesh_sidecar.ticket import PeerAddress, Ticket, encode_ticket
+from mesh_sidecar.wire.ticket import PeerAddress, Ticket, encode_ticket
 from tests.conftest import cli
 
 

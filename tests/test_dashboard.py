@@ -17,12 +17,12 @@ import pytest
 from aiohttp import web
 from rich.table import Table
 
-from mesh_sidecar import dashboard
-from mesh_sidecar.dashboard import (KEYLESS_PATHS, PAGE_PATH, STATE_PATH, TICKET_PLACEHOLDER, RecentEvents,
+from mesh_sidecar.serve import dashboard
+from mesh_sidecar.serve.dashboard import (KEYLESS_PATHS, PAGE_PATH, STATE_PATH, TICKET_PLACEHOLDER, RecentEvents,
                                     TokenRate)
-from mesh_sidecar.metrics import Metrics
+from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.ports import free_tcp_port
-from mesh_sidecar.proxy import ApiAccess, ApiProxy
+from mesh_sidecar.serve.proxy import ApiAccess, ApiProxy
 from tests.conftest import TICKET_LINE
 from tests.waiting import wait_until
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from mesh_sidecar import cli
+from mesh_sidecar.cli import main as cli
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh_sidecar.errors import ModelError
-from mesh_sidecar.estimate import (
+from mesh_sidecar.llama.estimate import (
     DEFAULT_N_UBATCH,
     MiB,
     ModelEstimate,

@@ -29,7 +29,7 @@ from benchmarks import fuzz_gossip, fuzz_rpc_framing, fuzz_ticket
 from benchmarks.fuzz_rpc_framing import dialect_handshake, rpc_frame
 from benchmarks.fuzzing import guarded
 from mesh_sidecar.errors import FrameTooLargeError, TicketError, TicketMalformedError, WireError
-from mesh_sidecar.gossip import (
+from mesh_sidecar.wire.gossip import (
     GOSSIP_WIRE_VERSION,
     LENGTH_PREFIX_BYTES,
     MAX_EPOCH,
@@ -42,7 +42,7 @@ from mesh_sidecar.gossip import (
     Rekey,
     encode_message,
 )
-from mesh_sidecar.rpc_framing import (
+from mesh_sidecar.wire.rpc_framing import (
     DIALECTS,
     HELLO_CMD,
     HELLO_REPLY_SIZE_BYTES,
@@ -60,7 +60,7 @@ from mesh_sidecar.rpc_framing import (
     RpcEvent,
     RpcStreamFilter,
 )
-from mesh_sidecar.ticket import (
+from mesh_sidecar.wire.ticket import (
     MAX_TICKET_ADDRESSES,
     TICKET_PREFIX,
     TICKET_VERSION,

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from mesh_sidecar.errors import ModelError
-from mesh_sidecar.gguf_header import parse_header, read_header
+from mesh_sidecar.wire.gguf_header import parse_header, read_header
 
 
 def _same_as_gguf_reader(path: Path, nested: tuple[str, ...] = ()) -> None:

@@ -17,7 +17,7 @@ from mesh_sidecar.errors import (
     ProtocolVersionError,
     WireError,
 )
-from mesh_sidecar.gossip import (
+from mesh_sidecar.wire.gossip import (
     GOSSIP_WIRE_VERSION,
     LENGTH_PREFIX_BYTES,
     MAX_ADDRESS_CHARS,

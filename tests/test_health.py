@@ -10,10 +10,10 @@ import struct
 
 import pytest
 
-from mesh_sidecar import auth
-from mesh_sidecar import mesh as mesh_module
-from mesh_sidecar.gossip import Ping
-from mesh_sidecar.health import (
+from mesh_sidecar.wire import auth
+from mesh_sidecar.mesh import runtime as mesh_module
+from mesh_sidecar.wire.gossip import Ping
+from mesh_sidecar.mesh.health import (
     DEGRADED_AFTER_S,
     LOST_AFTER_S,
     RTT_WINDOW,
@@ -25,7 +25,7 @@ from mesh_sidecar.health import (
     percentile,
 )
 from mesh_sidecar.ports import LOOPBACK
-from mesh_sidecar.tunnel import TunnelCounters, serve_inbound_stream
+from mesh_sidecar.net.tunnel import TunnelCounters, serve_inbound_stream
 from tests.meshes import HANG_S, make_mesh, ticket_of, row, wait_for
 
 PEER = bytes(range(32))
@@ -273,7 +273,7 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
     monkeypatch.setattr(mesh_module, "HEARTBEAT_INTERVAL_S", 0.1)
     monkeypatch.setattr(mesh_module, "PeerHealth",
                         functools.partial(PeerHealth, degraded_after_s=0.5, lost_after_s=1.0))
-    caplog.set_level(logging.INFO, "mesh_sidecar.mesh")
+    caplog.set_level(logging.INFO, "mesh_sidecar.mesh.runtime")
     said: dict[str, list[str]] = {"a": [], "b": []}
     a = make_mesh(tmp_path, "a", SECRET, said["a"].append)
     b = make_mesh(tmp_path, "b", SECRET, said["b"].append)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mesh_sidecar.discovery import LanRecord, mesh_id
-from mesh_sidecar.mesh import MESH_FILE_NAME
-from mesh_sidecar.ticket import PeerAddress
+from mesh_sidecar.net.discovery import LanRecord, mesh_id
+from mesh_sidecar.mesh.runtime import MESH_FILE_NAME
+from mesh_sidecar.wire.ticket import PeerAddress
 from tests.conftest import cli
 from tests.netns import QUIC_PORT, Lab, can_make_namespaces, start_in, ticket_of
 from tests.waiting import wait_until
@@ -130,8 +130,8 @@ def test_a_strangers_record_with_our_mesh_id_is_dialed_and_refused(lab, tmp_path
                        (PeerAddress(s.ip, QUIC_PORT),))
     advertiser = subprocess.Popen(s.exec_argv(sys.executable, "-c", f"""
 import asyncio
-from mesh_sidecar.discovery import LanPresence, LanRecord
-from mesh_sidecar.ticket import PeerAddress
+from mesh_sidecar.net.discovery import LanPresence, LanRecord
+from mesh_sidecar.wire.ticket import PeerAddress
 record = LanRecord({forged.mesh_id!r}, {forged.node_id!r}, "stranger", (PeerAddress({s.ip!r}, {QUIC_PORT}),))
 async def main():
     await asyncio.wait_for(LanPresence(lambda: record, lambda r: None).run(), 60)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mesh_sidecar.errors import ChildExitedError
-from mesh_sidecar.launch import ChildProcess
+from mesh_sidecar.llama.launch import ChildProcess
 from mesh_sidecar.logs import (
     MAX_LINE_BYTES,
     TRUNCATED_MARK,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mesh_sidecar.ticket import PeerAddress, Ticket, decode_ticket, encode_ticket
+from mesh_sidecar.wire.ticket import PeerAddress, Ticket, decode_ticket, encode_ticket
 from tests.conftest import NodeProcess, cli
 from tests.netns import (API_PORT, MDNS_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names,
                          ns_complete, ns_python, ns_tcp_refused, start_in, ticket_of)

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from mesh_sidecar import auth
+from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import MalformedMessageError, ModelError, ProtocolVersionError
-from mesh_sidecar.model_transfer import (PARTIAL_SUFFIX, REQUEST, Status, decode_reply, decode_request,
+from mesh_sidecar.net.model_transfer import (PARTIAL_SUFFIX, REQUEST, Status, decode_reply, decode_request,
                                          encode_reply, encode_request)
 from tests.meshes import make_mesh, ticket_of, wait_for
 
@@ -58,7 +58,7 @@ async def pair(tmp_path):
 
 
 async def test_interrupted_fetch_resumes_and_is_checked(pair, tmp_path, caplog):
-    caplog.set_level(logging.INFO, "mesh_sidecar.model_transfer")
+    caplog.set_level(logging.INFO, "mesh_sidecar.net.model_transfer")
     a, b, sha, payload = pair
     destination = tmp_path / "fetched" / f"{sha}.gguf"
     partial = destination.with_name(destination.name + PARTIAL_SUFFIX)

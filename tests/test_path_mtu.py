@@ -9,8 +9,9 @@ import textwrap
 
 import pytest
 
-from mesh_sidecar import path_mtu, transport
-from mesh_sidecar.path_mtu import BASE_DATAGRAM_BYTES, DatagramSizeSearch, candidate_sizes
+from mesh_sidecar.net import path_mtu
+from mesh_sidecar.net import transport
+from mesh_sidecar.net.path_mtu import BASE_DATAGRAM_BYTES, DatagramSizeSearch, candidate_sizes
 from tests.netns import Lab, can_make_namespaces, run
 
 ETHERNET, JUMBO = 1500 - 28, 9000 - 28
@@ -70,7 +71,7 @@ SETTLE_S = 10.0
 ENDPOINT = textwrap.dedent(f"""
     import asyncio, hashlib, json, sys
     from mesh_sidecar.identity import generate_identity
-    from mesh_sidecar.transport import MeshTransport
+    from mesh_sidecar.net.transport import MeshTransport
 
     role, peer_ip = sys.argv[1], sys.argv[2]
     DATA = hashlib.shake_256(b"mtu test").digest({TRANSFER_BYTES})

@@ -15,8 +15,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mesh_sidecar.errors import PlanError, SetupError
-from mesh_sidecar.estimate import ModelEstimate, assign_layers
-from mesh_sidecar.planner import BYTES_PER_GB, NodeCapacity, Plan, plan_layers
+from mesh_sidecar.llama.estimate import ModelEstimate, assign_layers
+from mesh_sidecar.serve.planner import BYTES_PER_GB, NodeCapacity, Plan, plan_layers
 
 GB = BYTES_PER_GB
 N_CTX = 4096

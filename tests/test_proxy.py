@@ -13,9 +13,9 @@ import httpx
 import pytest
 from aiohttp import web
 
-from mesh_sidecar.metrics import Metrics
+from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.ports import free_tcp_port
-from mesh_sidecar.proxy import ApiProxy
+from mesh_sidecar.serve.proxy import ApiProxy
 
 PIECES = ["The", " keeper", " lit", " the", " lamp", "."]
 

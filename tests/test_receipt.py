@@ -9,7 +9,7 @@ import pytest
 
 from mesh_sidecar.errors import ReceiptError
 from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.receipt import OutputTap, output_digest, sign, verify
+from mesh_sidecar.serve.receipt import OutputTap, output_digest, sign, verify
 from tests.conftest import GREEDY, N_PREDICT, PROMPT, cli
 
 

@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from mesh_sidecar import auth
+from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import AuthError
-from mesh_sidecar.mesh import MESH_FILE_NAME, Mesh, SavedMesh
-from mesh_sidecar.ticket import decode_ticket
+from mesh_sidecar.mesh.runtime import MESH_FILE_NAME, Mesh, SavedMesh
+from mesh_sidecar.wire.ticket import decode_ticket
 from tests.meshes import make_mesh, row, ticket_of, wait_for
 
 OLD_SECRET = b"o" * auth.MESH_SECRET_BYTES
@@ -42,7 +42,7 @@ def saved(mesh: Mesh) -> dict:
 
 
 async def test_rotation_gives_members_a_new_secret_and_shuts_out_old_tickets(trio, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, "mesh_sidecar.transport")
+    caplog.set_level(logging.WARNING, "mesh_sidecar.net.transport")
     a, b, c = trio
     new_ticket = decode_ticket(b.rotate_secret())
     assert new_ticket.mesh_secret != OLD_SECRET and new_ticket.node_id == b.identity.node_id

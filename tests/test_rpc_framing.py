@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh_sidecar.errors import FrameTooLargeError, MalformedMessageError, WireError
-from mesh_sidecar.rpc_framing import (
+from mesh_sidecar.wire.rpc_framing import (
     B2B_HELLO_FLAG,
     DIALECTS,
     MAX_HELD_BEFORE_REPLY_BYTES,

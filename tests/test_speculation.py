@@ -9,7 +9,7 @@ import gguf
 import pytest
 
 from mesh_sidecar.errors import ModelError
-from mesh_sidecar.speculation import check_pair, choose, find_draft, tokenizer_fingerprint
+from mesh_sidecar.serve.speculation import check_pair, choose, find_draft, tokenizer_fingerprint
 from tests.conftest import cli, complete
 
 

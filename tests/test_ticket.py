@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh_sidecar import ticket as ticket_module
+from mesh_sidecar.wire import ticket as ticket_module
 from mesh_sidecar.errors import (
     TicketChecksumError,
     TicketError,
@@ -20,7 +20,7 @@ from mesh_sidecar.errors import (
     TicketTruncatedError,
     TicketVersionError,
 )
-from mesh_sidecar.ticket import (
+from mesh_sidecar.wire.ticket import (
     MAX_TICKET_ADDRESSES,
     MAX_TICKET_CHARS,
     TICKET_PREFIX,

@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from mesh_sidecar import auth, path_mtu, transport
+from mesh_sidecar.wire import auth
+from mesh_sidecar.net import path_mtu
+from mesh_sidecar.net import transport
 from mesh_sidecar.errors import AuthError, FrameTooLargeError, MeshError
 from mesh_sidecar.identity import NodeIdentity, generate_identity
-from mesh_sidecar.transport import (
+from mesh_sidecar.net.transport import (
     MeshStreamReader,
     MeshStreamWriter,
     MeshTransport,
@@ -255,12 +257,12 @@ def refusals(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "mesh_sidecar.transport" and r.getMessage().startswith("refused") and text in r.getMessage()
+        if r.name == "mesh_sidecar.net.transport" and r.getMessage().startswith("refused") and text in r.getMessage()
     ]
 
 
 async def test_wrong_mesh_secret_is_refused_on_both_sides(make_node, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="mesh_sidecar.transport")
+    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.transport")
     a = await make_node()
     intruder = await make_node(secret=b"x" * auth.MESH_SECRET_BYTES)
     with pytest.raises(AuthError, match=auth.WRONG_SECRET):
@@ -273,7 +275,7 @@ async def test_wrong_mesh_secret_is_refused_on_both_sides(make_node, caplog) -> 
 
 
 async def test_key_other_than_the_ticket_id_is_refused(make_node, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="mesh_sidecar.transport")
+    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.transport")
     a, b = await make_node(), await make_node()
     with pytest.raises(AuthError, match=auth.KEY_MISMATCH):
         await b.transport.connect([(HOST, a.port)], generate_identity().node_id)
@@ -371,7 +373,7 @@ def rogue_dialers(monkeypatch) -> set[MeshTransport]:
 
 
 async def test_silent_peer_is_refused_after_the_auth_timeout(make_node, rogue_dialers, monkeypatch, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="mesh_sidecar.transport")
+    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.transport")
     monkeypatch.setattr(auth, "AUTH_TIMEOUT_S", 0.5)
     a, rogue = await make_node(), await make_node()
     rogue_dialers.add(rogue.transport)

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from mesh_sidecar import auth
+from mesh_sidecar.wire import auth
 from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.launch import start_rpc_server
+from mesh_sidecar.llama.launch import start_rpc_server
 from mesh_sidecar.ports import LOOPBACK, free_tcp_port, loopback_client_uid, socket_owner_uid
-from mesh_sidecar.transport import MeshTransport, PeerConnection
-from mesh_sidecar.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
+from mesh_sidecar.net.transport import MeshTransport, PeerConnection
+from mesh_sidecar.net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
 
 SECRET = b"t" * auth.MESH_SECRET_BYTES
 HANG_S = 15.0  # a wait that only fails if something hangs
@@ -380,7 +380,7 @@ class FakeRpcServer:
 async def test_oversized_rpc_frame_closes_only_its_stream(
     mesh: Mesh, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "mesh_sidecar.tunnel")
+    caplog.set_level(logging.WARNING, "mesh_sidecar.net.tunnel")
     fake = FakeRpcServer()
     mesh.target_port = await fake.start()
     try:
@@ -396,7 +396,7 @@ async def test_oversized_rpc_frame_closes_only_its_stream(
         assert await asyncio.wait_for(fake.ended.get(), HANG_S) in ("eof", "error: ConnectionResetError")
         assert fake.received == [HELLO_REQUEST]
         # One line on the serving side names the peer and the reason; the connection stays.
-        warnings = [r.getMessage() for r in caplog.records if r.name == "mesh_sidecar.tunnel"]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "mesh_sidecar.net.tunnel"]
         assert len(warnings) == 1, warnings
         assert warnings[0].startswith("tunnel from A closed: ") and "limit" in warnings[0]
         assert_connected(mesh)
@@ -455,7 +455,7 @@ except ConnectionError as exc:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
 async def test_tunnel_port_refuses_other_local_users(mesh: Mesh, echo: EchoServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "mesh_sidecar.tunnel")
+    caplog.set_level(logging.WARNING, "mesh_sidecar.net.tunnel")
     mesh.target_port = await echo.start()
     assert mesh.listener.port is not None
     result = await asyncio.to_thread(
@@ -470,7 +470,7 @@ async def test_tunnel_port_refuses_other_local_users(mesh: Mesh, echo: EchoServe
 
 
 async def test_stream_of_unknown_kind_is_closed(mesh: Mesh, echo: EchoServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "mesh_sidecar.tunnel")
+    caplog.set_level(logging.WARNING, "mesh_sidecar.net.tunnel")
     mesh.target_port = await echo.start()
     reader, writer = await mesh.a_to_b.open_stream()
     writer.write(bytes([99]) + b"anything")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mesh_sidecar import weight_cache
-from mesh_sidecar.weight_cache import HASH_THRESHOLD_BYTES, WeightCache, hashed_tensor_ranges
+from mesh_sidecar.llama import weight_cache
+from mesh_sidecar.llama.weight_cache import HASH_THRESHOLD_BYTES, WeightCache, hashed_tensor_ranges
 
 
 def no_progress(message: str, done: int, total: int) -> None:

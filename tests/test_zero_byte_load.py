@@ -7,8 +7,8 @@ import pytest
 
 from benchmarks.synthetic_model import CACHE_TEST, ensure_synthetic_model
 from tests.conftest import plain_llama_server_answer
-from mesh_sidecar.model import file_sha256
-from mesh_sidecar.weight_cache import hashed_tensor_ranges
+from mesh_sidecar.llama.model import file_sha256
+from mesh_sidecar.llama.weight_cache import hashed_tensor_ranges
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow

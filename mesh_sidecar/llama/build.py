@@ -1,0 +1,254 @@
+"""The pinned llama.cpp: find a user's build, or fetch and build ours once.
+
+Our pin is the ``vendor/llama.cpp`` tree inside the ``llama-cpp-python`` sdist on
+PyPI (RPC protocol 7.0.0). ``ensure_binaries`` builds the two targets we run,
+``ggml-rpc-server`` and ``llama-server``, into
+``<cache>/llama.cpp-<pin>/bin`` and is instant once that directory is complete.
+
+Two builds of the pin (``BuildVariant``): ``stock``, as published, and ``b2b``
+(``--b2b``), the same source with ``patches/llama.cpp-b2b.patch`` applied, so
+workers push activations to each other (patches/README.md). The b2b build has
+its own directory keyed by the patch's hash, so a changed patch is rebuilt.
+
+Build choices, and why:
+- ``GGML_RPC=ON``: the RPC backend is the whole point.
+- ``GGML_NATIVE=ON`` with AMX switched off: native code is fast on the machine
+  that built it, but some CPUs (and VMs) report AMX without the kernel granting
+  it, and AMX kernels then die with SIGILL. Turning AMX off at compile time makes
+  that impossible instead of relying on a launch flag.
+- static linking: the two binaries can be copied into ``bin/`` and run alone.
+- no OpenSSL, no web UI download: the build must work without internet access
+  beyond PyPI.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BinariesMissingError, BuildError
+from ..home import cache_root
+
+LLAMA_CPP_PYTHON_PIN = "0.3.36"
+SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}.tar.gz"
+SDIST_VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}/vendor/llama.cpp/"
+LLAMA_BIN_ENV = "MESH_LLAMA_BIN"
+RPC_SERVER_BINARY = "ggml-rpc-server"
+LLAMA_SERVER_BINARY = "llama-server"
+BUILD_TARGETS = (RPC_SERVER_BINARY, LLAMA_SERVER_BINARY)
+BUILD_STAMP_NAME = "BUILD_INFO.json"
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_RPC=ON",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}",
+)
+BUILD_LOG_TAIL_LINES = 25
+_NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+
+# (message, done, total): total is 0 while a stage has no measurable length.
+ProgressCallback = Callable[[str, int, int], None]
+
+# The patches live in the source checkout, beside the package.
+PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
+B2B_PATCH_NAME = "llama.cpp-b2b.patch"
+PATCH_KEY_HEX_CHARS = 12
+
+
+@dataclass(frozen=True)
+class BuildVariant:
+    """One build of the pinned source: as published, or with one of our patches applied."""
+
+    name: str
+    patch: Path | None = None
+
+    def key(self) -> str:
+        """The build directory's name: the pin, and for a patched build the patch's name and hash."""
+        if self.patch is None:
+            return f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}"
+        if not self.patch.is_file():
+            raise BinariesMissingError(
+                f"The {self.name} build needs {self.patch}, which is part of a source checkout of "
+                "mesh-inference; run from a clone of the repository, or pass --llama-bin.")
+        digest = hashlib.sha256(self.patch.read_bytes()).hexdigest()[:PATCH_KEY_HEX_CHARS]
+        return f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}-{self.name}-{digest}"
+
+
+STOCK = BuildVariant("stock")
+B2B = BuildVariant("b2b", PATCHES_DIR / B2B_PATCH_NAME)
+
+
+@dataclass(frozen=True)
+class LlamaBinaries:
+    """Paths of the two llama.cpp programs a node runs."""
+
+    rpc_server: Path
+    llama_server: Path
+
+    @property
+    def directory(self) -> Path:
+        return self.rpc_server.parent
+
+
+def pinned_build_dir(variant: BuildVariant = STOCK) -> Path:
+    """Cache directory of a build of our pin, keyed by the pin (and patch)."""
+    return cache_root() / variant.key()
+
+
+def binaries_in(directory: Path) -> LlamaBinaries:
+    """The binaries in ``directory``; BinariesMissingError naming what is absent."""
+    found = {name: directory / name for name in BUILD_TARGETS}
+    missing = [name for name, path in found.items() if not (path.is_file() and os.access(path, os.X_OK))]
+    if missing:
+        raise BinariesMissingError(
+            f"{directory} has no executable {' or '.join(missing)}. Point --llama-bin "
+            f"(or {LLAMA_BIN_ENV}) at a llama.cpp build's bin/ directory built with "
+            f"-DGGML_RPC=ON, or leave it unset to use the pinned build (`mesh-inference setup`)."
+        )
+    return LlamaBinaries(found[RPC_SERVER_BINARY], found[LLAMA_SERVER_BINARY])
+
+
+def ensure_binaries(llama_bin: Path | None, progress: ProgressCallback,
+                    variant: BuildVariant = STOCK) -> LlamaBinaries:
+    """A user's build if named (flag or env), else the pinned build, built if needed."""
+    chosen = llama_bin or (Path(os.environ[LLAMA_BIN_ENV]) if os.environ.get(LLAMA_BIN_ENV) else None)
+    if chosen is not None:
+        return binaries_in(chosen.expanduser())
+    root = pinned_build_dir(variant)
+    bin_dir = root / "bin"
+    if (bin_dir / BUILD_STAMP_NAME).exists():
+        return binaries_in(bin_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    # Several nodes started at once on one machine must not build twice in one tree.
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (bin_dir / BUILD_STAMP_NAME).exists():
+            _build(root, progress, variant)
+    return binaries_in(bin_dir)
+
+
+def _build(root: Path, progress: ProgressCallback, variant: BuildVariant) -> None:
+    source = root / "src"
+    if not (source / "CMakeLists.txt").exists():
+        _fetch_source(source, progress, variant)
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise BuildError(
+                f"`{tool}` is not installed; it is needed to build llama.cpp. "
+                "On Debian/Ubuntu: sudo apt-get install cmake ninja-build g++"
+            )
+    build = root / "build"
+    log_path = root / "build.log"
+    with open(log_path, "w") as log:
+        progress("Configuring llama.cpp", 0, 0)
+        _run_logged(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *CMAKE_OPTIONS], log, log_path)
+        progress("Compiling llama.cpp", 0, 0)
+        _run_logged(
+            ["ninja", "-C", str(build), *BUILD_TARGETS], log, log_path,
+            on_line=lambda line: _report_ninja(line, progress),
+        )
+    bin_dir = root / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in BUILD_TARGETS:
+        shutil.copy2(build / "bin" / name, bin_dir / name)
+    # Written last: its presence means the directory is complete.
+    (bin_dir / BUILD_STAMP_NAME).write_text(
+        json.dumps({"llama_cpp_python": LLAMA_CPP_PYTHON_PIN, "variant": variant.name,
+                    "cmake_options": CMAKE_OPTIONS}, indent=2)
+    )
+
+
+def _report_ninja(line: str, progress: ProgressCallback) -> None:
+    match = _NINJA_PROGRESS.match(line)
+    if match:
+        progress("Compiling llama.cpp", int(match.group(1)), int(match.group(2)))
+
+
+def _run_logged(
+    command: list[str], log, log_path: Path, on_line: Callable[[str], None] | None = None
+) -> None:
+    log.write("$ " + " ".join(command) + "\n")
+    log.flush()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.write(line)
+        if on_line:
+            on_line(line)
+    if proc.wait() != 0:
+        log.flush()
+        tail = log_path.read_text(errors="replace").splitlines()[-BUILD_LOG_TAIL_LINES:]
+        raise BuildError(
+            f"`{command[0]}` failed (exit {proc.returncode}) while building llama.cpp.\n"
+            + "\n".join(tail)
+            + f"\nFull log: {log_path}. Fix the cause above and run `mesh-inference setup` again."
+        )
+
+
+def _fetch_source(source: Path, progress: ProgressCallback, variant: BuildVariant) -> None:
+    """The pinned source in ``source``, patched for ``variant``; complete or absent, never half-made."""
+    staging = source.with_name("src.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    stock = pinned_build_dir(STOCK) / "src"
+    if variant.patch is not None and (stock / "CMakeLists.txt").exists():
+        shutil.copytree(stock, staging, symlinks=True)  # no second download
+    else:
+        _download_source(staging, progress)
+    if variant.patch is not None:
+        progress(f"Applying {variant.patch.name}", 0, 0)
+        # The sdist's tree carries a `.git` file pointing at a repository that is not there; git apply
+        # would follow it and refuse to run.
+        gitlink = staging / ".git"
+        if gitlink.is_file():
+            gitlink.unlink()
+        result = subprocess.run(["git", "apply", "--whitespace=nowarn", str(variant.patch)], cwd=staging,
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BuildError(f"{variant.patch.name} does not apply to llama.cpp from llama-cpp-python=="
+                             f"{LLAMA_CPP_PYTHON_PIN}:\n{result.stderr.strip()[-2000:]}\n"
+                             "Rebase it with scripts/rebase_b2b_patch.sh (patches/README.md).")
+    staging.rename(source)
+
+
+def _download_source(staging: Path, progress: ProgressCallback) -> None:
+    progress(f"Downloading llama-cpp-python=={LLAMA_CPP_PYTHON_PIN} source from PyPI", 0, 0)
+    with tempfile.TemporaryDirectory(prefix="mesh-llama-src-") as tmp:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={LLAMA_CPP_PYTHON_PIN}", "-d", tmp],
+            capture_output=True, text=True,
+        )
+        sdist = Path(tmp) / SDIST_NAME
+        if result.returncode != 0 or not sdist.exists():
+            raise BuildError(
+                f"Could not download the llama.cpp source (llama-cpp-python=={LLAMA_CPP_PYTHON_PIN}) "
+                f"from PyPI:\n{result.stderr.strip()[-2000:]}\nCheck the network or pip's index "
+                "settings, or pass --llama-bin with your own llama.cpp build."
+            )
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(SDIST_VENDOR_PREFIX)]
+            for i, member in enumerate(members):
+                member.name = member.name[len(SDIST_VENDOR_PREFIX):]
+                if member.name:
+                    tar.extract(member, staging, filter="data")
+                if i % 500 == 0:
+                    progress("Unpacking llama.cpp source", i, len(members))

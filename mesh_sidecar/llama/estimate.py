@@ -1,0 +1,336 @@
+"""How many bytes each device needs when llama.cpp spreads a GGUF over rpc-servers.
+
+The serving node runs ``llama-server -m MODEL --rpc <endpoints> -ngl 99 -c N_CTX``.
+With that command line the pinned llama.cpp (``src/llama-model.cpp``,
+``llama_model_base::load_tensors``) places the model like this:
+
+- the input layer (token embeddings) always stays on the serving host's CPU,
+  whatever ``-ngl`` says ("there is very little benefit to offloading the
+  input layer");
+- repeating block ``N`` (every ``blk.N.*`` tensor) and its K/V cache live on the
+  device that :func:`assign_layers` names for it;
+- the output head (``output.weight``, ``output_norm.weight``) counts as one more
+  layer, number ``n_layers``, and so lands on the last device. A model without
+  ``output.weight`` ties its head to ``token_embd.weight``; llama.cpp then
+  loads a *second copy* of the embeddings into the output device's buffer.
+
+Each participating device also needs compute buffers for the graph (activations
+of one micro-batch, the attention mask); :func:`estimate_model` derives a margin
+for them, checked against what llama.cpp logs (docs/memory-estimate.md has the
+formulas and the measured numbers).
+
+Pure apart from reading the GGUF's header (:mod:`.gguf_header`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelError
+from ..wire.gguf_header import GGUFHeader, read_header
+from .model import check_gguf
+
+MiB = 1024 * 1024
+
+# --- KV cache ---------------------------------------------------------------
+# llama.cpp's default --cache-type-k/-v is f16: 2 bytes per element.
+KV_BYTES_PER_ELEMENT = 2
+# llama_context pads n_ctx up to a multiple of 256 cells (GGML_PAD(n_ctx, 256)),
+# and the cache is allocated for the padded size.
+KV_CELL_PAD = 256
+
+# --- compute buffers --------------------------------------------------------
+# llama.cpp's default physical batch (-ub / n_ubatch), tokens per graph run.
+DEFAULT_N_UBATCH = 512
+# With more than one device and every layer offloaded, llama.cpp turns on
+# pipeline parallelism and the scheduler keeps GGML_SCHED_MAX_COPIES (4) copies
+# of each split's inputs, so the attention mask is held 4 times per device.
+SCHED_COPIES = 4
+# The KQ mask is f16 (flash attention, which llama.cpp picks on CPU backends).
+MASK_BYTES_PER_ELEMENT = 2
+# Activations are f32.
+ACTIVATION_BYTES = 4
+# Peak live activations per token, measured on the pinned build with pipeline
+# parallelism: three n_ff-wide rows (ffn gate, up, and their product) plus seven
+# n_embd-wide rows (residual stream, norm output, and the input copies of the
+# split). See docs/memory-estimate.md for the fit.
+FFN_ROWS_PER_TOKEN = 3
+EMBD_ROWS_PER_TOKEN = 7
+# llama-server's automatic n_parallel is 4 and the reserve graph computes one
+# logits row per sequence, so the last device's head needs 4 x n_vocab floats.
+N_OUTPUT_ROWS = 4
+# Small graph inputs (positions, output ids) and allocator rounding: measured
+# at ~0.04 MiB; 1 MiB keeps the margin on the safe side of llama.cpp's figure.
+COMPUTE_SLACK_BYTES = 1 * MiB
+# Transformers without a feed_forward_length key: the usual 4 x n_embd.
+DEFAULT_FFN_RATIO = 4
+
+# --- tensors ----------------------------------------------------------------
+# GGUF's default tensor alignment; ggml buffers align tensors the same way.
+DEFAULT_ALIGNMENT = 32
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
+# Input-layer tensors (LLM_TENSOR_LAYER_INPUT in src/llama-arch.cpp): llama.cpp
+# keeps them on the CPU of the host that runs llama-server.
+HOST_TENSOR_PREFIXES = ("token_embd.", "position_embd.", "token_types.", "per_layer_token_embd.")
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT_WEIGHT = "output.weight"
+# Metadata that marks a cache llama.cpp does not size as n_ctx x K/V rows:
+# recurrent state (Mamba, RWKV, LFM2's short convolutions) or MLA's compressed KV.
+_UNSUPPORTED_KEYS = ("ssm.state_size", "wkv.head_size", "shortconv.l_cache", "attention.kv_lora_rank")
+
+
+@dataclass(frozen=True)
+class ModelEstimate:
+    """Bytes one model needs, by where llama.cpp puts them (all sizes in bytes).
+
+    The first seven fields are the interface the planner relies on; the rest
+    describe the model for messages.
+    """
+
+    n_layers: int
+    layer_weight_bytes: tuple[int, ...]  # real tensor bytes of blk.N.* for each N
+    host_bytes: int  # input-layer weights that stay on the serving host's CPU
+    output_bytes: int  # head + output_norm on the last device; a tied head counts its token_embd copy
+    kv_bytes_per_layer: int  # K + V cache of one layer at n_ctx (the largest, if layers differ)
+    n_ctx: int
+    compute_margin_bytes: int  # llama.cpp's compute buffers on each participating device
+    architecture: str = ""
+    name: str = ""
+    tied_output: bool = False  # the head reuses token_embd (a copy sits on the last device)
+
+    def __post_init__(self) -> None:
+        if len(self.layer_weight_bytes) != self.n_layers:
+            raise ValueError(f"{len(self.layer_weight_bytes)} layer sizes for {self.n_layers} layers")
+
+    def layer_bytes(self, i: int) -> int:
+        """Weights plus K/V cache of block ``i``."""
+        return self.layer_weight_bytes[i] + self.kv_bytes_per_layer
+
+    def range_bytes(self, start: int, end: int, *, with_output: bool) -> int:
+        """What a device holding blocks ``[start, end)`` (and the head if ``with_output``) needs.
+
+        Includes the compute margin, which every participating device pays; a
+        device holding nothing does not take part and needs nothing.
+        """
+        if not 0 <= start <= end <= self.n_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside 0..{self.n_layers}")
+        if start == end and not with_output:
+            return 0
+        layers = sum(self.layer_bytes(i) for i in range(start, end))
+        return layers + self.compute_margin_bytes + (self.output_bytes if with_output else 0)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Model weights in memory, counting a tied head's second copy."""
+        return self.host_bytes + sum(self.layer_weight_bytes) + self.output_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_bytes_per_layer * self.n_layers
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights (host, blocks, head) plus the whole K/V cache, without compute margins.
+
+        The margins are left out because they depend on how many devices take
+        part: a plan adds ``compute_margin_bytes`` once per participant.
+        """
+        return self.weight_bytes + self.kv_bytes
+
+
+def kv_cells(n_ctx: int) -> int:
+    """Cells llama.cpp allocates for a context of ``n_ctx`` tokens (padded to 256)."""
+    return math.ceil(n_ctx / KV_CELL_PAD) * KV_CELL_PAD
+
+
+def compute_margin(*, n_ctx: int, n_embd: int, n_ff: int, n_vocab: int,
+                   n_ubatch: int = DEFAULT_N_UBATCH) -> int:
+    """Compute-buffer bytes one device needs under pipeline parallelism.
+
+    ``copies x cells x n_ubatch`` f16 mask elements, plus the larger of the
+    block activations of one micro-batch and the head's logits (they are not
+    live at the same time, so the graph allocator reuses the memory), plus slack.
+    """
+    mask = SCHED_COPIES * kv_cells(n_ctx) * n_ubatch * MASK_BYTES_PER_ELEMENT
+    activations = n_ubatch * ACTIVATION_BYTES * (FFN_ROWS_PER_TOKEN * n_ff + EMBD_ROWS_PER_TOKEN * n_embd)
+    logits = N_OUTPUT_ROWS * n_vocab * ACTIVATION_BYTES
+    return mask + max(activations, logits) + COMPUTE_SLACK_BYTES
+
+
+def assign_layers(n_layers: int, tensor_split: Sequence[float]) -> tuple[int, ...]:
+    """The device index llama.cpp gives each of ``n_layers + 1`` layers with ``-ngl 99``.
+
+    Entry ``n_layers`` is the output head. Mirrors ``get_layer_buft_list`` in
+    ``llama_model_base::load_tensors`` (src/llama-model.cpp), in float32 as
+    there: the splits are normalised to cumulative fractions ``c_j``, and layer
+    ``il`` goes to the first device with ``c_j > il / (n_layers + 1)``
+    (``std::upper_bound``). So with integer weights ``k_j`` summing to
+    ``n_layers + 1`` device ``j`` gets exactly ``k_j`` layers, the last device's
+    share including the head.
+    """
+    if n_layers < 1:
+        raise ValueError("a model has at least one layer")
+    if not tensor_split or any(w < 0 for w in tensor_split) or not any(w > 0 for w in tensor_split):
+        # All zero means "split by free memory" in llama.cpp: not a fixed rule.
+        raise ValueError(f"tensor split {list(tensor_split)} needs non-negative weights, one positive")
+    splits = np.array(tensor_split, dtype=np.float32)
+    cumulative = np.empty_like(splits)
+    total = np.float32(0)
+    for i, w in enumerate(splits):  # sequential float32 sums, as the C++ loop
+        total = np.float32(total + w)
+        cumulative[i] = total
+    cumulative = (cumulative / total).astype(np.float32)
+    n_gpu = n_layers + 1  # act_gpu_layers = min(n_gpu_layers, n_layer + 1) with -ngl 99
+    devices = []
+    for il in range(n_gpu):
+        position = np.float32(il) / np.float32(n_gpu)
+        devices.append(int(np.searchsorted(cumulative, position, side="right")))
+    return tuple(devices)
+
+
+def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) -> ModelEstimate:
+    """Read ``path``'s GGUF header and estimate its memory at a context of ``n_ctx`` tokens."""
+    if n_ctx < 1:
+        raise ValueError(f"n_ctx must be positive, not {n_ctx}")
+    path = check_gguf(Path(path))
+    header = read_header(path)
+    meta = _Metadata(header, path)
+    arch = meta.string("general.architecture")
+    if arch is None:
+        raise ModelError(f"{path} has no general.architecture key: it is not a llama.cpp model GGUF.")
+    for key in _UNSUPPORTED_KEYS:
+        if meta.value(f"{arch}.{key}") is not None:
+            raise ModelError(
+                f"{path} is a '{arch}' model whose cache ({arch}.{key}) is not a plain K/V cache; "
+                "the memory estimate only knows attention K/V caches, so this model cannot be planned."
+            )
+    n_layers = meta.integer(f"{arch}.block_count", required=True)
+    n_embd = meta.integer(f"{arch}.embedding_length", required=True)
+    n_head = meta.first(f"{arch}.attention.head_count", required=True)
+    if n_layers < 1 or n_embd < 1 or n_head < 1:
+        raise ModelError(f"{path} declares {n_layers} blocks, embedding {n_embd}, {n_head} heads: "
+                         "not a model the estimate can size.")
+    head_kv = meta.per_layer(f"{arch}.attention.head_count_kv", n_layers, default=n_head)
+    head_dim = n_embd // n_head  # llama.cpp's default when the GGUF gives no key/value length
+    key_length = meta.per_layer(f"{arch}.attention.key_length", n_layers, default=head_dim)
+    value_length = meta.per_layer(f"{arch}.attention.value_length", n_layers, default=head_dim)
+    alignment = meta.integer("general.alignment") or DEFAULT_ALIGNMENT
+
+    layer_weights = [0] * n_layers
+    host = output = 0
+    sizes = {}
+    for tensor in header.tensors:
+        nbytes = _aligned(tensor.n_bytes, alignment)
+        sizes[tensor.name] = nbytes
+        match = _BLOCK_TENSOR.match(tensor.name)
+        if match:
+            block = int(match.group(1))
+            if block >= n_layers:
+                raise ModelError(f"{path} has tensor {tensor.name} but {arch}.block_count is {n_layers}: "
+                                 "the file is inconsistent.")
+            layer_weights[block] += nbytes
+        elif tensor.name.startswith(HOST_TENSOR_PREFIXES):
+            host += nbytes
+        else:
+            # The head and its norm, plus the few other non-block tensors
+            # (rope tables, classifier heads): small, counted on the last device.
+            output += nbytes
+    if TOKEN_EMBD not in sizes:
+        raise ModelError(f"{path} has no {TOKEN_EMBD} tensor: the estimate cannot size its input layer.")
+    tied = OUTPUT_WEIGHT not in sizes
+    if tied:
+        # llama.cpp loads token_embd a second time as the head (TENSOR_DUPLICATED),
+        # into the output device's buffer.
+        output += sizes[TOKEN_EMBD]
+
+    cells = kv_cells(n_ctx)
+    # The planner charges every layer the same K/V, so take the largest layer's.
+    kv_per_layer = max(cells * h * (k + v) * KV_BYTES_PER_ELEMENT
+                       for h, k, v in zip(head_kv, key_length, value_length))
+    n_vocab = _vocab_size(header, meta, arch)
+    margin = compute_margin(n_ctx=n_ctx, n_embd=n_embd, n_ff=_ffn_width(meta, arch, n_layers, n_embd),
+                            n_vocab=n_vocab, n_ubatch=n_ubatch)
+    return ModelEstimate(
+        n_layers=n_layers,
+        layer_weight_bytes=tuple(layer_weights),
+        host_bytes=host,
+        output_bytes=output,
+        kv_bytes_per_layer=kv_per_layer,
+        n_ctx=n_ctx,
+        compute_margin_bytes=margin,
+        architecture=arch,
+        name=meta.string("general.name") or path.stem,
+        tied_output=tied,
+    )
+
+
+def _aligned(nbytes: int, alignment: int) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+def _ffn_width(meta: _Metadata, arch: str, n_layers: int, n_embd: int) -> int:
+    """The widest feed-forward of any block: dense n_ff, or n_ff_exp x experts used."""
+    dense = max(meta.per_layer(f"{arch}.feed_forward_length", n_layers, default=0))
+    expert = meta.integer(f"{arch}.expert_feed_forward_length") or 0
+    used = meta.integer(f"{arch}.expert_used_count") or 0
+    return max(dense, expert * used) or DEFAULT_FFN_RATIO * n_embd
+
+
+def _vocab_size(header: GGUFHeader, meta: _Metadata, arch: str) -> int:
+    vocab = meta.integer(f"{arch}.vocab_size")
+    if vocab:
+        return vocab
+    for tensor in header.tensors:
+        if tensor.name == TOKEN_EMBD:
+            return tensor.shape[-1]  # ne = [n_embd, n_vocab]
+    return 0
+
+
+class _Metadata:
+    """Typed access to a GGUF header's key/value fields, with ModelError for bad ones."""
+
+    def __init__(self, header: GGUFHeader, path: Path) -> None:
+        self._fields = header.fields
+        self._path = path
+
+    def value(self, key: str):
+        return self._fields.get(key)
+
+    def string(self, key: str) -> str | None:
+        value = self.value(key)
+        return value if isinstance(value, str) else None
+
+    def integer(self, key: str, *, required: bool = False) -> int | None:
+        value = self.value(key)
+        if value is None:
+            if required:
+                raise ModelError(f"{self._path} lacks the metadata key {key}, which the memory estimate "
+                                 "needs; the GGUF may come from an old or unusual converter.")
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelError(f"{self._path}: metadata key {key} is {value!r}, expected an integer.")
+        return int(value)
+
+    def first(self, key: str, *, required: bool = False) -> int | None:
+        """An integer, or the first entry of a per-layer array."""
+        value = self.value(key)
+        if isinstance(value, list):
+            return int(value[0]) if value else None
+        return self.integer(key, required=required)
+
+    def per_layer(self, key: str, n_layers: int, *, default: int) -> list[int]:
+        """A per-layer value: an array of n_layers entries, one integer for all, or ``default``."""
+        value = self.value(key)
+        if value is None:
+            return [default] * n_layers
+        if isinstance(value, list):
+            if len(value) != n_layers:
+                raise ModelError(f"{self._path}: {key} has {len(value)} entries for {n_layers} blocks.")
+            return [int(v) for v in value]
+        return [self.integer(key)] * n_layers

@@ -1,0 +1,267 @@
+"""Tunnels: local TCP ports that lead to a peer's rpc-server over QUIC streams.
+
+    serving node                                 peer P
+    llama-server --TCP--> 127.0.0.1:<port for P>
+                          TunnelListener  == QUIC stream ==>  serve_inbound_stream
+                                                              RpcStreamFilter (REGISTER_PEER rewrite)
+                                                              --TCP--> 127.0.0.1:<P's rpc-server>
+
+One listener per peer, bound to 127.0.0.1. Each TCP connection to it becomes one
+QUIC stream; the peer connects that stream to its own rpc-server and to nothing
+else. The port outlives a connection that is replaced (``use``): connections
+already relaying stay on their stream, new ones take the new connection. Bytes
+relay both ways with backpressure (``drain`` on both kinds of writer) and
+half-closes travel as FIN. When the peer is lost, the listener
+closes and live connections are ended at once (reset when data was still in
+flight), so llama-server gets an error, not a hang.
+
+Every stream a peer opens starts with one StreamKind byte, so RPC tunnels and
+other uses (model files, model_transfer.py) share the connection;
+``serve_peer_stream`` reads it and hands the stream on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from ..errors import MeshError, WireError
+from ..identity import short_id
+from ..ports import LOOPBACK, loopback_client_uid
+from ..wire.rpc_framing import RpcStreamFilter
+from .transport import MeshStreamReader, MeshStreamWriter, PeerConnection
+
+log = logging.getLogger(__name__)
+
+RELAY_CHUNK_BYTES = 256 * 1024
+
+Reader = asyncio.StreamReader | MeshStreamReader
+Writer = asyncio.StreamWriter | MeshStreamWriter
+StreamServer = Callable[[MeshStreamReader, MeshStreamWriter], Awaitable[None]]
+
+
+class StreamKind(enum.IntEnum):
+    """The first byte of every stream a peer opens: what it is for."""
+
+    RPC = 1  # a tunnel to our rpc-server
+    MODEL_FILE = 2  # a model file request (model_transfer.py)
+
+
+async def serve_peer_stream(reader: MeshStreamReader, writer: MeshStreamWriter,
+                            servers: Mapping[StreamKind, StreamServer], peer_name: str) -> None:
+    """Read a stream's kind byte and hand it to the server for that kind."""
+    try:
+        kind = (await reader.readexactly(1))[0]
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.abort()
+        return
+    server = servers.get(kind)  # type: ignore[call-overload]
+    if server is None:
+        log.warning("stream from %s of unknown kind %d: closed", peer_name, kind)
+        writer.abort()
+        return
+    await server(reader, writer)
+
+
+@dataclass
+class TunnelCounters:
+    """Bytes and RPC commands through one peer's tunnels (for status and metrics)."""
+
+    bytes_to_peer: int = 0
+    bytes_from_peer: int = 0
+    streams: int = 0
+    # The other way: streams the peer opened into our rpc-server (serve_inbound_stream).
+    inbound_streams: int = 0
+    inbound_bytes_from_peer: int = 0
+    inbound_bytes_to_peer: int = 0
+    rpc_commands: int = 0  # RPC frames the peer sent our rpc-server, HELLO included
+    # Of the inbound bytes, those that moved a layer's output (rpc_framing.py): with --b2b they come
+    # from the worker that computed it; without, from the serving node, which fetched it first.
+    inbound_activation_bytes: int = 0
+    # Buffers its open streams asked our rpc-server for: memory held for that peer's llama-server.
+    inbound_held_bytes: int = 0
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    # RPC is a strict request/response protocol: Nagle would add a delay per command.
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _relay(reader: Reader, writer: Writer, count: Callable[[int], None]) -> None:
+    """Copy until EOF, then half-close the other side."""
+    while data := await reader.read(RELAY_CHUNK_BYTES):
+        count(len(data))
+        writer.write(data)
+        await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
+
+
+def _abort(*writers: Writer) -> None:
+    for writer in writers:
+        if isinstance(writer, MeshStreamWriter):
+            writer.abort()
+        else:
+            writer.transport.abort()
+
+
+async def _run_pair(first, second, *writers: Writer) -> None:
+    """Run both relay directions; any failure resets both connections."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(first)
+            tg.create_task(second)
+    except* (ConnectionError, OSError, asyncio.IncompleteReadError):
+        _abort(*writers)
+    else:
+        for writer in writers:
+            writer.close()
+
+
+class TunnelListener:
+    """127.0.0.1:<port> that leads to one peer's rpc-server."""
+
+    def __init__(self, peer: PeerConnection) -> None:
+        self.peer = peer
+        self.counters = TunnelCounters()
+        self.port: int | None = None
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, LOOPBACK, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    def use(self, peer: PeerConnection) -> None:
+        """Open the streams of TCP connections accepted from now on over ``peer``."""
+        self.peer = peer
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no connection runs through this tunnel."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    async def close(self) -> None:
+        """Stop listening and end live connections at once (the peer is gone)."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _handle(self, tcp_reader: asyncio.StreamReader, tcp_writer: asyncio.StreamWriter) -> None:
+        # The port is on loopback, but any local user could connect and so reach a
+        # peer's rpc-server: only our own user's processes (llama-server) may.
+        client, server = tcp_writer.get_extra_info("peername"), tcp_writer.get_extra_info("sockname")
+        if (uid := loopback_client_uid(client, server)) != os.getuid():
+            log.warning("tunnel to %s: refused a local connection from %s:%d owned by uid %s, not ours (%d)",
+                        short_id(self.peer.peer_id), client[0], client[1], uid, os.getuid())
+            tcp_writer.transport.abort()
+            return
+        _nodelay(tcp_writer)
+        self._writers.add(tcp_writer)
+        self._idle.clear()
+        try:
+            try:
+                quic_reader, quic_writer = await self.peer.open_stream()
+            except (ConnectionError, MeshError) as exc:  # MeshError: the connection is closed
+                log.warning("tunnel to %s: cannot open a stream (%s)", short_id(self.peer.peer_id), exc)
+                tcp_writer.transport.abort()
+                return
+            self.counters.streams += 1
+            quic_writer.write(bytes([StreamKind.RPC]))
+            await _run_pair(
+                _relay(tcp_reader, quic_writer, self._count_out),
+                _relay(quic_reader, tcp_writer, self._count_in),
+                quic_writer, tcp_writer,
+            )
+        finally:
+            self._writers.discard(tcp_writer)
+            if not self._writers:
+                self._idle.set()
+
+    def _count_out(self, n: int) -> None:
+        self.counters.bytes_to_peer += n
+
+    def _count_in(self, n: int) -> None:
+        self.counters.bytes_from_peer += n
+
+
+async def serve_inbound_stream(
+    quic_reader: MeshStreamReader,
+    quic_writer: MeshStreamWriter,
+    rpc_port: int,
+    resolve_endpoint: Callable[[int], str | None],
+    peer_name: str,
+    *,
+    counters: TunnelCounters | None = None,
+) -> None:
+    """Connect one stream from a peer to the local rpc-server, through the RPC filter.
+
+    ``counters``, when given, gets this stream's inbound_* bytes and its rpc_commands.
+    """
+    try:
+        tcp_reader, tcp_writer = await asyncio.open_connection(LOOPBACK, rpc_port)
+    except OSError as exc:
+        log.warning("tunnel from %s: local rpc-server unreachable (%s)", peer_name, exc)
+        quic_writer.abort()
+        return
+    _nodelay(tcp_writer)
+    rpc_filter = RpcStreamFilter(resolve_endpoint)
+    counts = counters if counters is not None else TunnelCounters()
+    counts.inbound_streams += 1
+    frames_counted = activation_counted = held_counted = 0
+
+    def forward_to_server() -> None:
+        nonlocal frames_counted, activation_counted, held_counted
+        counts.inbound_held_bytes += rpc_filter.allocated_bytes - held_counted
+        held_counted = rpc_filter.allocated_bytes
+        counts.rpc_commands += rpc_filter.frames_seen - frames_counted
+        frames_counted = rpc_filter.frames_seen
+        activation = rpc_filter.activation_bytes_to_server + rpc_filter.activation_bytes_from_server
+        counts.inbound_activation_bytes += activation - activation_counted
+        activation_counted = activation
+        if out := rpc_filter.data_to_server():
+            tcp_writer.write(out)
+        while (event := rpc_filter.next_event()) is not None:
+            log.info("tunnel from %s: %s", peer_name, event)
+
+    async def client_to_server() -> None:
+        while data := await quic_reader.read(RELAY_CHUNK_BYTES):
+            counts.inbound_bytes_from_peer += len(data)
+            rpc_filter.receive_from_client(data)
+            forward_to_server()
+            await tcp_writer.drain()
+        tcp_writer.write_eof()
+
+    async def server_to_client() -> None:
+        while data := await tcp_reader.read(RELAY_CHUNK_BYTES):
+            # The server's HELLO reply tells the filter the dialect; client
+            # bytes it held until then are released now.
+            counts.inbound_bytes_to_peer += len(data)
+            rpc_filter.receive_from_server(data)
+            forward_to_server()
+            quic_writer.write(data)
+            await quic_writer.drain()
+        quic_writer.write_eof()
+
+    try:
+        await _run_pair(client_to_server(), server_to_client(), quic_writer, tcp_writer)
+    except* WireError as group:
+        log.warning("tunnel from %s closed: %s", peer_name, group.exceptions[0])
+        _abort(quic_writer, tcp_writer)
+    finally:
+        counts.inbound_held_bytes -= held_counted  # rpc-server freed this client's buffers

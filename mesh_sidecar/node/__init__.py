@@ -1,0 +1,1 @@
+"""One running node: its lifecycle and its local control endpoint."""

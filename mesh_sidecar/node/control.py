@@ -1,0 +1,194 @@
+"""The running node's local control endpoint, and the client that reads it.
+
+The node serves JSON on 127.0.0.1 only (a free port) and writes that port,
+its pid and a random token to ``<home>/control.json`` (mode 0600, in a 0700
+home). Every request must carry the token: another local user can reach the
+port but cannot read the file, and the endpoint hands out the mesh ticket.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+from aiohttp import web
+
+from ..errors import MeshError, PlanError, UsageError
+from ..home import NodeHome
+from ..serve.planner import Plan
+from ..ports import LOOPBACK
+
+STATUS_PATH = "/status"
+PLAN_PATH = "/plan"
+TICKET_PATH = "/ticket"
+ROTATE_PATH = "/ticket/rotate"
+KICK_PATH = "/kick"
+LEAVE_PATH = "/leave"
+CLIENT_TIMEOUT_S = 5.0
+TOKEN_BYTES = 32
+MAX_CONTROL_BODY_BYTES = 64 * 1024  # requests are a few short fields
+
+
+class ControlledNode(Protocol):
+    """What the control endpoint asks of the node."""
+
+    def status_snapshot(self) -> dict[str, Any]: ...
+
+    async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan: ...
+
+    def ticket(self) -> str: ...
+
+    def rotate_secret(self) -> str: ...
+
+    def kick(self, which: str) -> tuple[str, str]: ...
+
+    def leave(self) -> None: ...
+
+
+class ControlServer:
+    """Serves status, plan, ticket, rotation and kick to the local CLI."""
+
+    def __init__(self, home: NodeHome, node: ControlledNode) -> None:
+        self._home = home
+        self._node = node
+        self._token = secrets.token_hex(TOKEN_BYTES)
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._check_token], client_max_size=MAX_CONTROL_BODY_BYTES)
+        app.router.add_get(STATUS_PATH, self._status)
+        app.router.add_get(PLAN_PATH, self._plan_request)
+        app.router.add_get(TICKET_PATH, self._ticket)
+        app.router.add_post(ROTATE_PATH, self._rotate)
+        app.router.add_post(KICK_PATH, self._kick)
+        app.router.add_post(LEAVE_PATH, self._leave)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, LOOPBACK, 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        partial = self._home.control_file.with_suffix(".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "port": self.port, "token": self._token}, f)
+        partial.replace(self._home.control_file)
+
+    async def close(self) -> None:
+        # Only remove the file if it is still ours (a newer node may own the home now).
+        try:
+            if json.loads(self._home.control_file.read_text()).get("pid") == os.getpid():
+                self._home.control_file.unlink()
+        except (OSError, ValueError):
+            pass
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @web.middleware
+    async def _check_token(self, request: web.Request, handler) -> web.StreamResponse:
+        offered = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        if not hmac.compare_digest(offered.encode(), self._token.encode()):
+            return web.json_response({"error": "missing or wrong control token", "kind": "AuthError"},
+                                     status=401)
+        return await handler(request)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self._node.status_snapshot())
+
+    async def _plan_request(self, request: web.Request) -> web.Response:
+        model = request.query.get("model")
+        ctx = request.query.get("ctx")
+        try:
+            plan = await self._node.plan_snapshot(Path(model) if model else None, int(ctx) if ctx else None)
+        except MeshError as exc:
+            return _error(exc)
+        return web.json_response(plan.to_json())
+
+    async def _ticket(self, request: web.Request) -> web.Response:
+        return web.json_response({"ticket": self._node.ticket()})
+
+    async def _rotate(self, request: web.Request) -> web.Response:
+        return web.json_response({"ticket": self._node.rotate_secret()})
+
+    async def _kick(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            which = body["node"]
+            if not isinstance(which, str):
+                raise TypeError("node must be a string")
+            removed, ticket = self._node.kick(which)
+        except (ValueError, KeyError, TypeError) as exc:
+            return _error(UsageError(f"bad kick request: {exc}"))
+        except MeshError as exc:
+            return _error(exc)
+        return web.json_response({"removed": removed, "ticket": ticket})
+
+    async def _leave(self, request: web.Request) -> web.Response:
+        self._node.leave()
+        return web.json_response({"leaving": True})
+
+
+def _error(exc: MeshError) -> web.Response:
+    return web.json_response({"error": str(exc), "kind": type(exc).__name__}, status=409)
+
+
+def read_status(home: NodeHome) -> dict[str, Any]:
+    """The status of the node running in ``home``; UsageError if none is."""
+    return _request(home, "GET", STATUS_PATH)
+
+
+def read_plan(home: NodeHome, model: Path | None, ctx_size: int | None) -> dict[str, Any]:
+    """The plan the node in ``home`` would make now; PlanError with its reason if none fits."""
+    params = {k: v for k, v in (("model", model and str(model)), ("ctx", ctx_size)) if v}
+    return _request(home, "GET", PLAN_PATH, params=params)
+
+
+def read_ticket(home: NodeHome) -> str:
+    return _request(home, "GET", TICKET_PATH)["ticket"]
+
+
+def rotate_secret(home: NodeHome) -> str:
+    """Rotate the mesh secret through the node in ``home``; the new ticket."""
+    return _request(home, "POST", ROTATE_PATH)["ticket"]
+
+
+def leave(home: NodeHome) -> None:
+    """Ask the node in ``home`` to leave its mesh for good (it stops)."""
+    _request(home, "POST", LEAVE_PATH)
+
+
+def kick(home: NodeHome, which: str) -> dict[str, str]:
+    """Remove a member (name or id) through the node in ``home``; its name and the new ticket."""
+    return _request(home, "POST", KICK_PATH, json_body={"node": which})
+
+
+def _request(home: NodeHome, method: str, path: str, params: dict[str, Any] | None = None,
+             json_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    not_running = UsageError(
+        f"No node is running with home {home.root}. Start one with `mesh-inference` "
+        "(add --home DIR if it uses another home)."
+    )
+    try:
+        control = json.loads(home.control_file.read_text())
+        port, token = int(control["port"]), str(control["token"])
+    except PermissionError:
+        raise UsageError(f"Cannot read {home.control_file}: run this as the user who runs the node.") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise not_running from None
+    try:
+        response = httpx.request(method, f"http://{LOOPBACK}:{port}{path}", params=params, json=json_body,
+                                 headers={"Authorization": f"Bearer {token}"}, timeout=CLIENT_TIMEOUT_S)
+        if response.status_code != 409:
+            response.raise_for_status()
+        body = response.json()
+    except (httpx.HTTPError, ValueError):
+        raise not_running from None
+    if response.status_code == 409:
+        kind = {cls.__name__: cls for cls in (PlanError, UsageError)}.get(body.get("kind"), MeshError)
+        raise kind(body["error"])
+    return body

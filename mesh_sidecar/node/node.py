@@ -1,0 +1,304 @@
+"""One node: its rpc-server, its place in the mesh, and on a serving node the model and API.
+
+Lifecycle (``Node.run``): start the local rpc-server, join the mesh (print the
+ticket, dial the one we were given), publish the control endpoint, and on a
+serving node hand over to the ServingSupervisor (plan, llama-server, API port);
+then wait for a stop request or the rpc-server's death. Whatever happens,
+children are stopped by pid before ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..llama.capacity import Capacity, measure, parse_device_listing
+from .control import ControlServer
+from ..serve.dashboard import RecentEvents
+from ..errors import ChildExitedError, MeshError, ModelError
+from ..home import NodeHome
+from ..identity import NodeIdentity
+from ..llama.launch import ChildProcess, start_rpc_server
+from ..llama.build import LlamaBinaries
+from ..mesh.runtime import Mesh, SavedMesh
+from ..serve.metrics import Metrics
+from ..serve.planner import Plan
+from ..ports import LOOPBACK, free_tcp_port
+from ..serve.proxy import OPEN_ACCESS, ApiAccess
+from ..serve.supervisor import ServingSupervisor, estimate_off_loop, plan_over_mesh
+from ..wire.ticket import Ticket
+from ..llama import weight_cache
+from ..llama.model import model_by_sha256
+from ..llama.weight_cache import WeightCache
+
+log = logging.getLogger(__name__)
+
+RPC_SERVER_START_ATTEMPTS = 3
+DEFAULT_CTX_SIZE = 4096
+MODEL_FETCH_POLL_S = 2.0
+MODEL_FETCH_RETRY_S = 10.0
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """What the user asked this node to be."""
+
+    home: NodeHome
+    name: str
+    model: Path
+    binaries: LlamaBinaries
+    serve_port: int | None = None
+    join: Ticket | None = None
+    quic_port: int | None = None
+    min_peers: int = 0
+    max_memory_bytes: int | None = None
+    ctx_size: int = DEFAULT_CTX_SIZE
+    # sha256 of the model file, announced to members: set on a serving node and
+    # on any node given --model; "" on a worker that holds no model file.
+    model_sha256: str = ""
+    # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
+    weight_cache: WeightCache | None = None
+    weight_cache_tool: Path | None = None
+    # Fetch the serving node's model file over the mesh when this node lacks it.
+    fetch_model: bool = False
+    # With serve_port: a draft model (same tokenizer) for speculative decoding on this node's CPU.
+    draft_model: Path | None = None
+    # With serve_port: write a signed run receipt per generation request here.
+    receipts: Path | None = None
+    # With serve_port: let the node choose speculative decoding (False: never).
+    speculate: bool = True
+    api_access: ApiAccess = OPEN_ACCESS
+    # Advertise on the LAN and re-find members there (mDNS, discovery.py).
+    mdns: bool = False
+
+
+class _SayEveryTenth:
+    """A progress callback for a node's output: one line per tenth of the way."""
+
+    def __init__(self, say: Callable[[Any], None]) -> None:
+        self._say = say
+        self._said = -1
+
+    def __call__(self, message: str, done: int, total: int) -> None:
+        tenth = done * 10 // total if total else 0
+        if tenth > self._said:
+            self._said = tenth
+            self._say(f"{message}: {done / 1e6:.0f} of {total / 1e6:.0f} MB")
+
+
+class _StopRequested(Exception):
+    """Raised inside the task group to end it on a stop request."""
+
+
+class Node:
+    """Runs and supervises one node's processes until told to stop."""
+
+    def __init__(self, options: NodeOptions, identity: NodeIdentity, say: Callable[[Any], None]) -> None:
+        self.options = options
+        self.identity = identity
+        self._say_out = say
+        self.events = RecentEvents()
+        self._stop = asyncio.Event()
+        self._started_at = time.time()
+        self.rpc_server: ChildProcess | None = None
+        self.rpc_port: int | None = None
+        self.mesh: Mesh | None = None
+        self.serving: ServingSupervisor | None = None
+        self.metrics = Metrics(self.status_snapshot)
+        self._force = False
+        self._for_good = False
+        self._closing: asyncio.Task | None = None
+        self._control = ControlServer(options.home, self)
+
+    def _say(self, message: Any) -> None:
+        """Every line for the user also goes to the recent events (`status --json`, the dashboard)."""
+        self.events.add(time.time(), message)
+        self._say_out(message)
+
+    def leave(self) -> None:
+        """`mesh-inference leave`: stop, telling the others this node leaves for good, and forget the mesh."""
+        self._for_good = True
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        """First call: stop gracefully. A second call: stop now, without waiting for peers."""
+        if self._stop.is_set():
+            self._force = True
+            if self._closing is not None:
+                self._closing.cancel()
+        self._stop.set()
+
+    async def run(self) -> None:
+        try:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    await self._start_rpc_server()
+                    tg.create_task(self._watch_rpc_server())
+                    await self._start_mesh()
+                    tg.create_task(self.mesh.run())
+                    await self._control.start()
+                    if self.options.join is not None:
+                        await self.mesh.join(self.options.join)
+                    elif remembered := self.mesh.rejoin():
+                        self._say(f"Rejoining the mesh: dialing {remembered} member(s) remembered from the last run "
+                                  "(`mesh-inference leave` forgets them).")
+                    if self.options.serve_port is not None:
+                        self.serving = self._serving_supervisor()
+                        tg.create_task(self.serving.run())
+                    elif self.options.fetch_model:
+                        tg.create_task(self._fetch_served_model())
+                    await self._stop.wait()
+                    raise _StopRequested
+            except* _StopRequested:
+                pass
+            except* MeshError as group:
+                raise group.exceptions[0] from None
+        finally:
+            await self._shutdown()
+
+    async def _start_rpc_server(self) -> None:
+        # The free port is picked before rpc-server binds it; if another program
+        # takes it in between, rpc-server exits and we try another.
+        for attempt in range(RPC_SERVER_START_ATTEMPTS):
+            port = free_tcp_port()
+            try:
+                self.rpc_server = await start_rpc_server(self.options.binaries, port, self.options.home.logs,
+                                                         weight_cache=self.options.weight_cache)
+            except ChildExitedError:
+                if attempt + 1 == RPC_SERVER_START_ATTEMPTS:
+                    raise
+                continue
+            self.rpc_port = port
+            self._devices = parse_device_listing(self.rpc_server.log_path.read_text(errors="replace"))
+            self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only); offering "
+                      f"{self.capacity().usable_bytes / 1e9:.2f} GB")
+            return
+
+    def capacity(self) -> Capacity:
+        """What this node offers the mesh now."""
+        assert self.rpc_server is not None
+        return measure(self._devices, self.rpc_server.pid, self.options.max_memory_bytes)
+
+    async def _start_mesh(self) -> None:
+        assert self.rpc_port is not None
+        self.mesh = Mesh(self.identity, self.options.name, self.options.home, self.rpc_port, self.capacity,
+                         self._say, saved=SavedMesh.load(self.options.home, self.options.join),
+                         serving=self.options.serve_port is not None, model_sha256=self.options.model_sha256,
+                         model_file=self.options.model if self.options.model_sha256 else None,
+                         lan=self.options.mdns)
+        await self.mesh.start(self.options.quic_port)
+        ticket = self.mesh.ticket()
+        self._say(f"Node ticket: {ticket}")
+        self._say(f"On another machine, run: mesh-inference --join {ticket}")
+
+    async def _fetch_served_model(self) -> None:
+        """--fetch-model: get the file the serving node loads, seed the weight cache, announce it."""
+        assert self.mesh is not None
+        while True:
+            source = next((info for info in self.mesh.connected_members()
+                           if info.serving and info.model_sha256 and info.model_sha256 != self.mesh.model_sha256),
+                          None)
+            if source is not None:
+                try:
+                    await self._take_model_from(source.node_id, source.model_sha256)
+                except ModelError as exc:
+                    self._say(f"Model fetch: {exc}")
+                    await asyncio.sleep(MODEL_FETCH_RETRY_S)
+                    continue
+            await asyncio.sleep(MODEL_FETCH_POLL_S)
+
+    async def _take_model_from(self, node_id: bytes, sha256: str) -> None:
+        assert self.mesh is not None
+        path = await self.mesh.fetch_model(node_id, sha256, model_by_sha256(sha256), _SayEveryTenth(self._say))
+        cache, tool = self.options.weight_cache, self.options.weight_cache_tool
+        if cache is not None and tool is not None:
+            await asyncio.to_thread(weight_cache.seed, cache, tool, path, sha256, lambda *_: None)
+        self.mesh.holds_model(sha256, path)
+        self._say(f"Now holding the served model ({path.name}): its loads here send only hashes.")
+
+    def _serving_supervisor(self) -> ServingSupervisor:
+        assert self.mesh is not None and self.rpc_port is not None and self.options.serve_port is not None
+        return ServingSupervisor(
+            identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
+            model=self.options.model, ctx_size=self.options.ctx_size, serve_port=self.options.serve_port,
+            min_peers=self.options.min_peers, rpc_port=self.rpc_port, own_capacity=self.capacity,
+            logs=self.options.home.logs, metrics=self.metrics, say=self._say, node_status=self.status_snapshot,
+            access=self.options.api_access,
+            draft_model=self.options.draft_model, receipts=self.options.receipts,
+            speculate=self.options.speculate,
+        )
+
+    async def _watch_rpc_server(self) -> None:
+        assert self.rpc_server is not None
+        await self.rpc_server.wait()
+        if not self._stop.is_set():
+            raise self.rpc_server.exited_error()
+
+    async def _shutdown(self) -> None:
+        if self.serving is not None:
+            await self.serving.close()
+        if self.mesh is not None:
+            # Cancelled by a second Ctrl-C; then the mesh closes without waiting.
+            self._closing = asyncio.ensure_future(self.mesh.close(graceful=not self._force, for_good=self._for_good))
+            try:
+                await self._closing
+            except asyncio.CancelledError:
+                await self.mesh.close(graceful=False)
+        if self.rpc_server is not None:
+            await self.rpc_server.stop()
+        await self._control.close()
+
+    async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan:
+        """A plan over the members connected now, for `mesh-inference plan` (PlanError if none fits)."""
+        assert self.mesh is not None
+        estimate = await estimate_off_loop(model or self.options.model, ctx_size or self.options.ctx_size)
+        return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), estimate)
+
+    def ticket(self) -> str:
+        assert self.mesh is not None
+        return self.mesh.ticket()
+
+    def rotate_secret(self) -> str:
+        """`mesh-inference ticket --rotate`: a new secret for every member; the new ticket."""
+        assert self.mesh is not None
+        return self.mesh.rotate_secret()
+
+    def kick(self, which: str) -> tuple[str, str]:
+        """`mesh-inference kick`: remove a member and rotate the secret; its name and the new ticket."""
+        assert self.mesh is not None
+        node_id = self.mesh.find_member(which)
+        name = self.mesh.name_of(node_id)
+        return name, self.mesh.rotate_secret(remove=(node_id,))
+
+    def status_snapshot(self) -> dict[str, Any]:
+        """Everything ``mesh-inference status`` shows, as JSON-ready data."""
+        children = [(self.rpc_server, self.rpc_port)]
+        if self.serving is not None:
+            children.append((self.serving.llama_server, self.serving.llama_port))
+        processes = [{"name": child.name, "pid": child.pid, "running": child.running, "port": port,
+                      "log": str(child.log_path)} for child, port in children if child is not None]
+        return {
+            "node": {
+                "id": self.identity.node_id.hex(),
+                "short_id": self.identity.short_id,
+                "name": self.options.name,
+                "version": __version__,
+                "home": str(self.options.home.root),
+                "uptime_s": round(time.time() - self._started_at, 1),
+                "capacity": self.capacity().__dict__ if self.rpc_server else None,
+            },
+            "model": {"path": str(self.options.model), "bytes": self.options.model.stat().st_size,
+                      "ctx_size": self.options.ctx_size},
+            "processes": processes,
+            "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
+                        if self.serving and self.options.serve_port else None),
+            "mesh": self.mesh.summary() if self.mesh else {"quic_port": None},
+            "peers": self.mesh.status() if self.mesh else [],
+            "events": self.events.to_json(),
+        }

@@ -1,0 +1,289 @@
+"""Which layers each node's rpc-server holds: a pure function of capacities and the model.
+
+Theory of operation. llama-server lists the rpc-servers in ``--rpc`` order and
+gives each a contiguous run of layers; the last one also holds the output head,
+so the caller puts the serving node last to keep the logits local. Planning has
+three steps:
+
+1. **Who takes part.** Walking back from the end, the first member that can
+   hold the output head, one layer and its compute margin becomes the last
+   participant; the members after it are left out (nothing may follow the
+   output holder). Before it, a member takes part if it can hold one layer and
+   its margin. "One layer" means the largest one, for the reason in step 2. If
+   there are more participants than layers, the smallest (by usable bytes) are
+   left out, never the output holder, so everyone keeps at least one layer.
+2. **How many layers each.** Every participant starts with one layer; the
+   rest go one at a time, by the D'Hondt (highest averages) rule, to the
+   participant with the largest ``usable / (count + 1)`` that still has room,
+   ties to the earlier one. That is the same as taking the largest quotients
+   ``usable / k`` overall, so giving a node more memory can only move its
+   quotients up the ranking: it never gets fewer layers (largest-remainder
+   methods lack this). "Room" is a count cap: how many of the *largest*
+   layers fit next to the margin (and the output head). Counts come before
+   positions, and a cap that holds for any run of that length keeps every node
+   under its usable bytes wherever its run lands, at the price of some
+   pessimism when block sizes differ.
+3. **Where.** Runs follow the member order: participant i holds
+   ``[sum of earlier counts, + its count)``.
+
+If the caps add up to fewer layers than the model has, :class:`PlanError`
+names the shortfall in GB and the size of a node that would close it.
+
+``Plan.tensor_split`` turns the counts into llama.cpp's ``--tensor-split``
+weights; its docstring shows why they reproduce the runs exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PlanError
+from ..identity import short_id
+
+if TYPE_CHECKING:
+    # Only its interface is used here, so planning needs no GGUF reading.
+    from ..llama.estimate import ModelEstimate
+
+# Binary, to match --max-memory, where "2G" and "2GB" both mean 2 GiB: a number
+# from our messages can be typed back into that option as it is.
+BYTES_PER_GB = 1024**3
+# Amounts under 1 GB get two decimals so small models do not all read "0.1 GB".
+GB_PRECISE_BELOW = 1.0
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What one member can give the model."""
+
+    node_id: bytes
+    name: str
+    usable_bytes: int  # already capped by that node's --max-memory
+
+
+@dataclass(frozen=True)
+class PlannedNode:
+    """One participant's share: layers ``[start, end)`` and what they cost."""
+
+    node_id: bytes
+    name: str
+    start: int
+    end: int
+    weights_bytes: int
+    kv_bytes: int
+    output_bytes: int  # non-zero only on the last participant
+    needed_bytes: int  # weights + KV + compute margin + output
+    usable_bytes: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The layer ranges, in ``--rpc`` device order; the last node holds the output head."""
+
+    nodes: tuple[PlannedNode, ...]
+    left_out: tuple[NodeCapacity, ...]  # in member order
+    n_layers: int
+    # Members not offered to the planner at all, with the reason (e.g. "weights_mismatch").
+    refused: tuple[tuple[NodeCapacity, str], ...] = ()
+
+    def tensor_split(self) -> tuple[int, ...]:
+        """``--tensor-split`` weights for ``-ngl 99`` that reproduce the planned runs exactly.
+
+        With every layer offloaded llama.cpp places N + 1 "layers" (the output
+        head is number N) and gives layer ``il`` to the first device whose
+        cumulative split fraction is greater than ``il / (N + 1)``. With the
+        layer counts as weights and one more on the last device, the fractions
+        are ``C_k / (N + 1)`` for the cumulative counts ``C_k``, so layer ``il``
+        lands on the first device with ``C_k > il``: the planned run, and the
+        output head on the last device. The counts are small integers, so
+        llama.cpp's float32 arithmetic keeps the comparison exact.
+        """
+        counts = [node.n_layers for node in self.nodes]
+        counts[-1] += 1
+        return tuple(counts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nodes": [
+                {
+                    "id": node.node_id.hex(),
+                    "name": node.name,
+                    "layers": [node.start, node.end],
+                    "weights_bytes": node.weights_bytes,
+                    "kv_bytes": node.kv_bytes,
+                    "output_bytes": node.output_bytes,
+                    "needed_bytes": node.needed_bytes,
+                    "free_bytes": node.usable_bytes,
+                }
+                for node in self.nodes
+            ],
+            "left_out": [
+                {"id": member.node_id.hex(), "name": member.name, "free_bytes": member.usable_bytes}
+                for member in self.left_out
+            ],
+            "refused": [
+                {"id": member.node_id.hex(), "name": member.name, "free_bytes": member.usable_bytes,
+                 "reason": reason}
+                for member, reason in self.refused
+            ],
+            "n_layers": self.n_layers,
+            "tensor_split": list(self.tensor_split()),
+        }
+
+
+def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate) -> Plan:
+    """Spread ``estimate``'s layers over ``members``, given in preferred device order.
+
+    Raises PlanError when the members cannot hold the model.
+    """
+    largest_first = _largest_layers_prefix_sums(estimate)
+    indices, caps = _participants(members, estimate, largest_first)
+    participants = [members[i] for i in indices]
+    left_out = tuple(member for i, member in enumerate(members) if i not in indices)
+    if sum(caps) < estimate.n_layers:
+        raise _shortfall(participants, caps, left_out, estimate, largest_first)
+    counts = _dhondt(participants, caps, estimate.n_layers)
+    return Plan(_place(participants, counts, estimate), left_out, estimate.n_layers)
+
+
+def _largest_layers_prefix_sums(estimate: ModelEstimate) -> list[int]:
+    """Entry k: the bytes of the k largest layers, a bound for any run of k layers."""
+    sizes = sorted((estimate.layer_bytes(i) for i in range(estimate.n_layers)), reverse=True)
+    sums = [0]
+    for size in sizes:
+        sums.append(sums[-1] + size)
+    return sums
+
+
+def _cap(usable_bytes: int, fixed_bytes: int, largest_first: list[int]) -> int:
+    """How many layers surely fit in ``usable_bytes`` next to ``fixed_bytes``."""
+    room = usable_bytes - fixed_bytes
+    return sum(1 for k in range(1, len(largest_first)) if largest_first[k] <= room)
+
+
+def _participants(
+    members: Sequence[NodeCapacity], estimate: ModelEstimate, largest_first: list[int]
+) -> tuple[list[int], list[int]]:
+    """The indices of the members that take part, in order, and each one's layer cap."""
+    margin = estimate.compute_margin_bytes
+    chosen: list[tuple[int, int]] = []
+    for index in reversed(range(len(members))):
+        fixed = margin if chosen else margin + estimate.output_bytes
+        cap = _cap(members[index].usable_bytes, fixed, largest_first)
+        if cap >= 1:
+            chosen.append((index, cap))
+    chosen.reverse()
+    if len(chosen) > estimate.n_layers:
+        # Not every participant could get a layer: keep the output holder and
+        # the largest others (earlier first on ties), so more memory never
+        # costs a node its place.
+        *others, last = chosen
+        others.sort(key=lambda pair: (-members[pair[0]].usable_bytes, pair[0]))
+        chosen = sorted(others[: estimate.n_layers - 1]) + [last]
+    return [index for index, _ in chosen], [cap for _, cap in chosen]
+
+
+def _dhondt(participants: list[NodeCapacity], caps: list[int], n_layers: int) -> list[int]:
+    """Layer counts: one each, then D'Hondt by usable bytes within the caps."""
+    counts = [1] * len(participants)
+    for _ in range(n_layers - len(participants)):
+        open_ = [i for i in range(len(participants)) if counts[i] < caps[i]]
+        # max() keeps the first of equal quotients: ties go to the earlier node.
+        best = max(open_, key=lambda i: Fraction(participants[i].usable_bytes, counts[i] + 1))
+        counts[best] += 1
+    return counts
+
+
+def _place(
+    participants: list[NodeCapacity], counts: list[int], estimate: ModelEstimate
+) -> tuple[PlannedNode, ...]:
+    nodes = []
+    start = 0
+    for i, (member, count) in enumerate(zip(participants, counts)):
+        end = start + count
+        is_last = i == len(participants) - 1
+        nodes.append(
+            PlannedNode(
+                node_id=member.node_id,
+                name=member.name,
+                start=start,
+                end=end,
+                weights_bytes=sum(estimate.layer_weight_bytes[start:end]),
+                kv_bytes=estimate.kv_bytes_per_layer * count,
+                output_bytes=estimate.output_bytes if is_last else 0,
+                needed_bytes=estimate.range_bytes(start, end, with_output=is_last),
+                usable_bytes=member.usable_bytes,
+            )
+        )
+        start = end
+    return tuple(nodes)
+
+
+def _shortfall(
+    participants: list[NodeCapacity],
+    caps: list[int],
+    left_out: tuple[NodeCapacity, ...],
+    estimate: ModelEstimate,
+    largest_first: list[int],
+) -> PlanError:
+    """The error for a mesh that cannot hold the model, with what would fix it."""
+    n_layers = estimate.n_layers
+    margin = estimate.compute_margin_bytes
+    available = sum(member.usable_bytes for member in participants)
+    # Every device the model would use pays a compute margin; with no
+    # participant, the model would need one device of its own.
+    needed = estimate.range_bytes(0, n_layers, with_output=True) + margin * max(len(participants) - 1, 0)
+    if not participants:
+        first_run = largest_first[1] + margin + estimate.output_bytes
+        largest = max((member.usable_bytes for member in left_out), default=0)
+        summary = (
+            f"No node can hold the output head with one layer: that takes {_gb(first_run)} GB "
+            f"and the largest node has {_gb(largest)} GB free "
+            f"({_gb(first_run - largest, up=True)} GB short); the whole model needs {_gb(needed)} GB."
+        )
+        add = needed
+    else:
+        unplaced = n_layers - sum(caps)
+        # A node added before the output holder takes the layers the others
+        # cannot, next to its own margin.
+        add = largest_first[unplaced] + margin
+        if needed > available:
+            summary = (
+                f"The mesh has {_gb(available)} GB free for this model but needs {_gb(needed)} GB "
+                f"({_gb(needed - available, up=True)} GB short)."
+            )
+        else:
+            summary = (
+                f"The mesh has {_gb(available)} GB free for this model, enough for the "
+                f"{_gb(needed)} GB it needs in total, but a layer cannot be split between nodes: "
+                f"they hold only {n_layers - unplaced} of its {n_layers} layers "
+                f"({_gb(largest_first[unplaced], up=True)} GB short)."
+            )
+    advice = (
+        f" Add a node with at least {_gb(add, up=True)} GB free, raise --max-memory, "
+        "or use a smaller model/context (--ctx-size)."
+    )
+    too_small = ""
+    if left_out:
+        listed = ", ".join(
+            f"{m.name} ({short_id(m.node_id)}, {_gb(m.usable_bytes)} GB)" for m in left_out
+        )
+        too_small = f" Left out as too small: {listed}."
+    return PlanError(summary + advice + too_small)
+
+
+def _gb(n_bytes: int, *, up: bool = False) -> str:
+    """Bytes as GB for people; ``up`` rounds up, for amounts that must be enough."""
+    gb = n_bytes / BYTES_PER_GB
+    digits = 2 if gb < GB_PRECISE_BELOW else 1
+    if up:
+        scale = 10**digits
+        gb = math.ceil(n_bytes * scale / BYTES_PER_GB) / scale
+    return f"{gb:.{digits}f}"

@@ -1,0 +1,453 @@
+"""The user's API port: a streaming reverse proxy in front of llama-server.
+
+The port (``--serve``, e.g. 8080) belongs to the sidecar, not to llama-server,
+so llama-server can be restarted (new plan, lost peer) while clients keep one
+address. Responses are relayed chunk by chunk, so server-sent events reach the
+client token by token.
+
+The node drives the proxy through three states:
+
+    holding    new requests wait (up to HOLD_TIMEOUT_S) for llama-server to be ready
+    serving    requests go to llama-server's URL
+    refusing   requests get an OpenAI-style 503 saying why (e.g. missing capacity)
+
+``drain()`` switches to holding and waits (bounded) for in-flight requests to end,
+so a replan never cuts a request short that it could have let finish.
+
+Requests survive a failover. Generation requests get a pinned seed (see
+replay.py), so when llama-server dies under a request (a member was lost), the
+proxy waits for the next llama-server and asks again: a request whose answer
+had not started is retried whole; a stream that had started is replayed and
+continues on the same connection with exactly the text that was still missing.
+
+aiohttp serves (it embeds in our event loop without taking over signals and
+streams responses); httpx is the client to the internal llama-server.
+
+Access (``ApiAccess``): with an API key, every path but ``/health`` wants
+``Authorization: Bearer KEY`` (401 otherwise); the header stops here and never
+reaches llama-server. CORS is off unless one origin is allowed: no
+``Access-Control-*`` header leaves the proxy, whatever llama-server set. Bodies
+over MAX_REQUEST_BODY_BYTES get a 413. Every such refusal is an OpenAI-style error.
+
+The dashboard (``/mesh``, dashboard.py) shares the port: its page and files are
+keyless, its state is not. The proxy feeds it ``token_rate``: every streamed event
+it relays, and llama-server's speed for each finished request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+from aiohttp import web
+
+from .dashboard import KEYLESS_PATHS, TokenRate
+from ..errors import MeshError, UsageError
+from .metrics import Metrics
+from ..ports import LOOPBACK
+from .receipt import OutputTap, ask_for_token_ids
+from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
+
+log = logging.getLogger(__name__)
+
+# About two million tokens of text: far beyond any context, small enough to hold in memory.
+MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
+MAX_FAILOVERS_PER_REQUEST = 2
+# A stream with no byte for this long is stuck (a member stopped answering without
+# being lost yet): llama-server is restarted and the stream replayed.
+STALL_TIMEOUT_S = 60.0
+UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+# Generation can pause for long between tokens on a slow mesh: no read timeout.
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=60.0, pool=None)
+# Headers that describe one hop, not the message (RFC 9110 section 7.6.1), plus
+# those aiohttp/httpx recompute for their own hop.
+HOP_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+})
+# Not forwarded: the client's key is for this proxy; llama-server has none.
+CLIENT_ONLY_HEADERS = frozenset({"authorization"})
+# Open without a key: readiness only, and load balancers and scripts probe it keyless.
+# /metrics is not open: it reveals usage (request counts, paths, speeds). Nor is the dashboard's
+# state; its page and files hold no data.
+OPEN_PATHS = frozenset({"/health"}) | KEYLESS_PATHS
+CORS_PREFLIGHT_MAX_AGE_S = 600
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
+
+
+def openai_error(status: int, message: str, error_type: str, code: str,
+                 headers: dict[str, str] | None = None) -> web.Response:
+    """An error body in the shape OpenAI clients parse."""
+    return web.json_response(
+        {"error": {"message": message, "type": error_type, "code": code}}, status=status, headers=headers
+    )
+
+
+@dataclass(frozen=True)
+class ApiAccess:
+    """Who may use the API port: an optional bearer key and an optional CORS origin."""
+
+    api_key: str | None = field(default=None, repr=False)  # never in a repr, so never in a log
+    cors_origin: str | None = None  # e.g. "https://chat.example.org"; None: no CORS header at all
+
+    def __post_init__(self) -> None:
+        key = self.api_key
+        if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
+            raise UsageError("The API key (--api-key or MESH_API_KEY) must be non-empty printable ASCII "
+                             "without spaces; for example, use the output of: openssl rand -hex 32")
+
+    def admits(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries the key (always, when there is none)."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        # Compared as bytes in constant time: the answer must not leak how much of a guess was right.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(errors="replace"), self.api_key.encode())
+
+
+OPEN_ACCESS = ApiAccess()  # no key, no CORS: the default
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One finished generation request, for receipts: the request as sent (seed pinned) and what came back."""
+
+    path: str
+    request: dict
+    output: OutputTap
+
+
+GenerationHook = Callable[[Generation], None]
+
+
+def _tapped(body: bytes, path: str) -> tuple[bytes, dict | None, OutputTap | None]:
+    """The body asking for token ids too, the request as the client meant it, and the tap to read them."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return body, None, None
+    if not isinstance(request, dict):
+        return body, None, None
+    sent = json.loads(body)
+    added = ask_for_token_ids(request, path)
+    return json.dumps(request).encode(), sent, OutputTap(strip=added)
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class _Unavailable(MeshError):
+    """No llama-server to send to: the proxy is refusing, or held past its timeout."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ApiProxy:
+    """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
+
+    def __init__(self, metrics: Metrics, on_stall: Callable[[str], None],
+                 stall_timeout_s: float = STALL_TIMEOUT_S, access: ApiAccess = OPEN_ACCESS,
+                 upstream_key: str | None = None, on_generation: GenerationHook | None = None) -> None:
+        self.metrics = metrics
+        self._access = access
+        self._on_generation = on_generation
+        self._on_stall = on_stall
+        self._stall_timeout_s = stall_timeout_s
+        self._client = httpx.AsyncClient(
+            timeout=UPSTREAM_TIMEOUT,
+            headers={"Authorization": f"Bearer {upstream_key}"} if upstream_key else None)
+        self._runner: web.AppRunner | None = None
+        self._upstream: str | None = None
+        self._refusal: str | None = None
+        self._generation = 0  # bumped on every serve/refuse: "a new llama-server" even on the same port
+        self._settled = asyncio.Event()  # set while serving or refusing
+        self._changed = asyncio.Condition()  # notified on every serve/refuse
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.token_rate = TokenRate()
+        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES, middlewares=[self._guard])
+        self.app.on_response_prepare.append(self._cors)
+        self.app.router.add_route("*", "/v1/{tail:.*}", self._forward)
+        self.app.router.add_route("GET", "/health", self._forward)
+        self.app.router.add_route("GET", "/metrics", self._metrics)
+
+    # --- states, driven by the serving loop -----------------------------------------
+
+    def serve(self, upstream_url: str) -> None:
+        self._set(upstream_url, None)
+
+    def refuse(self, reason: str) -> None:
+        self._set(None, reason)
+
+    def hold(self) -> None:
+        self._settled.clear()
+
+    def _set(self, upstream: str | None, refusal: str | None) -> None:
+        self._upstream, self._refusal = upstream, refusal
+        self._generation += 1
+        self._settled.set()
+        asyncio.ensure_future(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Hold new requests and wait up to ``timeout_s`` for those in flight to finish."""
+        self.hold()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("%d request(s) still running after %.0f s; restarting anyway", self._in_flight, timeout_s)
+
+    async def start(self, port: int, host: str = LOOPBACK) -> None:
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=SHUTDOWN_GRACE_S)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self._client.aclose()
+
+    # --- choosing an upstream ---------------------------------------------------------
+
+    async def _upstream_for(self, failed: int | None) -> tuple[str, int]:
+        """A llama-server URL and its generation, newer than ``failed``; waits while holding."""
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        async with self._changed:
+            while not self._settled.is_set() or self._generation == failed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _Unavailable("The model is still being loaded on the mesh; retry in a moment.",
+                                       "model_loading")
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except TimeoutError:
+                    pass
+        if self._upstream is None:
+            raise _Unavailable(self._refusal or "No llama-server is running.", "insufficient_capacity")
+        return self._upstream, self._generation
+
+    # --- access: key, CORS, body size -------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if self._is_allowed_preflight(request):
+            return web.Response(status=204)  # browsers send preflights without the key; _cors answers it
+        if request.path not in OPEN_PATHS and not self._access.admits(request.headers.get("Authorization")):
+            message = ("Missing API key: send it as 'Authorization: Bearer KEY'."
+                       if "Authorization" not in request.headers else "Incorrect API key provided.")
+            return openai_error(401, message, "invalid_request_error", "invalid_api_key",
+                                headers={"WWW-Authenticate": 'Bearer realm="mesh-inference"'})
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return openai_error(413, f"The request body is over the {MAX_REQUEST_BODY_BYTES // 2**20} MiB limit.",
+                                "invalid_request_error", "request_too_large")
+
+    def _is_allowed_preflight(self, request: web.Request) -> bool:
+        return (request.method == "OPTIONS" and self._access.cors_origin is not None
+                and request.headers.get("Origin") == self._access.cors_origin
+                and "Access-Control-Request-Method" in request.headers)
+
+    async def _cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Drop every CORS header (llama-server sends ``Allow-Origin: *``); allow only the chosen origin."""
+        for name in {name for name in response.headers if name.lower().startswith("access-control-")}:
+            response.headers.popall(name)
+        if self._access.cors_origin is None:
+            return
+        response.headers.add("Vary", "Origin")
+        if request.headers.get("Origin") != self._access.cors_origin:
+            return
+        response.headers["Access-Control-Allow-Origin"] = self._access.cors_origin
+        if self._is_allowed_preflight(request):
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Max-Age"] = str(CORS_PREFLIGHT_MAX_AGE_S)
+
+    # --- request handling -------------------------------------------------------------
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = self.metrics.exposition()
+        if self._upstream is not None:
+            try:
+                upstream = await self._client.get(self._upstream + "/metrics", timeout=5.0)
+                if upstream.status_code == 200:
+                    text += upstream.content
+            except httpx.HTTPError:
+                pass  # our own figures still count
+        return web.Response(body=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/health" and not self._settled.is_set():
+            # Health checks want an answer now, not a held request.
+            return self._count(request, openai_error(
+                503, "The model is still being loaded on the mesh; retry in a moment.", "unavailable",
+                "model_loading"))
+        body = await request.read()
+        streaming = False
+        tap: OutputTap | None = None
+        sent: dict | None = None
+        if request.method == "POST" and request.path in GENERATION_PATHS:
+            body, streaming = pin_seed(body)
+            if self._on_generation is not None:
+                body, sent, tap = _tapped(body, request.path)
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
+        try:
+            upstream = await self._upstream_for(None)
+        except _Unavailable as exc:
+            return self._count(request, openai_error(503, str(exc), "unavailable", exc.code))
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            response = await self._exchange(request, upstream, headers, body, streaming, tap)
+            if tap is not None and sent is not None and response.status == 200:
+                self._report(Generation(request.path, sent, tap))
+            return self._count(request, response)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def _count(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+        self.metrics.requests.labels(request.path, str(response.status)).inc()
+        return response
+
+    def _report(self, generation: Generation) -> None:
+        assert self._on_generation is not None
+        try:
+            self._on_generation(generation)
+        except Exception:  # a receipt must never cost the client its answer
+            log.exception("could not record the generation for %s", generation.path)
+
+    async def _exchange(self, request: web.Request, upstream_at: tuple[str, int], headers: dict[str, str],
+                        body: bytes, streaming: bool, tap: OutputTap | None = None) -> web.StreamResponse:
+        """Send to llama-server; on its failure wait for the next one and retry or replay."""
+        started = time.monotonic()
+        first_text_seen = False
+        response: web.StreamResponse | None = None
+        ledger = StreamLedger()
+        replay: Replay | None = None
+        failovers = 0
+        base, generation = upstream_at
+        while True:
+            try:
+                upstream = await self._client.send(self._client.build_request(
+                    request.method, base + request.rel_url.path_qs, headers=headers, content=body), stream=True)
+                try:
+                    if not streaming:
+                        # Read it all before answering: a failure then can still be retried whole.
+                        content = await upstream.aread()
+                        self._observe_timings(content)
+                        if tap is not None and upstream.status_code == 200:
+                            content = tap.content(content)
+                        return web.Response(status=upstream.status_code, body=content, headers=self._headers(upstream))
+                    if response is None:
+                        response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
+                        await response.prepare(request)
+                    splitter = EventSplitter()
+                    async for chunk in self._unless_stalled(upstream.aiter_raw(), request.path):
+                        for event in splitter.feed(chunk):
+                            out = event if replay is None else replay.filter(event)
+                            if out is None:
+                                continue
+                            if replay is None:
+                                ledger.record(event)
+                            if not first_text_seen and ledger.delivered:
+                                first_text_seen = True
+                                self.metrics.first_token.observe(time.monotonic() - started)
+                            self._observe_timings(out)
+                            await response.write(tap.event(out) if tap is not None else out)
+                            self.token_rate.streamed(out, time.monotonic())
+                    await response.write_eof()
+                    return response
+                finally:
+                    await upstream.aclose()
+            except httpx.TransportError as exc:
+                failovers += 1
+                if failovers > MAX_FAILOVERS_PER_REQUEST:
+                    return await self._give_up(response, f"llama-server failed again ({exc!r})")
+                log.warning("llama-server failed under %s (%r); waiting for the next one", request.path, exc)
+                self.metrics.retries.inc()
+                try:
+                    base, generation = await self._wait_elsewhere(generation)
+                except _Unavailable as unavailable:
+                    return await self._give_up(response, str(unavailable), unavailable.code)
+                if response is not None:
+                    replay = Replay(ledger)
+            except MeshError as exc:  # ReplayMismatch, an oversized event
+                return await self._give_up(response, str(exc))
+            except ConnectionResetError:
+                # The client went away (often right after [DONE]): nothing left to deliver.
+                assert response is not None
+                return response
+
+    async def _unless_stalled(self, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
+        """The chunks, until one takes longer than the stall timeout: then ask for a restart."""
+        while True:
+            try:
+                yield await asyncio.wait_for(anext(chunks), self._stall_timeout_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                self._on_stall(f"No progress on a {path} stream for {self._stall_timeout_s:.0f} s")
+                raise httpx.ReadTimeout("llama-server stalled") from None
+
+    async def _wait_elsewhere(self, failed: int) -> tuple[str, int]:
+        """The next llama-server; while waiting this request does not count as in flight,
+        so it cannot hold up the very replan it waits for."""
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+        try:
+            return await self._upstream_for(failed)
+        finally:
+            self._in_flight += 1
+            self._idle.clear()
+
+    @staticmethod
+    def _headers(upstream: httpx.Response) -> dict[str, str]:
+        # Its CORS headers are dropped later, in _cors, with any others.
+        return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+
+    async def _give_up(self, response: web.StreamResponse | None, message: str,
+                       code: str = "upstream_failed") -> web.StreamResponse:
+        """An OpenAI-style error, or an error event ending a stream that had begun."""
+        if response is None:
+            return openai_error(503 if code != "upstream_failed" else 502, message, "server_error", code)
+        await response.write(_sse_error(message, code))
+        await response.write_eof()
+        return response
+
+    def _observe_timings(self, content: bytes) -> None:
+        """Record llama-server's decode speed from a response or final stream chunk."""
+        if b'"timings"' not in content:
+            return
+        text = content.strip()
+        if text.startswith(b"data: "):
+            text = text[len(b"data: "):]
+        try:
+            speed = json.loads(text)["timings"]["predicted_per_second"]
+        except (ValueError, KeyError, TypeError):
+            return
+        if isinstance(speed, (int, float)) and speed > 0:
+            self.metrics.tokens_per_second.observe(speed)
+            self.token_rate.finished(speed)

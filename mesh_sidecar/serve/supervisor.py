@@ -1,0 +1,361 @@
+"""Serving the model: plan the layers over the mesh, run llama-server, keep the API up.
+
+The serving node's loop::
+
+    proxy up (holding) -> wait for --min-peers
+    loop:
+        plan over connected members  --PlanError-->  proxy refuses with the shortfall
+        start llama-server with the plan's --rpc order and --tensor-split
+        proxy serves
+        wait for trouble: llama-server exited | a member of the plan is lost
+                          | membership changed and the plan would change
+        drain (bounded), stop llama-server
+
+llama.cpp aborts on any RPC transport error and an idle llama-server only
+notices at its next request, so a lost member of the plan is a reason to
+restart at once. The API port never closes: requests wait while llama-server
+comes back, and get an OpenAI-style 503 naming the shortfall when the mesh
+cannot hold the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from datetime import datetime, timezone
+import functools
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import dashboard
+from ..llama.capacity import Capacity
+from ..errors import PlanError, PortInUseError, ProcessError
+from ..llama.estimate import ModelEstimate, estimate_model
+from ..identity import NodeIdentity, short_id
+from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
+from ..llama.build import LlamaBinaries
+from ..mesh.runtime import WEIGHTS_MISMATCH, Mesh, holds_other_weights
+from .metrics import Metrics
+from .planner import NodeCapacity, Plan, plan_layers
+from ..ports import LOOPBACK, free_tcp_port
+from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy, Generation
+from . import receipt
+from ..llama.model import model_sha256
+from .speculation import Speculation, choose
+from ..cli.views import plan_table
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 30.0
+RESTART_DELAY_S = 1.0
+# A llama-server that dies while loading (a tunnel torn down under it, say) is
+# started again after this, doubling per failure in a row up to the maximum.
+START_RETRY_FIRST_S = 2.0
+START_RETRY_MAX_S = 60.0
+UPSTREAM_KEY_FILE = "llama-server.key"  # in the node's home, mode 0600
+UPSTREAM_KEY_BYTES = 32
+
+# A node asks for the estimate on every membership change; the first read of a GGUF
+# takes seconds (its tokenizer arrays), so it is cached and first made off the event loop.
+cached_estimate = functools.lru_cache(maxsize=8)(estimate_model)
+
+
+async def estimate_off_loop(model: Path, ctx_size: int) -> ModelEstimate:
+    """The cached estimate, computed in a thread the first time: heartbeats keep flowing meanwhile."""
+    return await asyncio.to_thread(cached_estimate, model, ctx_size)
+
+
+def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, estimate: ModelEstimate) -> Plan:
+    """The plan over the members connected now; PlanError if they cannot hold the model.
+
+    Peers come first (by id) and this node last: llama.cpp puts the output
+    layer on the last device, so the logits (vocabulary x 4 bytes a token)
+    stay on loopback instead of crossing the network.
+    """
+    members, refused = [], []
+    for info in mesh.connected_members():
+        # Less what the member's rpc-server holds for other serving nodes (they run their own models).
+        member = NodeCapacity(info.node_id, info.name,
+                              Capacity.from_gossip(dict(info.capacity)).usable_for(identity.node_id))
+        if holds_other_weights(mesh.model_sha256, info):
+            refused.append((member, WEIGHTS_MISMATCH))
+        else:
+            members.append(member)
+    # The serving host also keeps the input embeddings in its own memory.
+    held_for_others = mesh.held_for_peers_bytes()
+    members.append(NodeCapacity(identity.node_id, name,
+                                max(0, own.usable_bytes - held_for_others - estimate.host_bytes)))
+    return dataclasses.replace(plan_layers(members, estimate), refused=tuple(refused))
+
+
+class ServingSupervisor:
+    """Owns llama-server and the API port of a serving node."""
+
+    def __init__(
+        self,
+        *,
+        identity: NodeIdentity,
+        name: str,
+        mesh: Mesh,
+        binaries: LlamaBinaries,
+        model: Path,
+        ctx_size: int,
+        serve_port: int,
+        min_peers: int,
+        rpc_port: int,
+        own_capacity: Callable[[], Capacity],
+        logs: Path,
+        metrics: Metrics,
+        say: Callable[[Any], None],
+        node_status: Callable[[], dict[str, Any]],
+        access: ApiAccess = OPEN_ACCESS,
+        draft_model: Path | None = None,
+        receipts: Path | None = None,
+        speculate: bool = True,
+    ) -> None:
+        self._identity = identity
+        self._name = name
+        self._mesh = mesh
+        self._binaries = binaries
+        self._model = model
+        self._ctx_size = ctx_size
+        self._serve_port = serve_port
+        self._min_peers = min_peers
+        self._rpc_port = rpc_port
+        self._own_capacity = own_capacity
+        self._logs = logs
+        self._say = say
+        self._metrics = metrics
+        self._access = access
+        self._draft_model = draft_model
+        self._speculate = speculate
+        self._draft_sha256: str | None = None
+        self._receipts = receipts
+        self.speculation: Speculation | None = None
+        # llama-server's own key, known only to our proxy (see llama_server_argv).
+        upstream_key = secrets.token_hex(UPSTREAM_KEY_BYTES)
+        self._upstream_key_file = logs.parent / UPSTREAM_KEY_FILE
+        fd = os.open(self._upstream_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(upstream_key + "\n")
+        self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key,
+                               on_generation=self._write_receipt if receipts is not None else None)
+        dashboard.add_routes(self._proxy.app, node_status)
+        self._restart_reason: str | None = None
+        self._wakeup = asyncio.Event()
+        self.llama_server: ChildProcess | None = None
+        self.llama_port: int | None = None
+        self.plan: Plan | None = None
+        self.refusal: str | None = None
+        self.restarts = 0
+        self._start_failures = 0  # in a row; reset by a start that reaches the API
+
+    # --- planning ------------------------------------------------------------------
+
+    def compute_plan(self) -> Plan:
+        own = self._own_capacity()
+        if self._draft_model is not None:
+            # The draft runs on this node's CPU, beside its share of the big model.
+            draft = cached_estimate(self._draft_model, self._ctx_size)
+            own = dataclasses.replace(own, usable_bytes=max(0, own.usable_bytes - draft.total_bytes))
+        return plan_over_mesh(self._mesh, self._identity, self._name, own,
+                              cached_estimate(self._model, self._ctx_size))
+
+    def _choose_speculation(self, plan: Plan) -> Speculation:
+        remote = {n.node_id.hex() for n in plan.nodes if n.node_id != self._identity.node_id}
+        rtts = [row["rtt_p50_ms"] if row["rtt_p50_ms"] is not None else row["rtt_ms"]
+                for row in self._mesh.status() if row["id"] in remote]
+        known = [r for r in rtts if r is not None]
+        return choose(self._draft_model, max(known) if known else None, len(remote), allowed=self._speculate)
+
+    def _endpoint(self, node_id: bytes) -> str:
+        if node_id == self._identity.node_id:
+            return f"{LOOPBACK}:{self._rpc_port}"
+        return self._mesh.tunnel_endpoint(node_id)
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._proxy.start(self._serve_port)
+        except OSError as exc:
+            raise PortInUseError(
+                f"Cannot listen on port {self._serve_port} ({exc.strerror}). "
+                "Stop the program holding it or choose another with --serve PORT."
+            ) from exc
+        await estimate_off_loop(self._model, self._ctx_size)
+        if self._draft_model is not None:
+            self._draft_sha256 = await asyncio.to_thread(model_sha256, self._draft_model, lambda *_: None)
+        await self._wait_for_peers()
+        while True:
+            await self._apply_plan()
+            reason, failover = await self._trouble()
+            self._say(f"{reason}; replanning...")
+            if failover:
+                self._metrics.failovers.inc()
+            await self._proxy.drain(DRAIN_TIMEOUT_S)
+            if self.llama_server is not None:
+                await self.llama_server.stop()
+                self.llama_server = None
+                self.restarts += 1
+                self._metrics.restarts.inc()
+                await asyncio.sleep(RESTART_DELAY_S)
+
+    def request_restart(self, reason: str) -> None:
+        """Restart llama-server at once (the proxy saw it stall)."""
+        self._restart_reason = reason
+        self._wakeup.set()
+
+    async def close(self) -> None:
+        # Held requests get their answer now instead of keeping the node alive.
+        self._proxy.refuse("This node is shutting down; retry against another serving node or later.")
+        await self._proxy.close()
+        if self.llama_server is not None:
+            await self.llama_server.stop()
+
+    async def _wait_for_peers(self) -> None:
+        while (missing := self._min_peers - len(self._mesh.connected_members())) > 0:
+            self._say(f"Waiting for {missing} more peer(s) before loading the model...")
+            self._mesh.changed.clear()
+            await self._mesh.changed.wait()
+
+    async def _apply_plan(self) -> None:
+        """Start llama-server on a fresh plan, or make the proxy refuse with the reason."""
+        try:
+            self.plan = self.compute_plan()
+        except PlanError as exc:
+            self.plan, self.refusal = None, str(exc)
+            self._say(f"Cannot load the model: {exc}")
+            self._proxy.refuse(str(exc))
+            return
+        self.refusal = None
+        self._say(plan_table(self.plan.to_json(), title=f"Plan for {self._model.name}"))
+        self.speculation = self._choose_speculation(self.plan)
+        if self.speculation.kind != "none":
+            self._say(f"Speculative decoding: {self.speculation.reason}")
+        self.llama_port = free_tcp_port()
+        argv = llama_server_argv(
+            self._binaries, self._model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
+            tensor_split=self.plan.tensor_split(), api_key_file=self._upstream_key_file,
+            extra=["--ctx-size", str(self._ctx_size), *self.speculation.llama_server_args()],
+        )
+        # Workers map REGISTER_PEER's peer ids through this order.
+        self._mesh.announce_rpc_order(tuple(n.node_id for n in self.plan.nodes))
+        try:
+            self.llama_server = await start_llama_server(argv, self.llama_port, self._logs)
+        except ProcessError as exc:
+            self._start_failures += 1
+            self.refusal = f"llama-server failed to start: {exc}"
+            self._say(f"{self.refusal}\nTrying again in {start_retry_delay(self._start_failures):.0f} s.")
+            self._proxy.refuse(self.refusal)
+            return
+        self._start_failures = 0
+        self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}")
+        self._say(f"OpenAI-compatible API ready on http://localhost:{self._serve_port}/v1"
+                  + (" (requires the API key: Authorization: Bearer KEY)" if self._access.api_key is not None else ""))
+
+    async def _trouble(self) -> tuple[str, bool]:
+        """Wait until llama-server must be restarted (or started); say why, and if it is a failover."""
+        exited = asyncio.ensure_future(self.llama_server.wait()) if self.llama_server else None
+        loop = asyncio.get_running_loop()
+        retry_at = (loop.time() + start_retry_delay(self._start_failures)
+                    if self.llama_server is None and self.plan is not None and self._start_failures else None)
+        try:
+            while exited is None or not exited.done():
+                if (trouble := self._replan_reason()) is not None:
+                    return trouble
+                if retry_at is not None and loop.time() >= retry_at:
+                    return "Starting llama-server again", False
+                self._mesh.changed.clear()
+                self._wakeup.clear()
+                woken = {asyncio.ensure_future(self._mesh.changed.wait()), asyncio.ensure_future(self._wakeup.wait())}
+                await asyncio.wait(woken | ({exited} if exited else set()), return_when=asyncio.FIRST_COMPLETED,
+                                   timeout=None if retry_at is None else max(0.0, retry_at - loop.time()))
+                for task in woken:
+                    task.cancel()
+            assert self.llama_server is not None
+            return str(self.llama_server.exited_error()), True
+        finally:
+            if exited is not None:
+                exited.cancel()
+
+    def _replan_reason(self) -> tuple[str, bool] | None:
+        """Why the current state should be replaced (and if that is a failover), or None."""
+        if self._restart_reason is not None:
+            reason, self._restart_reason = self._restart_reason, None
+            return reason, True
+        connected = {info.node_id for info in self._mesh.connected_members()} | {self._identity.node_id}
+        if self.plan is not None:
+            lost = [n for n in self.plan.nodes if n.node_id not in connected]
+            if lost:
+                return f"{', '.join(f'{n.name} ({short_id(n.node_id)})' for n in lost)} left the plan", True
+        try:
+            candidate = self.compute_plan()
+        except PlanError:
+            return None if self.plan is None else ("The mesh can no longer hold the model", True)
+        if self.plan is None:
+            return "The mesh can hold the model now", False
+        if _layout(candidate) != _layout(self.plan):
+            return "Members changed and the layers can be spread better", False
+        return None
+
+    def _write_receipt(self, generation: Generation) -> None:
+        """--receipt DIR: one signed JSON per finished generation request."""
+        assert self._receipts is not None and self.plan is not None
+        out = generation.output
+        timings = out.timings
+        plan_ids = {n.node_id.hex() for n in self.plan.nodes}
+        drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
+        now = time.time()
+        body = {
+            "id": out.response_id,
+            "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="milliseconds"),
+            "request": {"path": generation.path, "body": generation.request},
+            "served_by": {"id": self._identity.node_id.hex(), "name": self._name},
+            "plan": [{"id": n.node_id.hex(), "name": n.name, "layers": [n.start, n.end]} for n in self.plan.nodes],
+            "model": {"name": self._model.name, "sha256": self._mesh.model_sha256},
+            "draft": ({"name": self._draft_model.name, "sha256": self._draft_sha256}
+                      if self._draft_model is not None else None),
+            "speculation": self.speculation.to_json() if self.speculation else None,
+            # Heartbeat round trips to the plan's other members, as measured while this ran.
+            "edges_rtt_ms": {row["name"]: {"last": row["rtt_ms"], "p50": row["rtt_p50_ms"], "p95": row["rtt_p95_ms"]}
+                             for row in self._mesh.status() if row["id"] in plan_ids},
+            "tokens": {"prompt": timings.get("prompt_n"), "completion": timings.get("predicted_n")},
+            "tok_s": {"prompt": timings.get("prompt_per_second"), "decode": timings.get("predicted_per_second")},
+            "draft_acceptance": ({"drafted": drafted, "accepted": accepted, "rate": accepted / drafted}
+                                 if drafted else None),
+            "output": {"token_ids_sha256": receipt.output_digest(out.token_ids), "n_tokens": len(out.token_ids)},
+        }
+        self._receipts.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+        path = self._receipts / f"{stamp}-{out.response_id or 'request'}.json"
+        # Receipts hold the prompt: readable by this user only.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(receipt.sign(body, self._identity), f, indent=2)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "api": {"port": self._serve_port, "url": f"http://localhost:{self._serve_port}/v1",
+                    "requires_key": self._access.api_key is not None},
+            "plan": self.plan.to_json() if self.plan else None,
+            "refusal": self.refusal,
+            "speculation": self.speculation.to_json() if self.speculation else None,
+            "llama_server_restarts": self.restarts,
+            "live": self._proxy.token_rate.to_json(time.monotonic()),
+        }
+
+
+def start_retry_delay(failures: int) -> float:
+    """Seconds before starting llama-server again after ``failures`` failed starts in a row."""
+    return min(START_RETRY_MAX_S, START_RETRY_FIRST_S * 2 ** max(0, failures - 1))
+
+
+def _layout(plan: Plan) -> list[tuple[bytes, int, int]]:
+    return [(n.node_id, n.start, n.end) for n in plan.nodes]
