@@ -26,6 +26,14 @@ turn it into a message or a close with a reason.
     │   ├── MalformedMessageError     a frame that does not decode
     │   └── ProtocolVersionError      a wire version we do not speak
     ├── AuthError               a peer failed admission (key or mesh secret)
+    ├── PeerConnectionError     a connection to a peer could not be made or is gone
+    │   ├── AddressUnresolvedError    a peer's host name does not resolve
+    │   ├── DialTimeoutError          no answer from an address in time
+    │   ├── ConnectionClosedError     used after it closed, or closed before admission
+    │   └── TransportStoppedError     the node's QUIC endpoint is not running
+    ├── ServingError            a request could not be served as asked
+    │   ├── ServiceUnavailableError   no llama-server to take it (the API answers 503)
+    │   └── ReplayMismatchError       a failover's replay gave other text than was sent
     └── ReceiptError            a run receipt is damaged, altered or not reproduced
 """
 
@@ -114,6 +122,38 @@ class ProtocolVersionError(WireError):
 
 class AuthError(MeshError):
     """A peer failed admission: wrong node key or no proof of the mesh secret."""
+
+
+class PeerConnectionError(MeshError):
+    """A connection to a peer could not be made, or is gone."""
+
+
+class AddressUnresolvedError(PeerConnectionError):
+    """A peer's address names a host that does not resolve."""
+
+
+class DialTimeoutError(PeerConnectionError):
+    """An address did not answer (TLS and admission included) in time."""
+
+
+class ConnectionClosedError(PeerConnectionError):
+    """The connection was used after it closed, or it closed before admission."""
+
+
+class TransportStoppedError(PeerConnectionError):
+    """The node's QUIC endpoint is not running (not started yet, or stopped)."""
+
+
+class ServingError(MeshError):
+    """A request to the API could not be served as asked."""
+
+
+class ServiceUnavailableError(ServingError):
+    """No llama-server can take the request now; the API answers 503 with this message."""
+
+
+class ReplayMismatchError(ServingError):
+    """After a failover the replayed stream differs from the text the client already has."""
 
 
 class ReceiptError(MeshError):

@@ -19,6 +19,18 @@ DEFAULT_CACHE = Path("~/.cache/mesh-inference")
 CONTROL_FILE_NAME = "control.json"
 
 
+def write_private_file(path: Path, data: bytes | str) -> None:
+    """Write ``path`` readable by this user only (0600 from creation), replacing it atomically.
+
+    The bytes go to ``<path>.partial`` first, so a reader never sees half a file.
+    """
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    partial.replace(path)
+
+
 def cache_root() -> Path:
     """The shared cache directory (llama.cpp builds, models)."""
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
