@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh_sidecar.wire import ticket as ticket_module
+from mesh_sidecar.net import addresses as addresses_module
+from mesh_sidecar.net.addresses import reachable_addresses
 from mesh_sidecar.errors import (
     TicketChecksumError,
     TicketError,
@@ -28,7 +29,6 @@ from mesh_sidecar.wire.ticket import (
     Ticket,
     decode_ticket,
     encode_ticket,
-    reachable_addresses,
 )
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"
@@ -277,25 +277,26 @@ def test_reachable_addresses_ends_with_loopback() -> None:
 _Snic = namedtuple("_Snic", "family address netmask broadcast ptp")
 
 
-def _fake_interfaces() -> dict[str, list[_Snic]]:
-    def nic(family: socket.AddressFamily, address: str) -> _Snic:
-        return _Snic(family, address, None, None, None)
+def _nic(family: socket.AddressFamily, address: str) -> _Snic:
+    return _Snic(family, address, None, None, None)
 
+
+def _fake_interfaces() -> dict[str, list[_Snic]]:
     return {
-        "lo": [nic(socket.AF_INET, "127.0.0.1"), nic(socket.AF_INET6, "::1")],
+        "lo": [_nic(socket.AF_INET, "127.0.0.1"), _nic(socket.AF_INET6, "::1")],
         "eth0": [
-            nic(socket.AF_INET6, "fd00::2"),
-            nic(socket.AF_INET6, "fe80::1%eth0"),
-            nic(socket.AF_INET, "192.0.2.2"),
-            nic(socket.AF_PACKET, "02:00:00:00:00:01"),
+            _nic(socket.AF_INET6, "fd00::2"),
+            _nic(socket.AF_INET6, "fe80::1%eth0"),
+            _nic(socket.AF_INET, "192.0.2.2"),
+            _nic(socket.AF_PACKET, "02:00:00:00:00:01"),
         ],
-        "eth1": [nic(socket.AF_INET, "192.0.2.2")]
-        + [nic(socket.AF_INET, f"10.0.0.{i}") for i in range(1, 30)],
+        "eth1": [_nic(socket.AF_INET, "192.0.2.2")]
+        + [_nic(socket.AF_INET, f"10.0.0.{i}") for i in range(1, 30)],
     }
 
 
 def test_reachable_addresses_filters_dedups_and_caps(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ticket_module.psutil, "net_if_addrs", _fake_interfaces)
+    monkeypatch.setattr(addresses_module.psutil, "net_if_addrs", _fake_interfaces)
     assert "fd00::2" not in [a.host for a in reachable_addresses(9000)]  # an IPv4 socket cannot take it
     found = reachable_addresses(9000, ipv6=True)
     hosts = [a.host for a in found]
@@ -305,6 +306,16 @@ def test_reachable_addresses_filters_dedups_and_caps(monkeypatch: pytest.MonkeyP
     assert "::1" not in hosts and not any(h.startswith("fe80") for h in hosts)
     # The cap drops the last interface addresses, never loopback.
     assert "fd00::2" not in hosts and "10.0.0.29" not in hosts
+
+
+def test_reachable_addresses_lists_global_ipv6_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    def one_interface():
+        return {"eth0": [_nic(socket.AF_INET, "192.0.2.2"), _nic(socket.AF_INET6, "fd00::2"),
+                         _nic(socket.AF_INET6, "fe80::1%eth0")]}
+
+    monkeypatch.setattr(addresses_module.psutil, "net_if_addrs", one_interface)
+    assert [a.host for a in reachable_addresses(9000)] == ["192.0.2.2", "127.0.0.1"]
+    assert [a.host for a in reachable_addresses(9000, ipv6=True)] == ["192.0.2.2", "fd00::2", "127.0.0.1"]
 
 
 def test_reachable_addresses_fit_in_a_ticket() -> None:

@@ -57,7 +57,8 @@ from ..home import NodeHome
 from ..llama.build import ProgressCallback
 from ..identity import NodeIdentity, short_id
 from ..ports import LOOPBACK
-from ..wire.ticket import MESH_SECRET_BYTES, PeerAddress, Ticket, encode_ticket, reachable_addresses
+from ..net.addresses import reachable_addresses
+from ..wire.ticket import MESH_SECRET_BYTES, PeerAddress, Ticket, encode_ticket
 from ..net.transport import MeshTransport, PeerConnection
 from ..net.model_transfer import fetch_model_file, serve_model_file
 from ..net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream

@@ -29,10 +29,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import ipaddress
-import socket
 from dataclasses import dataclass
 
-import psutil
 
 from ..errors import (
     TicketChecksumError,
@@ -66,7 +64,6 @@ _FAMILY_IPV4 = 4
 _FAMILY_IPV6 = 6
 _IP_BYTES = {_FAMILY_IPV4: 4, _FAMILY_IPV6: 16}
 _MAX_PORT = 65535
-_LOOPBACK_HOST = "127.0.0.1"
 
 _RECOPY = "Copy the whole `Node ticket:` line again from the node that printed it."
 
@@ -171,38 +168,6 @@ def decode_ticket(text: str) -> Ticket:
             )
     raw, tail_is_canonical = _base32_decode(body)
     return _parse(raw, tail_is_canonical)
-
-
-def reachable_addresses(port: int, ipv6: bool = False) -> tuple[PeerAddress, ...]:
-    """Addresses to put in this node's ticket: interface IPs, then 127.0.0.1 last.
-
-    Loopback comes last and always survives the cap, so a second node on the same
-    machine can still connect. With ``ipv6`` (a socket that takes IPv6), global
-    IPv6 addresses come after IPv4; link-local ones never, since their scope id
-    names an interface on *this* machine. The mesh listens on IPv4 only for now, so
-    it leaves them out: a ticket must not list addresses nobody can dial.
-    """
-    ipv4: list[PeerAddress] = []
-    ipv6: list[PeerAddress] = []
-    for entries in psutil.net_if_addrs().values():
-        for entry in entries:
-            if entry.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                ip = ipaddress.ip_address(entry.address)
-            except ValueError:
-                continue  # something odd an OS reports; it cannot go in a ticket anyway
-            if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
-                continue
-            if isinstance(ip, ipaddress.IPv6Address) and (not ipv6 or ip.scope_id is not None):
-                continue
-            address = PeerAddress(str(ip), port)
-            bucket = ipv4 if ip.version == 4 else ipv6
-            if address not in bucket:
-                bucket.append(address)
-    # IPv4 first: more LANs route it, and a dialer tries addresses in order.
-    found = (ipv4 + ipv6)[: MAX_TICKET_ADDRESSES - 1]
-    return (*found, PeerAddress(_LOOPBACK_HOST, port))
 
 
 def _checksum(data: bytes) -> bytes:

@@ -1,0 +1,73 @@
+"""The package's tree is its architecture: each layer imports only the layers below it.
+
+    foundation (errors, units, environment, home, identity, logs, ports)
+      < wire < llama < net < mesh < serve < node < cli
+
+The pure layer (``wire``) also imports nothing that opens sockets, starts
+processes, reads clocks or speaks HTTP. docs/architecture.md draws the same order.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mesh_sidecar"
+LAYERS = ("wire", "llama", "net", "mesh", "serve", "node", "cli")
+FOUNDATION_RANK = -1
+# Standard and third-party modules that do I/O the pure layer must not touch.
+IMPURE_MODULES = {"asyncio", "socket", "ssl", "select", "selectors", "subprocess", "threading", "time",
+                  "psutil", "httpx", "aiohttp", "aioquic", "qh3", "zeroconf"}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    return sorted((".".join(p.relative_to(PACKAGE).with_suffix("").parts), p) for p in PACKAGE.rglob("*.py"))
+
+
+def _rank(module: str) -> int:
+    """A module's layer: its subpackage's place in LAYERS, or the foundation's below them all."""
+    head = module.split(".")[0]
+    if head == "__main__":  # `python -m mesh_sidecar`: the command itself
+        return len(LAYERS)
+    return LAYERS.index(head) if head in LAYERS else FOUNDATION_RANK
+
+
+def _imports(module: str, path: Path) -> tuple[set[str], set[str]]:
+    """(modules of this package it imports, as dotted names; other top-level modules it imports)."""
+    package = module.split(".")[:-1]
+    ours, others = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+            names = [target] if node.module else [".".join(base + [a.name]) for a in node.names]
+            ours.update(n for n in names if n)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            (ours if node.module.startswith("mesh_sidecar") else others).add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            others.update(a.name.split(".")[0] for a in node.names)
+    return ours, others
+
+
+@pytest.mark.parametrize("module, path", _modules(), ids=[m for m, _ in _modules()])
+def test_imports_only_its_own_layer_or_below(module: str, path: Path) -> None:
+    ours, _ = _imports(module, path)
+    upward = sorted(t for t in ours if t and _rank(t) > _rank(module))
+    assert not upward, f"{module} imports from a higher layer: {upward}"
+
+
+@pytest.mark.parametrize("module, path", [(m, p) for m, p in _modules() if _rank(m) == 0],
+                         ids=[m for m, _ in _modules() if _rank(m) == 0])
+def test_the_pure_layer_does_no_io(module: str, path: Path) -> None:
+    _, others = _imports(module, path)
+    assert not others & IMPURE_MODULES, f"{module} imports {sorted(others & IMPURE_MODULES)}"
+
+
+def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
+    bad = tmp_path / "probe.py"
+    bad.write_text("from ..serve.proxy import ApiAccess\nimport socket\n")
+    ours, others = _imports("wire.probe", bad)
+    assert [t for t in ours if _rank(t) > _rank("wire.probe")] == ["serve.proxy"]
+    assert others & IMPURE_MODULES == {"socket"}
