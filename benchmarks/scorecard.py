@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decode import REPO_ROOT, lacks_root, write_report
-from mesh_sidecar.net.transport import DEFAULT_QUIC_LIBRARY
+from mesh_sidecar.environment import DEFAULT_QUIC_LIBRARY
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "scorecard.json"
 RELAY_MTUS = (1500, 9000)

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-HOME_ENV = "MESH_HOME"
-CACHE_ENV = "MESH_CACHE"
+from . import environment
+
 DEFAULT_HOME = Path("~/.local/share/mesh-inference")
 DEFAULT_CACHE = Path("~/.cache/mesh-inference")
 CONTROL_FILE_NAME = "control.json"
@@ -33,7 +33,7 @@ def write_private_file(path: Path, data: bytes | str) -> None:
 
 def cache_root() -> Path:
     """The shared cache directory (llama.cpp builds, models)."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+    return (environment.cache_dir() or DEFAULT_CACHE).expanduser()
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class NodeHome:
     @classmethod
     def resolve(cls, home: Path | None) -> "NodeHome":
         """``--home`` if given, else ``MESH_HOME``, else the per-user default."""
-        chosen = home or Path(os.environ.get(HOME_ENV) or DEFAULT_HOME)
+        chosen = home or environment.home_dir() or DEFAULT_HOME
         return cls(chosen.expanduser().resolve())
 
     @property

@@ -18,6 +18,7 @@ import pytest
 from mesh_sidecar.wire import auth
 from mesh_sidecar.net import path_mtu
 from mesh_sidecar.net import transport
+from mesh_sidecar.wire import frames
 from mesh_sidecar.errors import AuthError, FrameTooLargeError, MeshError
 from mesh_sidecar.identity import NodeIdentity, generate_identity
 from mesh_sidecar.net.transport import (
@@ -90,7 +91,7 @@ async def test_nodes_admit_each_other_and_exchange_control(make_node) -> None:
     assert await outbound.receive_control() == b""
     assert outbound.rtt is not None and 0 < outbound.rtt < 1
     with pytest.raises(FrameTooLargeError):
-        outbound.send_control(bytes(transport.MAX_CONTROL_MESSAGE_BYTES + 1))
+        outbound.send_control(bytes(frames.MAX_CONTROL_MESSAGE_BYTES + 1))
 
 
 async def test_simultaneous_dials_agree_on_one_connection(make_node) -> None:

@@ -37,13 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import environment
 from ..errors import BinariesMissingError, BuildError
 from ..home import cache_root
 
 LLAMA_CPP_PYTHON_PIN = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}.tar.gz"
 SDIST_VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}/vendor/llama.cpp/"
-LLAMA_BIN_ENV = "MESH_LLAMA_BIN"
 RPC_SERVER_BINARY = "ggml-rpc-server"
 LLAMA_SERVER_BINARY = "llama-server"
 BUILD_TARGETS = (RPC_SERVER_BINARY, LLAMA_SERVER_BINARY)
@@ -121,7 +121,7 @@ def binaries_in(directory: Path) -> LlamaBinaries:
     if missing:
         raise BinariesMissingError(
             f"{directory} has no executable {' or '.join(missing)}. Point --llama-bin "
-            f"(or {LLAMA_BIN_ENV}) at a llama.cpp build's bin/ directory built with "
+            f"(or {environment.LLAMA_BIN_ENV}) at a llama.cpp build's bin/ directory built with "
             f"-DGGML_RPC=ON, or leave it unset to use the pinned build (`mesh-inference setup`)."
         )
     return LlamaBinaries(found[RPC_SERVER_BINARY], found[LLAMA_SERVER_BINARY])
@@ -130,7 +130,7 @@ def binaries_in(directory: Path) -> LlamaBinaries:
 def ensure_binaries(llama_bin: Path | None, progress: ProgressCallback,
                     variant: BuildVariant = STOCK) -> LlamaBinaries:
     """A user's build if named (flag or env), else the pinned build, built if needed."""
-    chosen = llama_bin or (Path(os.environ[LLAMA_BIN_ENV]) if os.environ.get(LLAMA_BIN_ENV) else None)
+    chosen = llama_bin or environment.llama_bin_dir()
     if chosen is not None:
         return binaries_in(chosen.expanduser())
     root = pinned_build_dir(variant)

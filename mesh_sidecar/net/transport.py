@@ -76,10 +76,11 @@ from typing import TYPE_CHECKING, Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from .. import environment
+
 # The QUIC library, chosen once per process: aioquic, or qh3 1.x (MESH_QUIC=qh3), a fork with
 # the same API and Rust parts; only the adapter section below knows how their internals differ.
-DEFAULT_QUIC_LIBRARY = "aioquic"
-QUIC_LIBRARY = os.environ.get("MESH_QUIC", DEFAULT_QUIC_LIBRARY)
+QUIC_LIBRARY = environment.quic_library()
 if QUIC_LIBRARY == "aioquic":
     from aioquic import tls
     from aioquic.buffer import Buffer
@@ -109,6 +110,7 @@ if TYPE_CHECKING:
     from aioquic.quic.stream import QuicStream
 
 from ..wire import auth
+from ..wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from . import path_mtu
 from ..errors import (
     AuthError,
@@ -146,12 +148,10 @@ SEND_HIGH_WATER_BYTES = 512 * KIB
 SEND_LOW_WATER_BYTES = 128 * KIB
 CONNECTION_RECEIVE_WINDOW_BYTES = 16 * MIB
 PRE_AUTH_RECEIVE_WINDOW_BYTES = 4 * KIB
-MAX_CONTROL_MESSAGE_BYTES = 256 * KIB  # with its header, must fit one stream window
 MAX_UNAUTHENTICATED_PEERS = 32
 # Datagrams that are not QUIC for us (scans, floods) are dropped; one log line per interval says so.
 IGNORED_DATAGRAMS_LOG_INTERVAL_S = 60.0
 CONTROL_STREAM_ID = 0
-FRAME_HEADER = struct.Struct("!I")
 
 Address = tuple[str, int]
 PeerHandler = Callable[["PeerConnection"], Awaitable[None]]
@@ -173,35 +173,6 @@ class StreamCode(enum.IntEnum):
     CLOSED = 0  # closed before reading to the end
     ABORTED = 1
     HANDLER_FAILED = 2
-
-
-def encode_frame(payload: bytes) -> bytes:
-    return FRAME_HEADER.pack(len(payload)) + payload
-
-
-class FrameDecoder:
-    """Splits the control stream into frames; refuses one over ``max_frame_bytes``."""
-
-    def __init__(self, max_frame_bytes: int) -> None:
-        self.max_frame_bytes = max_frame_bytes
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> None:
-        self._buffer += data
-
-    def next_frame(self) -> bytes | None:
-        """The next whole frame's payload, or None until more bytes arrive."""
-        if len(self._buffer) < FRAME_HEADER.size:
-            return None
-        (length,) = FRAME_HEADER.unpack_from(self._buffer)
-        if length > self.max_frame_bytes:
-            raise FrameTooLargeError(f"control frame of {length} bytes is over the limit of {self.max_frame_bytes}")
-        end = FRAME_HEADER.size + length
-        if len(self._buffer) < end:
-            return None
-        frame = bytes(self._buffer[FRAME_HEADER.size : end])
-        del self._buffer[:end]
-        return frame
 
 
 def _format_address(address: tuple) -> str:

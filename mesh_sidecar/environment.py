@@ -1,0 +1,41 @@
+"""Every environment variable the sidecar reads: named here, and read only here.
+
+    MESH_HOME        a node's state directory (``--home`` wins)
+    MESH_CACHE       the shared cache of llama.cpp builds and models
+    MESH_LLAMA_BIN   a llama.cpp build's bin/ to use instead of the pinned one (``--llama-bin`` wins)
+    MESH_API_KEY     the API key (``--api-key`` wins; typer reads it for that option)
+    MESH_QUIC        the QUIC library: aioquic (default) or qh3 1.x
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOME_ENV = "MESH_HOME"
+CACHE_ENV = "MESH_CACHE"
+LLAMA_BIN_ENV = "MESH_LLAMA_BIN"
+API_KEY_ENV = "MESH_API_KEY"
+QUIC_LIBRARY_ENV = "MESH_QUIC"
+DEFAULT_QUIC_LIBRARY = "aioquic"
+
+
+def _path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+def home_dir() -> Path | None:
+    return _path(HOME_ENV)
+
+
+def cache_dir() -> Path | None:
+    return _path(CACHE_ENV)
+
+
+def llama_bin_dir() -> Path | None:
+    return _path(LLAMA_BIN_ENV)
+
+
+def quic_library() -> str:
+    return os.environ.get(QUIC_LIBRARY_ENV, DEFAULT_QUIC_LIBRARY)
