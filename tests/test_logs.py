@@ -21,6 +21,7 @@ from mesh_sidecar.logs import (
     pump_lines,
     tail,
 )
+from tests.waiting import wait_until_async
 
 
 def lines_of(path: Path) -> list[str]:
@@ -218,7 +219,7 @@ async def test_stop_finishes_the_log_and_leaves_no_task(tmp_path: Path) -> None:
     before = asyncio.all_tasks()
     child = ChildProcess("ticker", python_child(code), path, max_log_bytes=2048, log_backups=1)
     await child.start()
-    await asyncio.sleep(1.0)
+    await wait_until_async(lambda: backup_path(path, 1).exists(), 30, "the ticker's log rotates once")
     await child.stop()
     assert not child.running
     assert asyncio.all_tasks() == before
@@ -233,7 +234,8 @@ async def test_wait_cancelled_does_not_lose_the_pump(tmp_path: Path) -> None:
                          tmp_path / "child.log")
     await child.start()
     waiter = asyncio.ensure_future(child.wait())
-    await asyncio.sleep(0.1)
+    await wait_until_async(lambda: (tmp_path / "child.log").exists() and "a" in lines_of(tmp_path / "child.log"),
+                           30, "the child's first line is logged")
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     assert await child.wait() == 0

@@ -210,7 +210,12 @@ def test_member_with_other_weights_is_refused_then_kicked(lab_mesh, model_path):
 
 def test_no_prompt_text_in_any_log(lab_mesh):
     _, hosts, nodes, _, root = lab_mesh
+    llama_log = nodes["c"].home / "logs" / "llama-server.log"
+    timings_before = llama_log.read_text(errors="replace").count("prompt eval time")
     ns_chat(hosts["c"], f"Repeat this word: {MARKER}")
-    time.sleep(1)  # let the logs flush
+    # llama-server logs a request's timings when it ends; once that line is in its log file, the
+    # sidecar has copied out everything the request made it print.
+    wait_until(lambda: llama_log.read_text(errors="replace").count("prompt eval time") > timings_before, 30,
+               "llama-server's log shows the request's timings")
     leaks = [path for path in root.rglob("*") if path.is_file() and MARKER.encode() in path.read_bytes()]
     assert leaks == []
