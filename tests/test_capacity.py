@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mesh_sidecar.llama.capacity import (MAX_HELD_ENTRIES, MIB, Capacity, Device, held_key, measure,
-                                   parse_device_listing, parse_size)
+from mesh_sidecar.llama.capacity import MAX_HELD_ENTRIES, Capacity, Device, held_key, measure, parse_device_listing
 from mesh_sidecar.errors import UsageError
 from mesh_sidecar.wire.gossip import MemberInfo
 from mesh_sidecar.llama.launch import start_rpc_server
 from mesh_sidecar.ports import free_tcp_port
-
-GIB = 1024 * MIB
+from mesh_sidecar.units import GIB, MIB, format_gib, parse_size
 
 LISTING = """Starting RPC server v7.0.0
   endpoint       : 127.0.0.1:50052
@@ -38,8 +36,8 @@ def test_listing_not_printed_yet() -> None:
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("1024", 1024), ("512M", 512 * MIB), ("2G", 2 * 1024**3), ("1.5GB", int(1.5 * 1024**3)),
-    ("100 MiB", 100 * MIB), ("3k", 3 * 1024),
+    ("1024", 1024), ("512M", 512 * MIB), ("2G", 2 * GIB), ("1.5GB", int(1.5 * GIB)),
+    ("1.5GiB", int(1.5 * GIB)), ("100 MiB", 100 * MIB), ("3k", 3 * 1024), ("1T", 1024 * GIB),
 ])
 def test_sizes(text: str, expected: int) -> None:
     assert parse_size(text) == expected
@@ -49,6 +47,16 @@ def test_sizes(text: str, expected: int) -> None:
 def test_bad_sizes_are_usage_errors(text: str) -> None:
     with pytest.raises(UsageError, match="not a size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("n_bytes, up, shown", [
+    (GIB // 2, False, "0.50"), (int(1.26 * GIB), False, "1.3"), (int(1.21 * GIB), True, "1.3"),
+    (GIB // 100 + 1, True, "0.02"), (3 * GIB, True, "3.0"),
+])
+def test_gib_for_people(n_bytes: int, up: bool, shown: str) -> None:
+    """Two decimals under 1 GiB, one above; ``up`` never shows less than is needed."""
+    assert format_gib(n_bytes, up=up) == shown
+    assert parse_size(shown + "G") >= n_bytes or not up
 
 
 def test_cap_limits_what_is_offered() -> None:

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from mesh_sidecar.errors import ModelError
 from mesh_sidecar.llama.estimate import (
     DEFAULT_N_UBATCH,
-    MiB,
     ModelEstimate,
     assign_layers,
     compute_margin,
@@ -25,6 +24,7 @@ from mesh_sidecar.llama.estimate import (
     kv_cells,
 )
 from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.units import MIB
 from tests.conftest import api_healthy
 
 N_CTX = 4096
@@ -105,13 +105,13 @@ def test_margin_comes_from_the_model_hyperparameters(smol: ModelEstimate) -> Non
 def test_compute_margin_covers_measured_buffers(n_ctx: int, n_ubatch: int) -> None:
     margin = compute_margin(n_ctx=n_ctx, n_embd=SMOL_EMBD, n_ff=SMOL_FFN, n_vocab=SMOL_VOCAB, n_ubatch=n_ubatch)
     measured = MEASURED_COMPUTE_MIB[(n_ctx, n_ubatch)]
-    assert measured <= margin / MiB <= measured + MARGIN_OVERSHOOT_MIB
+    assert measured <= margin / MIB <= measured + MARGIN_OVERSHOOT_MIB
 
 
 def test_compute_margin_uses_logits_when_vocab_dominates() -> None:
     small = compute_margin(n_ctx=256, n_embd=64, n_ff=256, n_vocab=1000, n_ubatch=DEFAULT_N_UBATCH)
     huge_vocab = compute_margin(n_ctx=256, n_embd=64, n_ff=256, n_vocab=10_000_000, n_ubatch=DEFAULT_N_UBATCH)
-    assert huge_vocab - small > 100 * MiB
+    assert huge_vocab - small > 100 * MIB
 
 
 def test_tensor_split_assignment_matches_llama_rule() -> None:
@@ -267,8 +267,8 @@ def test_estimate_matches_llama_cpp_buffers(binaries, model_path: Path, tmp_path
     ranges = [(0, 10, False), (10, SMOL_LAYERS, True)]
     for endpoint, (start, end, last) in zip(endpoints, ranges):
         ours = (sum(est.layer_weight_bytes[start:end]) + (est.output_bytes if last else 0)
-                + (end - start) * est.kv_bytes_per_layer) / MiB
+                + (end - start) * est.kv_bytes_per_layer) / MIB
         theirs = sizes[(endpoint, "model")] + sizes[(endpoint, "KV")]
         assert ours == pytest.approx(theirs, rel=REAL_TOLERANCE), (endpoint, sizes)
-        assert sizes[(endpoint, "compute")] <= est.compute_margin_bytes / MiB
-        assert est.range_bytes(start, end, with_output=last) / MiB >= theirs + sizes[(endpoint, "compute")]
+        assert sizes[(endpoint, "compute")] <= est.compute_margin_bytes / MIB
+        assert est.range_bytes(start, end, with_output=last) / MIB >= theirs + sizes[(endpoint, "compute")]

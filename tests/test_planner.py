@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from mesh_sidecar.errors import PlanError, SetupError
 from mesh_sidecar.llama.estimate import ModelEstimate, assign_layers
-from mesh_sidecar.serve.planner import BYTES_PER_GB, NodeCapacity, Plan, plan_layers
+from mesh_sidecar.serve.planner import NodeCapacity, Plan, plan_layers
+from mesh_sidecar.units import GIB
 
-GB = BYTES_PER_GB
 N_CTX = 4096
 
 
@@ -174,7 +174,7 @@ def test_seed_example_ranges():
 
 def test_layers_follow_capacity():
     assert counts(plan_layers(nodes(200, 100), estimate(90))) == [60, 30]
-    assert counts(plan_layers(nodes(10 * GB, 20 * GB, 10 * GB), estimate(80, GB // 100))) == [20, 40, 20]
+    assert counts(plan_layers(nodes(10 * GIB, 20 * GIB, 10 * GIB), estimate(80, GIB // 100))) == [20, 40, 20]
 
 
 @settings(max_examples=300)
@@ -256,37 +256,37 @@ def test_with_equal_blocks_a_plan_exists_exactly_when_any_layout_fits(
 
 
 def test_too_small_mesh_names_the_shortfall_and_the_fix():
-    est = estimate(10, GB, margin=GB // 2, output=GB // 2)
-    # Each node fits two layers: 4 of 10 placed; 11.5 GB needed, 6 GB free.
+    est = estimate(10, GIB, margin=GIB // 2, output=GIB // 2)
+    # Each node fits two layers: 4 of 10 placed; 11.5 GiB needed, 6 GiB free.
     with pytest.raises(PlanError) as caught:
-        plan_layers(nodes(3 * GB, 3 * GB), est)
+        plan_layers(nodes(3 * GIB, 3 * GIB), est)
     message = str(caught.value)
     assert isinstance(caught.value, SetupError)
-    assert "has 6.0 GB free" in message
-    assert "needs 11.5 GB (5.5 GB short)" in message
-    assert "Add a node with at least 6.5 GB free" in message  # six layers and its own margin
+    assert "has 6.0 GiB free" in message
+    assert "needs 11.5 GiB (5.5 GiB short)" in message
+    assert "Add a node with at least 6.5 GiB free" in message  # six layers and its own margin
     assert "--max-memory" in message and "--ctx-size" in message
 
 
 def test_fragmented_mesh_names_the_layers_that_do_not_fit():
-    est = estimate(3, GB)
-    # 1.5 + 1.5 GB hold the 3 GB in total, but only one whole layer each.
+    est = estimate(3, GIB)
+    # 1.5 + 1.5 GiB hold the 3 GiB in total, but only one whole layer each.
     with pytest.raises(PlanError) as caught:
-        plan_layers(nodes(3 * GB // 2, 3 * GB // 2), est)
+        plan_layers(nodes(3 * GIB // 2, 3 * GIB // 2), est)
     message = str(caught.value)
     assert "2 of its 3 layers" in message
-    assert "(1.0 GB short)" in message
-    assert "at least 1.0 GB free" in message
+    assert "(1.0 GiB short)" in message
+    assert "at least 1.0 GiB free" in message
 
 
 def test_no_node_can_hold_the_output_head():
-    est = estimate(4, GB, output=2 * GB)
-    members = nodes(2 * GB, 2 * GB)
+    est = estimate(4, GIB, output=2 * GIB)
+    members = nodes(2 * GIB, 2 * GIB)
     with pytest.raises(PlanError) as caught:
         plan_layers(members, est)
     message = str(caught.value)
-    assert "takes 3.0 GB and the largest node has 2.0 GB free (1.0 GB short)" in message
-    assert "host0 (node_00000000, 2.0 GB)" in message
+    assert "takes 3.0 GiB and the largest node has 2.0 GiB free (1.0 GiB short)" in message
+    assert "host0 (node_00000000, 2.0 GiB)" in message
 
 
 @settings(max_examples=400)
@@ -297,9 +297,9 @@ def test_following_the_advice_makes_the_model_fit(mesh):
     with pytest.raises(PlanError) as caught:
         plan_layers(members, est)
     message = str(caught.value)
-    assert re.search(r"\(\d+\.\d+ GB short\)", message)
-    advised = float(re.search(r"at least (\d+\.\d+) GB free", message)[1])
-    newcomer = NodeCapacity(b"\xff" * 32, "new", round(advised * BYTES_PER_GB))
+    assert re.search(r"\(\d+\.\d+ GiB short\)", message)
+    advised = float(re.search(r"at least (\d+\.\d+) GiB free", message)[1])
+    newcomer = NodeCapacity(b"\xff" * 32, "new", round(advised * GIB))
     plan_layers([newcomer, *members], est)
 
 

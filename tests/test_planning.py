@@ -129,7 +129,7 @@ def test_join_and_leave_while_serving(start_node, reference_text):
 def test_too_small_mesh_is_refused_clearly_and_recovers(start_node, reference_text):
     server = start_node("tiny", "--max-memory", "60M", serve=True, wait=False)
     wait_until(lambda: "Cannot load the model" in server.text(), 60, "the refusal is printed")
-    assert re.search(r"\d+\.\d+ GB short", server.text()), server.text()
+    assert re.search(r"\d+\.\d+ GiB short", server.text()), server.text()
 
     response = httpx.post(f"http://127.0.0.1:{server.serve_port}/v1/chat/completions", timeout=30,
                           json={"messages": [{"role": "user", "content": "hi"}]})

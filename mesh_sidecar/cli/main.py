@@ -1,7 +1,10 @@
 """The ``mesh-inference`` command line: run a node, set up, show status.
 
 Every error a person can cause ends here as one clear message and a non-zero
-exit, never a traceback.
+exit, never a traceback: every command runs through ``_MeshCommands.invoke``,
+the one place that turns a ``MeshError`` into its message on stderr and exit
+status 1. Usage errors that typer finds itself (a missing argument, a bad
+number) keep typer's own message and status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.console import Group
@@ -26,12 +30,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ..llama.capacity import parse_size
+from .. import environment
 from ..node import control
 from ..node.control import read_plan, read_status
 from ..net.discovery import LAN_BROWSE_S, browse_lan
 from ..errors import MeshError, ReceiptError, UsageError
-from ..home import NodeHome
+from ..home import DEFAULT_HOME, NodeHome
 from ..logs import follow as follow_logs
 from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
 from ..identity import load_or_create_identity, short_id
@@ -41,6 +45,7 @@ from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..node.node import DEFAULT_CTX_SIZE, Node, NodeOptions
 from ..ports import LOOPBACK, check_tcp_port_free
 from ..serve.proxy import ApiAccess
+from ..units import MIB, format_gib, parse_size
 from ..wire.ticket import decode_ticket
 from .views import plan_table
 from ..serve import receipt as receipts
@@ -49,17 +54,34 @@ from ..llama import weight_cache
 from ..llama.weight_cache import WeightCache
 
 STATUS_WATCH_INTERVAL_S = 1.0
+MESH_ERROR_EXIT_STATUS = 1
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+class _MeshCommands(TyperGroup):
+    """The command group every command runs through: a ``MeshError`` becomes its message and exit status."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except MeshError as exc:
+            # Escaped: a message may hold brackets ("[fd00::2]:47470") that rich would take for markup.
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(MESH_ERROR_EXIT_STATUS) from None
+
+
 app = typer.Typer(
+    cls=_MeshCommands,
     add_completion=False,
     no_args_is_help=False,
     help="Run one GGUF model across several machines: llama.cpp RPC over an authenticated QUIC mesh.",
 )
 
 HomeOption = Annotated[
-    Optional[Path], typer.Option("--home", envvar="MESH_HOME", help="This node's state directory.")
+    Optional[Path], typer.Option("--home", help=f"This node's state directory (default: {environment.HOME_ENV}, "
+                                                f"else {DEFAULT_HOME}).")
 ]
 CtxOption = Annotated[int, typer.Option("--ctx-size", min=256, help="Context length llama-server gets (tokens).")]
 B2bOption = Annotated[bool, typer.Option(
@@ -67,8 +89,8 @@ B2bOption = Annotated[bool, typer.Option(
                   "each other. Give it to every node; a node without it still works with the others.")]
 LlamaBinOption = Annotated[
     Optional[Path],
-    typer.Option("--llama-bin", envvar="MESH_LLAMA_BIN",
-                 help="Directory with your own ggml-rpc-server and llama-server (e.g. a CUDA build)."),
+    typer.Option("--llama-bin", help="Directory with your own ggml-rpc-server and llama-server (e.g. a CUDA "
+                                     f"build); default: {environment.LLAMA_BIN_ENV}, else the pinned build."),
 ]
 
 
@@ -158,12 +180,6 @@ def _say(message: str) -> None:
     console.print(message, highlight=False, soft_wrap=True)
 
 
-def _fail(exc: MeshError) -> None:
-    # Escaped: a message may hold brackets ("[fd00::2]:47470") that rich would take for markup.
-    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
-
-
 @app.callback(invoke_without_command=True)
 def run_node(
     ctx: typer.Context,
@@ -176,11 +192,11 @@ def run_node(
     join: Annotated[Optional[str], typer.Option("--join", help="Join the mesh of the node that printed this ticket.")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
     min_peers: Annotated[int, typer.Option("--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
-    max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G (G means GiB).")] = None,
     ctx_size: CtxOption = DEFAULT_CTX_SIZE,
     api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar="MESH_API_KEY", show_default=False,
-        help="With --serve: clients must send 'Authorization: Bearer KEY'. Prefer the MESH_API_KEY "
+        "--api-key", envvar=environment.API_KEY_ENV, show_default=False,
+        help=f"With --serve: clients must send 'Authorization: Bearer KEY'. Prefer the {environment.API_KEY_ENV} "
              "variable: a command-line argument is visible to every local user in ps.")] = None,
     cors_origin: Annotated[Optional[str], typer.Option(
         "--cors-origin", help="With --serve: let web pages from this origin call the API "
@@ -214,36 +230,33 @@ def run_node(
     if lan:
         _show_lan(node_home)
         return
-    try:
-        ticket = decode_ticket(join) if join is not None else None
-        max_memory_bytes = parse_size(max_memory) if max_memory is not None else None
-        api_access = ApiAccess(api_key, cors_origin)
-        if serve is not None:
-            check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
-        binaries, model_path, sha256 = _prepare(llama_bin, model,
-                                                identify_model=serve is not None or model is not None, b2b=b2b)
-        if speculation_mode not in ("auto", "off"):
-            raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
-        if speculation_mode == "off" and draft_model is not None:
-            raise UsageError("--speculation off and --draft-model contradict each other: drop one.")
-        draft_path = _draft_for(model_path, draft_model, serve is not None)
-        if receipt is not None and serve is None:
-            raise UsageError("--receipt works on the serving node only: add --serve PORT.")
-        node_home.create()
-        _configure_logging(node_home, verbose)
-        cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
-        identity = load_or_create_identity(node_home.root)
-        options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
-                              binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
-                              min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                              api_access=api_access, model_sha256=sha256, weight_cache=cache,
-                              weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
-                              receipts=receipt.expanduser().resolve() if receipt else None,
-                              speculate=speculation_mode == "auto", mdns=not no_mdns)
-        console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
-        asyncio.run(_run_until_signal(Node(options, identity, _say)))
-    except MeshError as exc:
-        _fail(exc)
+    ticket = decode_ticket(join) if join is not None else None
+    max_memory_bytes = parse_size(max_memory) if max_memory is not None else None
+    api_access = ApiAccess(api_key, cors_origin)
+    if serve is not None:
+        check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
+    binaries, model_path, sha256 = _prepare(llama_bin, model,
+                                            identify_model=serve is not None or model is not None, b2b=b2b)
+    if speculation_mode not in ("auto", "off"):
+        raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
+    if speculation_mode == "off" and draft_model is not None:
+        raise UsageError("--speculation off and --draft-model contradict each other: drop one.")
+    draft_path = _draft_for(model_path, draft_model, serve is not None)
+    if receipt is not None and serve is None:
+        raise UsageError("--receipt works on the serving node only: add --serve PORT.")
+    node_home.create()
+    _configure_logging(node_home, verbose)
+    cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
+    identity = load_or_create_identity(node_home.root)
+    options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
+                          binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
+                          min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
+                          api_access=api_access, model_sha256=sha256, weight_cache=cache,
+                          weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
+                          receipts=receipt.expanduser().resolve() if receipt else None,
+                          speculate=speculation_mode == "auto", mdns=not no_mdns)
+    console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
+    asyncio.run(_run_until_signal(Node(options, identity, _say)))
 
 
 def _show_lan(node_home: NodeHome) -> None:
@@ -283,10 +296,7 @@ def setup(
     b2b: B2bOption = False,
 ) -> None:
     """Build the pinned llama.cpp (once) and fetch the default model. Prints the binaries' directory last."""
-    try:
-        binaries, model_path, _ = _prepare(llama_bin, model, b2b=b2b)
-    except MeshError as exc:
-        _fail(exc)
+    binaries, model_path, _ = _prepare(llama_bin, model, b2b=b2b)
     console.print(f"model: {model_path}", highlight=False)
     print(binaries.directory)
 
@@ -310,8 +320,6 @@ def status(
                     live.update(_status_view(read_status(node_home)))
         else:
             console.print(_status_view(snapshot))
-    except MeshError as exc:
-        _fail(exc)
     except KeyboardInterrupt:
         pass
 
@@ -322,7 +330,7 @@ def _status_view(snapshot: dict) -> Group:
     parts.append(Text(f"{node['name']} {node['short_id']}  home {node['home']}", style="bold"))
     parts.append(Text(f"model: {snapshot['model']['path']} (context {snapshot['model']['ctx_size']})"))
     if node["capacity"]:
-        parts.append(Text(f"offers: {node['capacity']['usable_bytes'] / 1e9:.2f} GB"))
+        parts.append(Text(f"offers: {format_gib(node['capacity']['usable_bytes'])} GiB"))
     serving = snapshot["serving"]
     if serving:
         c = serving["counters"]
@@ -352,7 +360,7 @@ def _status_view(snapshot: dict) -> Group:
                           f"{len(others)} other mesh(es) seen (`mesh-inference --lan` lists them)"))
     if snapshot["peers"]:
         peers = Table("peer", "id", "address", "state", "health", "rtt ms (p50/p95)", "datagram B", "tunnel port",
-                      "rpc-server", "offers GB", "MB to/from")
+                      "rpc-server", "offers GiB", "MiB to/from")
         for peer in snapshot["peers"]:
             offers = peer["capacity"].get("usable_bytes")
             rtt = "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}"
@@ -363,8 +371,8 @@ def _status_view(snapshot: dict) -> Group:
                           str(peer.get("health", "-")), rtt, str(peer.get("datagram_bytes") or "-"),
                           str(peer["tunnel_port"] or "-"),
                           "up" if peer["rpc_server_up"] else "down",
-                          "-" if offers is None else f"{offers / 1e9:.2f}",
-                          f"{peer['bytes_to_peer'] / 1e6:.1f}/{peer['bytes_from_peer'] / 1e6:.1f}")
+                          "-" if offers is None else format_gib(offers),
+                          f"{peer['bytes_to_peer'] / MIB:.1f}/{peer['bytes_from_peer'] / MIB:.1f}")
         parts.append(peers)
     return Group(*parts)
 
@@ -377,15 +385,12 @@ def ticket(
 ) -> None:
     """Print the ticket another machine joins this mesh with."""
     node_home = NodeHome.resolve(home)
-    try:
-        if rotate:
-            new_ticket = control.rotate_secret(node_home)
-            err_console.print("Rotated the mesh secret: current members keep their place; older tickets "
-                              "no longer admit anyone.", highlight=False)
-        else:
-            new_ticket = control.read_ticket(node_home)
-    except MeshError as exc:
-        _fail(exc)
+    if rotate:
+        new_ticket = control.rotate_secret(node_home)
+        err_console.print("Rotated the mesh secret: current members keep their place; older tickets "
+                          "no longer admit anyone.", highlight=False)
+    else:
+        new_ticket = control.read_ticket(node_home)
     print(new_ticket)
 
 
@@ -398,10 +403,7 @@ def leave(home: HomeOption = None) -> None:
         err_console.print("No node is running here: forgot its mesh (its members were not told; they will see it "
                           "as lost). The next start begins a new mesh.", highlight=False)
         return
-    try:
-        control.leave(node_home)
-    except MeshError as exc:
-        _fail(exc)
+    control.leave(node_home)
     err_console.print("Leaving: the node tells its peers, waits for them to move work off it, and stops. "
                       "Its next start begins a new mesh (or joins one with --join).", highlight=False)
 
@@ -412,10 +414,7 @@ def kick(
     home: HomeOption = None,
 ) -> None:
     """Remove a member from the mesh and rotate the secret, so its old ticket stops working."""
-    try:
-        result = control.kick(NodeHome.resolve(home), node)
-    except MeshError as exc:
-        _fail(exc)
+    result = control.kick(NodeHome.resolve(home), node)
     err_console.print(f"Removed {result['removed']} from the mesh and rotated the secret. New ticket:",
                       highlight=False)
     print(result["ticket"])
@@ -427,30 +426,27 @@ def verify(
     replay: Annotated[bool, typer.Option("--replay", help="Also run the request again on the mesh of the node "
                                          "in --home and compare the output's hash.")] = False,
     home: HomeOption = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="MESH_API_KEY", show_default=False,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=environment.API_KEY_ENV, show_default=False,
                                                    help="The serving node's API key, if it has one.")] = None,
 ) -> None:
     """Check a run receipt's signature (and with --replay, that the mesh reproduces its output)."""
     try:
-        try:
-            document = json.loads(receipt_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"Cannot read {receipt_file} as JSON: {exc}") from exc
-        body = receipts.verify(document)
-        served = body["served_by"]
-        console.print(f"Signature OK: served by {served['name']} ({served['id'][:16]}...) at {body['created']}; "
-                      f"model {body['model']['name']} sha256 {str(body['model']['sha256'])[:12]}...; "
-                      f"{body['output']['n_tokens']} tokens, output sha256 {body['output']['token_ids_sha256'][:16]}...",
-                      highlight=False)
-        if replay:
-            again = receipts.replay(body, read_status(NodeHome.resolve(home)), api_key)
-            if again != body["output"]["token_ids_sha256"]:
-                raise ReceiptError(f"Replay gave other output (sha256 {again[:16]}... instead of "
-                                   f"{body['output']['token_ids_sha256'][:16]}...): a different model, plan or "
-                                   "build, or a request that was not greedy.")
-            console.print("Replay OK: the mesh reproduced the same output token ids.", highlight=False)
-    except MeshError as exc:
-        _fail(exc)
+        document = json.loads(receipt_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"Cannot read {receipt_file} as JSON: {exc}") from exc
+    body = receipts.verify(document)
+    served = body["served_by"]
+    console.print(f"Signature OK: served by {served['name']} ({served['id'][:16]}...) at {body['created']}; "
+                  f"model {body['model']['name']} sha256 {str(body['model']['sha256'])[:12]}...; "
+                  f"{body['output']['n_tokens']} tokens, output sha256 {body['output']['token_ids_sha256'][:16]}...",
+                  highlight=False)
+    if replay:
+        again = receipts.replay(body, read_status(NodeHome.resolve(home)), api_key)
+        if again != body["output"]["token_ids_sha256"]:
+            raise ReceiptError(f"Replay gave other output (sha256 {again[:16]}... instead of "
+                               f"{body['output']['token_ids_sha256'][:16]}...): a different model, plan or "
+                               "build, or a request that was not greedy.")
+        console.print("Replay OK: the mesh reproduced the same output token ids.", highlight=False)
 
 
 @app.command()
@@ -464,8 +460,8 @@ def logs(
     node_home = NodeHome.resolve(home)
     files = [f for f in log_files(node_home.logs) if process is None or f.name.startswith(process)]
     if not files:
-        _fail(UsageError(f"No logs{' for ' + process if process else ''} in {node_home.logs}. "
-                         "Has a node run with this home (--home)?"))
+        raise UsageError(f"No logs{' for ' + process if process else ''} in {node_home.logs}. "
+                         "Has a node run with this home (--home)?")
     try:
         if follow:
             for path, line in follow_logs(files, lines=lines):
@@ -487,12 +483,9 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object, for scripts.")] = False,
 ) -> None:
     """Show how the running node would spread the model over the mesh now, without launching."""
-    try:
-        if model is not None:
-            model = check_gguf(model)
-        result = read_plan(NodeHome.resolve(home), model, ctx_size)
-    except MeshError as exc:
-        _fail(exc)
+    if model is not None:
+        model = check_gguf(model)
+    result = read_plan(NodeHome.resolve(home), model, ctx_size)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

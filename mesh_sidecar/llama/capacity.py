@@ -20,13 +20,10 @@ from dataclasses import dataclass
 
 import psutil
 
-from ..errors import UsageError
+from ..units import MIB
 
-MIB = 1024 * 1024
 CPU_DEVICE_PREFIX = "CPU"
 _DEVICE_LINE = re.compile(r"^\s+(?P<name>[^:\s]+): (?P<desc>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$")
-_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-_UNIT_BYTES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 # Keys of MemberInfo.capacity in gossip.
 USABLE_KEY = "usable_bytes"
@@ -74,14 +71,6 @@ def parse_device_listing(text: str) -> tuple[Device, ...]:
             devices.append(Device(match["name"], match["desc"], int(match["total"]) * MIB,
                                   int(match["free"]) * MIB))
     return tuple(devices)
-
-
-def parse_size(text: str) -> int:
-    """``--max-memory`` values: bytes, or with K/M/G/T (binary units, optional B/iB)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise UsageError(f"{text!r} is not a size. Use e.g. 512M, 2G or 1.5GB.")
-    return int(float(match["number"]) * _UNIT_BYTES[match["unit"].upper()])
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,8 @@ import numpy as np
 
 from ..errors import ModelError
 from ..wire.gguf_header import GGUFHeader, read_header
+from ..units import MIB
 from .model import check_gguf
-
-MiB = 1024 * 1024
 
 # --- KV cache ---------------------------------------------------------------
 # llama.cpp's default --cache-type-k/-v is f16: 2 bytes per element.
@@ -67,7 +66,7 @@ EMBD_ROWS_PER_TOKEN = 7
 N_OUTPUT_ROWS = 4
 # Small graph inputs (positions, output ids) and allocator rounding: measured
 # at ~0.04 MiB; 1 MiB keeps the margin on the safe side of llama.cpp's figure.
-COMPUTE_SLACK_BYTES = 1 * MiB
+COMPUTE_SLACK_BYTES = 1 * MIB
 # Transformers without a feed_forward_length key: the usual 4 x n_embd.
 DEFAULT_FFN_RATIO = 4
 

@@ -27,7 +27,7 @@ three steps:
    ``[sum of earlier counts, + its count)``.
 
 If the caps add up to fewer layers than the model has, :class:`PlanError`
-names the shortfall in GB and the size of a node that would close it.
+names the shortfall in GiB and the size of a node that would close it.
 
 ``Plan.tensor_split`` turns the counts into llama.cpp's ``--tensor-split``
 weights; its docstring shows why they reproduce the runs exactly.
@@ -35,7 +35,6 @@ weights; its docstring shows why they reproduce the runs exactly.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -43,16 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from ..identity import short_id
+from ..units import format_gib
 
 if TYPE_CHECKING:
     # Only its interface is used here, so planning needs no GGUF reading.
     from ..llama.estimate import ModelEstimate
-
-# Binary, to match --max-memory, where "2G" and "2GB" both mean 2 GiB: a number
-# from our messages can be typed back into that option as it is.
-BYTES_PER_GB = 1024**3
-# Amounts under 1 GB get two decimals so small models do not all read "0.1 GB".
-GB_PRECISE_BELOW = 1.0
 
 
 @dataclass(frozen=True)
@@ -244,9 +238,10 @@ def _shortfall(
         first_run = largest_first[1] + margin + estimate.output_bytes
         largest = max((member.usable_bytes for member in left_out), default=0)
         summary = (
-            f"No node can hold the output head with one layer: that takes {_gb(first_run)} GB "
-            f"and the largest node has {_gb(largest)} GB free "
-            f"({_gb(first_run - largest, up=True)} GB short); the whole model needs {_gb(needed)} GB."
+            f"No node can hold the output head with one layer: that takes {format_gib(first_run)} GiB "
+            f"and the largest node has {format_gib(largest)} GiB free "
+            f"({format_gib(first_run - largest, up=True)} GiB short); "
+            f"the whole model needs {format_gib(needed)} GiB."
         )
         add = needed
     else:
@@ -256,34 +251,25 @@ def _shortfall(
         add = largest_first[unplaced] + margin
         if needed > available:
             summary = (
-                f"The mesh has {_gb(available)} GB free for this model but needs {_gb(needed)} GB "
-                f"({_gb(needed - available, up=True)} GB short)."
+                f"The mesh has {format_gib(available)} GiB free for this model "
+                f"but needs {format_gib(needed)} GiB ({format_gib(needed - available, up=True)} GiB short)."
             )
         else:
             summary = (
-                f"The mesh has {_gb(available)} GB free for this model, enough for the "
-                f"{_gb(needed)} GB it needs in total, but a layer cannot be split between nodes: "
+                f"The mesh has {format_gib(available)} GiB free for this model, enough for the "
+                f"{format_gib(needed)} GiB it needs in total, but a layer cannot be split between nodes: "
                 f"they hold only {n_layers - unplaced} of its {n_layers} layers "
-                f"({_gb(largest_first[unplaced], up=True)} GB short)."
+                f"({format_gib(largest_first[unplaced], up=True)} GiB short)."
             )
     advice = (
-        f" Add a node with at least {_gb(add, up=True)} GB free, raise --max-memory, "
+        f" Add a node with at least {format_gib(add, up=True)} GiB free, raise --max-memory, "
         "or use a smaller model/context (--ctx-size)."
     )
     too_small = ""
     if left_out:
         listed = ", ".join(
-            f"{m.name} ({short_id(m.node_id)}, {_gb(m.usable_bytes)} GB)" for m in left_out
+            f"{m.name} ({short_id(m.node_id)}, {format_gib(m.usable_bytes)} GiB)" for m in left_out
         )
         too_small = f" Left out as too small: {listed}."
     return PlanError(summary + advice + too_small)
 
-
-def _gb(n_bytes: int, *, up: bool = False) -> str:
-    """Bytes as GB for people; ``up`` rounds up, for amounts that must be enough."""
-    gb = n_bytes / BYTES_PER_GB
-    digits = 2 if gb < GB_PRECISE_BELOW else 1
-    if up:
-        scale = 10**digits
-        gb = math.ceil(n_bytes * scale / BYTES_PER_GB) / scale
-    return f"{gb:.{digits}f}"

@@ -6,7 +6,7 @@ const STATE_URL = "/mesh/state";
 const POLL_MS = 1000;
 const KEY_STORAGE = "mesh-inference-api-key"; // sessionStorage: gone when the tab closes
 const SPARK_POINTS = 60; // a minute of tokens/s at one poll a second
-const GB = 1e9;
+const GIB = 1024 ** 3; // sizes are binary everywhere, as in the CLI (mesh_sidecar/units.py)
 const PALETTE = ["#6aa7ff", "#4cc38a", "#e5b454", "#c48cf0", "#ef8f6b", "#5fd0d6", "#e07bb0", "#a7c957"];
 
 const tokenRates = [];
@@ -32,6 +32,13 @@ function colourOf(id) {
 
 function fixed(value, digits) {
   return value === null || value === undefined ? "–" : Number(value).toFixed(digits);
+}
+
+// The CLI's format_gib: two decimals under 1 GiB, one above.
+function gib(bytes) {
+  if (bytes === null || bytes === undefined) return fixed(bytes, 0);
+  const value = bytes / GIB;
+  return fixed(value, value < 1 ? 2 : 1);
 }
 
 function clock(epochSeconds) {
@@ -177,7 +184,7 @@ function drawMembers(members) {
       el("td", m.address ?? "–", "addr"),
       el("td", fixed(m.rtt_ms, 1), "num"),
       el("td", fixed(m.rtt_p50_ms, 1), "num"),
-      el("td", fixed(m.capacity_bytes / GB, 2), "num"),
+      el("td", gib(m.capacity_bytes), "num"),
       el("td", m.serving ? "serving" : "", m.serving ? "good" : ""),
     );
     return row;
