@@ -149,7 +149,11 @@ class ServingError(MeshError):
 
 
 class ServiceUnavailableError(ServingError):
-    """No llama-server can take the request now; the API answers 503 with this message."""
+    """No llama-server can take the request now; the API answers 503 with this message and ``code``."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code  # the OpenAI-style error code: "model_loading" or "insufficient_capacity"
 
 
 class ReplayMismatchError(ServingError):

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mesh_sidecar.errors import MalformedMessageError
-from mesh_sidecar.serve.replay import EventSplitter, Replay, ReplayMismatch, StreamLedger, pin_seed
+from mesh_sidecar.errors import MalformedMessageError, ReplayMismatchError
+from mesh_sidecar.serve.replay import EventSplitter, Replay, StreamLedger, pin_seed
 
 
 def chat_event(content: str | None, *, id_: str = "chatcmpl-1", role: bool = False, finish: str | None = None) -> bytes:
@@ -80,7 +80,7 @@ def test_a_different_answer_on_replay_is_refused() -> None:
     deliver(ledger, [completion_event("The sea"), completion_event(" was calm")])
     replay = Replay(ledger)
     assert replay.filter(completion_event("The sea")) is None
-    with pytest.raises(ReplayMismatch):
+    with pytest.raises(ReplayMismatchError):
         replay.filter(completion_event(" was rough"))
 
 

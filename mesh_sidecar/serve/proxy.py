@@ -48,7 +48,8 @@ import httpx
 from aiohttp import web
 
 from .dashboard import KEYLESS_PATHS, TokenRate
-from ..errors import MeshError, UsageError
+from .. import environment
+from ..errors import MeshError, ServiceUnavailableError, UsageError
 from .metrics import Metrics
 from ..ports import LOOPBACK
 from .receipt import OutputTap, ask_for_token_ids
@@ -81,6 +82,8 @@ OPEN_PATHS = frozenset({"/health"}) | KEYLESS_PATHS
 CORS_PREFLIGHT_MAX_AGE_S = 600
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
+MODEL_LOADING_MESSAGE = "The model is still being loaded on the mesh; retry in a moment."
+MODEL_LOADING_CODE = "model_loading"
 
 
 def openai_error(status: int, message: str, error_type: str, code: str,
@@ -101,7 +104,7 @@ class ApiAccess:
     def __post_init__(self) -> None:
         key = self.api_key
         if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
-            raise UsageError("The API key (--api-key or MESH_API_KEY) must be non-empty printable ASCII "
+            raise UsageError(f"The API key (--api-key or {environment.API_KEY_ENV}) must be non-empty printable ASCII "
                              "without spaces; for example, use the output of: openssl rand -hex 32")
 
     def admits(self, authorization: str | None) -> bool:
@@ -147,14 +150,6 @@ def _sse_error(message: str, code: str) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-class _Unavailable(MeshError):
-    """No llama-server to send to: the proxy is refusing, or held past its timeout."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 class ApiProxy:
     """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
 
@@ -172,7 +167,9 @@ class ApiProxy:
         self._runner: web.AppRunner | None = None
         self._upstream: str | None = None
         self._refusal: str | None = None
-        self._generation = 0  # bumped on every serve/refuse: "a new llama-server" even on the same port
+        # Bumped on every serve/refuse: "a new llama-server" even on the same port, so a request
+        # that saw one fail waits for a later one.
+        self._upstream_epoch = 0
         self._settled = asyncio.Event()  # set while serving or refusing
         self._changed = asyncio.Condition()  # notified on every serve/refuse
         self._in_flight = 0
@@ -198,7 +195,7 @@ class ApiProxy:
 
     def _set(self, upstream: str | None, refusal: str | None) -> None:
         self._upstream, self._refusal = upstream, refusal
-        self._generation += 1
+        self._upstream_epoch += 1
         self._settled.set()
         asyncio.ensure_future(self._notify())
 
@@ -228,21 +225,20 @@ class ApiProxy:
     # --- choosing an upstream ---------------------------------------------------------
 
     async def _upstream_for(self, failed: int | None) -> tuple[str, int]:
-        """A llama-server URL and its generation, newer than ``failed``; waits while holding."""
+        """A llama-server URL and its epoch, newer than the ``failed`` epoch; waits while holding."""
         deadline = time.monotonic() + HOLD_TIMEOUT_S
         async with self._changed:
-            while not self._settled.is_set() or self._generation == failed:
+            while not self._settled.is_set() or self._upstream_epoch == failed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise _Unavailable("The model is still being loaded on the mesh; retry in a moment.",
-                                       "model_loading")
+                    raise ServiceUnavailableError(MODEL_LOADING_MESSAGE, MODEL_LOADING_CODE)
                 try:
                     await asyncio.wait_for(self._changed.wait(), remaining)
                 except TimeoutError:
                     pass
         if self._upstream is None:
-            raise _Unavailable(self._refusal or "No llama-server is running.", "insufficient_capacity")
-        return self._upstream, self._generation
+            raise ServiceUnavailableError(self._refusal or "No llama-server is running.", "insufficient_capacity")
+        return self._upstream, self._upstream_epoch
 
     # --- access: key, CORS, body size -------------------------------------------------
 
@@ -298,9 +294,7 @@ class ApiProxy:
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/health" and not self._settled.is_set():
             # Health checks want an answer now, not a held request.
-            return self._count(request, openai_error(
-                503, "The model is still being loaded on the mesh; retry in a moment.", "unavailable",
-                "model_loading"))
+            return self._count(request, openai_error(503, MODEL_LOADING_MESSAGE, "unavailable", MODEL_LOADING_CODE))
         body = await request.read()
         streaming = False
         tap: OutputTap | None = None
@@ -313,7 +307,7 @@ class ApiProxy:
                    if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
             upstream = await self._upstream_for(None)
-        except _Unavailable as exc:
+        except ServiceUnavailableError as exc:
             return self._count(request, openai_error(503, str(exc), "unavailable", exc.code))
         self._in_flight += 1
         self._idle.clear()
@@ -347,7 +341,7 @@ class ApiProxy:
         ledger = StreamLedger()
         replay: Replay | None = None
         failovers = 0
-        base, generation = upstream_at
+        base, epoch = upstream_at
         while True:
             try:
                 upstream = await self._client.send(self._client.build_request(
@@ -388,12 +382,12 @@ class ApiProxy:
                 log.warning("llama-server failed under %s (%r); waiting for the next one", request.path, exc)
                 self.metrics.retries.inc()
                 try:
-                    base, generation = await self._wait_elsewhere(generation)
-                except _Unavailable as unavailable:
+                    base, epoch = await self._wait_elsewhere(epoch)
+                except ServiceUnavailableError as unavailable:
                     return await self._give_up(response, str(unavailable), unavailable.code)
                 if response is not None:
                     replay = Replay(ledger)
-            except MeshError as exc:  # ReplayMismatch, an oversized event
+            except MeshError as exc:  # ReplayMismatchError, an oversized event
                 return await self._give_up(response, str(exc))
             except ConnectionResetError:
                 # The client went away (often right after [DONE]): nothing left to deliver.

@@ -7,7 +7,7 @@ failover the proxy asks again on the new plan and passes the new stream through
 ``Replay``: text the client already has is checked and dropped, the event that
 crosses the boundary is cut to its new part, and from then on events pass with
 the ids the client first saw. If the replayed text differs from what was sent
-(llama.cpp batching concurrent requests can flip a near-tie), ``ReplayMismatch``
+(llama.cpp batching concurrent requests can flip a near-tie), ``ReplayMismatchError``
 ends the stream with an error rather than send text that does not belong.
 
 Sans-I/O: bytes in, bytes out. Events are server-sent events, ``data: {json}``
@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import MalformedMessageError, MeshError
+from ..errors import MalformedMessageError, ReplayMismatchError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 EVENT_SEPARATOR = b"\n\n"
@@ -30,10 +30,6 @@ DATA_PREFIX = b"data: "
 DONE = b"[DONE]"
 MAX_PENDING_EVENT_BYTES = 4 * 1024 * 1024
 SEED_BITS = 31
-
-
-class ReplayMismatch(MeshError):
-    """The replayed stream does not repeat what the client already received."""
 
 
 def pin_seed(body: bytes) -> tuple[bytes, bool]:
@@ -136,7 +132,7 @@ class Replay:
             sent = self._ledger.delivered.get(index, "")
             overlap = sent[len(before): len(before) + len(text)]
             if text[: len(overlap)] != overlap:
-                raise ReplayMismatch(
+                raise ReplayMismatchError(
                     "the model answered differently when asked again after a node was lost"
                 )
             if len(text) > len(overlap):
