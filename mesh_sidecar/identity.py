@@ -96,7 +96,9 @@ def load_or_create_identity(home: Path) -> NodeIdentity:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    # Create with 0600 from the start: never a moment where others can read it.
+    # Not home.write_private_file: that replaces a file, and a node's key must never be replaced.
+    # O_EXCL makes a second node started at the same moment on this home fail here instead of
+    # overwriting the key the first one already runs with. 0600 from creation, as there.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)

@@ -39,12 +39,12 @@ from ..errors import (
     TicketVersionError,
 )
 from ..identity import NODE_ID_BYTES
+from .auth import MESH_SECRET_BYTES
 
 TICKET_VERSION = 1
 TICKET_PREFIX = "meshinf"
 # What the CLI prints in front of a ticket; accepted (and ignored) on paste.
 TICKET_LABEL = "Node ticket:"
-MESH_SECRET_BYTES = 32
 MAX_TICKET_ADDRESSES = 16
 # Far above the largest real ticket (~620 chars), so only junk is refused.
 MAX_TICKET_CHARS = 2048
