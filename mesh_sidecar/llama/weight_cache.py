@@ -33,12 +33,13 @@ from pathlib import Path
 from ..errors import SetupError
 from ..wire.gguf_header import read_header
 from ..home import cache_root
+from ..units import MIB
 from .build import ProgressCallback
 
 log = logging.getLogger(__name__)
 
 # llama.cpp ggml-rpc.cpp: weight tensors larger than this go as SET_TENSOR_HASH.
-HASH_THRESHOLD_BYTES = 10 * 1024 * 1024
+HASH_THRESHOLD_BYTES = 10 * MIB
 CACHE_DIR_NAME = "weight-cache"  # in the node's home; rpc-server adds "rpc"
 LLAMA_CACHE_ENV = "LLAMA_CACHE"
 TOOL_SOURCE = "tensor_cache.c"

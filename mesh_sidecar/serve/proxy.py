@@ -54,11 +54,12 @@ from .metrics import Metrics
 from ..ports import LOOPBACK
 from .receipt import OutputTap, ask_for_token_ids
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
+from ..units import MIB
 
 log = logging.getLogger(__name__)
 
 # About two million tokens of text: far beyond any context, small enough to hold in memory.
-MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+MAX_REQUEST_BODY_BYTES = 8 * MIB
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
 MAX_FAILOVERS_PER_REQUEST = 2
 # A stream with no byte for this long is stuck (a member stopped answering without
@@ -255,7 +256,7 @@ class ApiProxy:
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            return openai_error(413, f"The request body is over the {MAX_REQUEST_BODY_BYTES // 2**20} MiB limit.",
+            return openai_error(413, f"The request body is over the {MAX_REQUEST_BODY_BYTES // MIB} MiB limit.",
                                 "invalid_request_error", "request_too_large")
 
     def _is_allowed_preflight(self, request: web.Request) -> bool:

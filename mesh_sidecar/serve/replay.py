@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MalformedMessageError, ReplayMismatchError
+from ..units import MIB
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 EVENT_SEPARATOR = b"\n\n"
 DATA_PREFIX = b"data: "
 DONE = b"[DONE]"
-MAX_PENDING_EVENT_BYTES = 4 * 1024 * 1024
+MAX_PENDING_EVENT_BYTES = 4 * MIB
 SEED_BITS = 31
 
 
