@@ -2,22 +2,21 @@
 
 The first input byte picks what the rest becomes (see benchmarks/fuzzing.py for the run):
 
-    0  a raw stream: the second byte + 1 is the read size; fed read by read, then ended
-    1  one frame: a length prefix that matches, this build's version, the second byte as
-       the message type, the rest as the JSON body (so mutations reach the schema checks)
+    0  a raw control stream: the second byte + 1 is the read size; split into frames
+       (wire/frames.py) as a connection does, each frame decoded
+    1  one frame's payload: this build's version, the second byte as the message type,
+       the rest as the JSON body (so mutations reach the schema checks)
 
-Only WireError may escape; the decoder never holds more than one frame; and every message
+Only WireError may escape; and every message
 that decodes must encode again and decode to itself (what we accept, we can relay).
 """
 
 from __future__ import annotations
 
+from mesh_sidecar.wire.frames import MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from mesh_sidecar.wire.gossip import (
-    FRAME_HEADER_BYTES,
     GOSSIP_WIRE_VERSION,
-    LENGTH_PREFIX_BYTES,
-    MAX_GOSSIP_FRAME_BYTES,
-    GossipDecoder,
+    MESSAGE_HEADER_BYTES,
     GossipMessage,
     Leave,
     MemberInfo,
@@ -26,13 +25,13 @@ from mesh_sidecar.wire.gossip import (
     Pong,
     Rekey,
     RpcOrder,
+    decode_message,
     encode_message,
 )
 
 from .fuzzing import Input, chunks, run
 
 _STREAM, _FRAME = 0, 1
-_FRAME_CAP_BYTES = LENGTH_PREFIX_BYTES + MAX_GOSSIP_FRAME_BYTES
 
 _A, _B = b"\xaa" * 32, b"\xbb" * 32
 SAMPLES: tuple[GossipMessage, ...] = (
@@ -57,38 +56,33 @@ SAMPLES: tuple[GossipMessage, ...] = (
 )
 
 
-def _check_relayable(msg: GossipMessage) -> None:
-    again = GossipDecoder()
-    again.feed(encode_message(msg))
-    assert again.next_message() == msg
-
-
 def fuzz_one(data: bytes) -> None:
-    """Decode one input as the mode byte says; raises WireError or, on a bug, anything."""
+    """Decode one input as the mode byte says; raises WireError or, on a bug, anything.
+
+    _FRAME: one control frame's payload with the type byte given. _STREAM: a control
+    stream cut into reads, split into frames as a connection does, each decoded.
+    """
     src = Input(data)
     mode, knob = src.byte() % 2, src.byte()
     if mode == _FRAME:
-        payload = bytes((GOSSIP_WIRE_VERSION, knob)) + src.rest()
-        reads = [len(payload).to_bytes(LENGTH_PREFIX_BYTES, "big") + payload]
+        payloads = [bytes((GOSSIP_WIRE_VERSION, knob)) + src.rest()]
     else:
-        reads = chunks(src.rest(), knob + 1)
-    decoder = GossipDecoder()
-    for read in reads:
-        decoder.feed(read)
-        assert decoder.buffered_bytes <= _FRAME_CAP_BYTES
-        while (msg := decoder.next_message()) is not None:
-            _check_relayable(msg)
-    decoder.end_of_stream()
+        decoder, payloads = FrameDecoder(MAX_CONTROL_MESSAGE_BYTES), []
+        for read in chunks(src.rest(), knob + 1):
+            decoder.feed(read)
+            while (payload := decoder.next_frame()) is not None:
+                payloads.append(payload)
+    for payload in payloads:
+        msg = decode_message(payload)
+        # What we accept from one peer we may relay to the others.
+        assert decode_message(encode_message(msg)) == msg
 
 
 def seeds() -> list[bytes]:
     """Every sample as one frame, and all of them as one stream."""
-    frames = [encode_message(msg) for msg in SAMPLES]
-    by_frame = [
-        bytes((_FRAME, msg.TYPE)) + frame[LENGTH_PREFIX_BYTES + FRAME_HEADER_BYTES :]
-        for msg, frame in zip(SAMPLES, frames)
-    ]
-    return [*by_frame, bytes((_STREAM, 6)) + b"".join(frames)]
+    payloads = [encode_message(msg) for msg in SAMPLES]
+    by_frame = [bytes((_FRAME, msg.TYPE)) + payload[MESSAGE_HEADER_BYTES:] for msg, payload in zip(SAMPLES, payloads)]
+    return [*by_frame, bytes((_STREAM, 6)) + b"".join(encode_frame(p) for p in payloads)]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ from pathlib import Path
 from mesh_sidecar.llama.capacity import Capacity
 from mesh_sidecar.home import NodeHome
 from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.mesh.runtime import Mesh, SavedMesh
+from mesh_sidecar.mesh.runtime import Mesh
+from mesh_sidecar.mesh.saved import SavedMesh
+from mesh_sidecar.mesh.status import peers_json
 from mesh_sidecar.wire.ticket import PeerAddress, Ticket
 
 HANG_S = 15.0  # a wait that only fails if something hangs
@@ -36,7 +38,7 @@ def ticket_of(mesh: Mesh, secret: bytes) -> Ticket:
 
 def row(mesh: Mesh, peer: Mesh) -> dict:
     """``mesh``'s status row for ``peer``; empty until ``mesh`` knows it."""
-    return next((r for r in mesh.status() if r["id"] == peer.identity.node_id.hex()), {})
+    return next((r for r in peers_json(mesh.peer_views()) if r["id"] == peer.identity.node_id.hex()), {})
 
 
 async def wait_for(predicate, what: str, timeout_s: float = HANG_S) -> None:

@@ -45,7 +45,7 @@ async def upstream():
 
 
 async def _proxy(upstream_url: str, access: ApiAccess):
-    proxy = ApiProxy(Metrics(lambda: {"peers": []}), lambda reason: None, access=access)
+    proxy = ApiProxy(Metrics(lambda: ()), lambda reason: None, access=access)
     port = free_tcp_port()
     await proxy.start(port)
     proxy.serve(upstream_url)

@@ -15,12 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 from aiohttp import web
-from rich.table import Table
 
 from mesh_sidecar.serve import dashboard
 from mesh_sidecar.serve.dashboard import (KEYLESS_PATHS, PAGE_PATH, STATE_PATH, TICKET_PLACEHOLDER, RecentEvents,
                                     TokenRate)
+from mesh_sidecar.mesh.health import HealthState
+from mesh_sidecar.mesh.membership import MemberState
+from mesh_sidecar.mesh.status import PeerView, peers_json
 from mesh_sidecar.serve.metrics import Metrics
+from mesh_sidecar.serve.supervisor import PlanAnnouncement
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.serve.proxy import ApiAccess, ApiProxy
 from tests.conftest import TICKET_LINE
@@ -29,6 +32,13 @@ from tests.waiting import wait_until
 KEY = "dash-key-0123456789"
 TICKET = "meshinfabcdefghijklmnopqrstuvwxyz234567"
 SERVER_ID, WORKER_ID = "aa" * 32, "bb" * 32
+
+
+WORKER = PeerView(node_id=bytes.fromhex(WORKER_ID), name="worker", state=MemberState.CONNECTED,
+                  address="127.0.0.1:47471", health=HealthState.CONNECTED, rtt_last_s=0.0008, rtt_p50_s=0.0007,
+                  rtt_p95_s=0.0012, quic_rtt_s=0.001, datagram_bytes=1452, missed_heartbeats=0, tunnel_port=40000,
+                  rpc_server_up=True, serving=False, capacity={"usable_bytes": 2_000_000_000}, model_sha256="",
+                  secret_epoch=0, refused=None, learned_via=None)
 
 
 def a_snapshot(events: RecentEvents) -> dict:
@@ -53,10 +63,7 @@ def a_snapshot(events: RecentEvents) -> dict:
             "counters": {"requests": 3, "failovers": 0, "retries": 0, "restarts": 0},
         },
         "mesh": {"quic_port": 47470, "secret_epoch": 0, "removed": [], "ignored_datagrams": 0, "model_sha256": None},
-        "peers": [{"id": WORKER_ID, "short_id": "bbbbbbbb", "name": "worker", "state": "connected",
-                   "address": "127.0.0.1:47471", "health": "connected", "rtt_ms": 0.8, "rtt_p50_ms": 0.7,
-                   "rtt_p95_ms": 1.2, "serving": False, "capacity": {"usable_bytes": 2_000_000_000},
-                   "tunnel_port": 40000}],
+        "peers": peers_json([WORKER]),
         "events": events.to_json(),
     }
 
@@ -66,8 +73,8 @@ async def keyed_dashboard():
     events = RecentEvents()
     events.add(1_700_000_000.0, f"Node ticket: {TICKET}")
     events.add(1_700_000_001.0, "Connected to peer worker (bbbbbbbb)")
-    proxy = ApiProxy(Metrics(lambda: {"peers": []}), lambda reason: None, access=ApiAccess(api_key=KEY))
-    dashboard.add_routes(proxy.app, lambda: a_snapshot(events))
+    proxy = ApiProxy(Metrics(lambda: [WORKER]), lambda reason: None, access=ApiAccess(api_key=KEY))
+    dashboard.add_routes(proxy.app, lambda: a_snapshot(events), lambda: [WORKER])
     port = free_tcp_port()
     await proxy.start(port)
     yield f"http://127.0.0.1:{port}"
@@ -103,6 +110,7 @@ async def test_the_state_has_members_plan_live_figures_and_events_but_no_secrets
     assert [(m["name"], m["state"], m["capacity_bytes"], m["serving"]) for m in state["members"]] == [
         ("server", "self", 3_000_000_000, True), ("worker", "connected", 2_000_000_000, False)]
     assert state["members"][1]["rtt_ms"] == 0.8 and state["members"][1]["address"] == "127.0.0.1:47471"
+    assert state["members"][1]["rtt_p50_ms"] == 0.7 and state["members"][1]["health"] == "connected"
     assert state["plan"]["n_layers"] == 30
     assert [(s["name"], s["start"], s["end"], s["output"]) for s in state["plan"]["segments"]] == [
         ("worker", 0, 14, False), ("server", 14, 30, True)]
@@ -128,14 +136,16 @@ def test_token_rate_follows_the_stream_and_falls_to_zero_after_it():
     assert rate.to_json(103.0) == {"tokens_per_second_now": 0.0, "last_request_tokens_per_second": 18.7}
 
 
-def test_recent_events_are_bounded_name_tables_by_title_and_never_hold_a_ticket():
+def test_recent_events_are_bounded_show_a_plan_in_one_line_and_never_hold_a_ticket():
     events = RecentEvents(kept=3)
     events.add(1.0, f"On another machine, run: mesh-inference --join {TICKET}")
-    events.add(2.0, Table("node", title="Plan for model.gguf: 30 layers"))
+    events.add(2.0, PlanAnnouncement({"n_layers": 30, "nodes": [{"name": "w", "layers": [0, 14]},
+                                                                {"name": "s", "layers": [14, 30]}]},
+                                     title="Plan for model.gguf"))
     events.add(3.0, "Connected to peer b")
     events.add(4.0, "Connected to peer c")
     assert events.to_json() == [
-        {"time": 2.0, "message": "Plan for model.gguf: 30 layers"},
+        {"time": 2.0, "message": "Plan for model.gguf: 30 layers over w [0, 14), s [14, 30)"},
         {"time": 3.0, "message": "Connected to peer b"},
         {"time": 4.0, "message": "Connected to peer c"},
     ]
@@ -162,7 +172,7 @@ async def test_the_proxy_feeds_the_token_rate_from_a_relayed_stream():
     await runner.setup()
     upstream_port, port = free_tcp_port(), free_tcp_port()
     await web.TCPSite(runner, "127.0.0.1", upstream_port).start()
-    proxy = ApiProxy(Metrics(lambda: {"peers": []}), lambda reason: None)
+    proxy = ApiProxy(Metrics(lambda: ()), lambda reason: None)
     await proxy.start(port)
     proxy.serve(f"http://127.0.0.1:{upstream_port}")
     try:

@@ -29,17 +29,16 @@ from benchmarks import fuzz_gossip, fuzz_rpc_framing, fuzz_ticket
 from benchmarks.fuzz_rpc_framing import dialect_handshake, rpc_frame
 from benchmarks.fuzzing import guarded
 from mesh_sidecar.errors import FrameTooLargeError, TicketError, TicketMalformedError, WireError
+from mesh_sidecar.wire.auth import MESH_SECRET_BYTES
+from mesh_sidecar.wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from mesh_sidecar.wire.gossip import (
     GOSSIP_WIRE_VERSION,
-    LENGTH_PREFIX_BYTES,
     MAX_EPOCH,
-    MAX_GOSSIP_FRAME_BYTES,
-    MESH_SECRET_BYTES,
     MESSAGE_TYPES,
-    GossipDecoder,
     GossipMessage,
     Ping,
     Rekey,
+    decode_message,
     encode_message,
 )
 from mesh_sidecar.wire.rpc_framing import (
@@ -68,7 +67,7 @@ from mesh_sidecar.wire.ticket import (
     decode_ticket,
     encode_ticket,
 )
-from tests.test_gossip import chunked, decode_all, frame, node_ids
+from tests.test_gossip import chunked, node_ids
 from tests.test_gossip import messages as gossip_messages
 from tests.test_ticket import _b32, _raw_body, _with_checksum, tickets
 
@@ -79,7 +78,6 @@ MIB = 1024 * KIB
 # reserved the claim, or copied the input, fails.
 REFUSAL_BYTES = 64 * KIB
 TICKET_CHECKSUM_BYTES = 4
-GOSSIP_FRAME_CAP_BYTES = LENGTH_PREFIX_BYTES + MAX_GOSSIP_FRAME_BYTES
 SET_TENSOR_CMD = 6  # the command that carries the biggest real frames
 
 
@@ -278,16 +276,13 @@ def grow(part: Any, key: str, new: Any) -> Any:
 
 
 def decode_stream(reads: list[bytes]) -> list[GossipMessage]:
-    """Feed ``reads`` then end the stream: the messages before a WireError, if one comes."""
-    decoder, got, fed = GossipDecoder(), [], 0
+    """A control stream, as the mesh reads one: the messages before a WireError (which ends the connection)."""
+    decoder, got = FrameDecoder(MAX_CONTROL_MESSAGE_BYTES), []
     try:
         for read in reads:
             decoder.feed(read)
-            fed += len(read)
-            assert decoder.buffered_bytes <= min(fed, GOSSIP_FRAME_CAP_BYTES)
-            while (msg := decoder.next_message()) is not None:
-                got.append(msg)
-        decoder.end_of_stream()
+            while (payload := decoder.next_frame()) is not None:
+                got.append(decode_message(payload))
     except WireError:
         pass
     return got
@@ -304,10 +299,10 @@ def assert_decodes_to_relayable_or_refused(
 ) -> None:
     text = json.dumps(body, ensure_ascii=ascii_only)
     payload = bytes((GOSSIP_WIRE_VERSION, type_byte)) + text.encode("utf-8", "surrogatepass")
-    got = decode_stream([frame(payload)])
+    got = decode_stream([encode_frame(payload)])
     for decoded in got:
         # What we accept from one peer we may relay to the others: it must encode again.
-        assert decode_all(encode_message(decoded)) == [decoded]
+        assert decode_message(encode_message(decoded)) == decoded
 
 
 @pytest.mark.parametrize("msg", fuzz_gossip.SAMPLES, ids=lambda msg: type(msg).__name__)
@@ -337,7 +332,7 @@ def test_valid_bodies_with_one_field_changed_raise_only_wire_errors(
 def test_cut_flipped_or_trailed_streams_deliver_every_frame_before_the_damage(
     msgs: list[GossipMessage], read_cuts: list[int], data: st.DataObject
 ) -> None:
-    frames = [encode_message(m) for m in msgs]
+    frames = [encode_frame(encode_message(m)) for m in msgs]
     stream = b"".join(frames)
     match data.draw(st.sampled_from(["flip", "cut", "trail"]), label="damage"):
         case "flip":
@@ -359,31 +354,27 @@ def test_cut_flipped_or_trailed_streams_deliver_every_frame_before_the_damage(
 def test_any_length_prefix_holds_at_most_one_frame(
     length: int, rest: bytes, read_cuts: list[int]
 ) -> None:
-    decode_stream(chunked(length.to_bytes(LENGTH_PREFIX_BYTES, "big") + rest, read_cuts))
+    decode_stream(chunked(FRAME_HEADER.pack(length) + rest, read_cuts))
 
 
-@pytest.mark.parametrize("claimed", [MAX_GOSSIP_FRAME_BYTES + 1, 2**31, 2**32 - 1])
-def test_a_huge_length_prefix_costs_no_memory(claimed: int) -> None:
-    data = claimed.to_bytes(LENGTH_PREFIX_BYTES, "big") + bytes(MIB)
-    decoder = GossipDecoder()
+@pytest.mark.parametrize("claimed", [MAX_CONTROL_MESSAGE_BYTES + 1, 2**31, 2**32 - 1])
+def test_a_huge_length_prefix_is_refused_as_soon_as_it_arrives(claimed: int) -> None:
+    decoder = FrameDecoder(MAX_CONTROL_MESSAGE_BYTES)
     with allocation_peak() as peak:
-        decoder.feed(data)
+        decoder.feed(FRAME_HEADER.pack(claimed) + bytes((GOSSIP_WIRE_VERSION, Ping.TYPE)))
+        with pytest.raises(FrameTooLargeError):
+            decoder.next_frame()  # not waiting for (or reserving) the bytes it claims
     assert peak[0] < REFUSAL_BYTES
-    assert decoder.buffered_bytes == 0
-    with pytest.raises(FrameTooLargeError):
-        decoder.next_message()
 
 
 def test_a_frame_is_held_as_it_arrives_not_as_its_length_claims() -> None:
-    head = MAX_GOSSIP_FRAME_BYTES.to_bytes(LENGTH_PREFIX_BYTES, "big")
-    head += bytes((GOSSIP_WIRE_VERSION, Ping.TYPE))
-    reads = [bytes(KIB) for _ in range(16)]
-    decoder = GossipDecoder()
+    head = FRAME_HEADER.pack(MAX_CONTROL_MESSAGE_BYTES) + bytes((GOSSIP_WIRE_VERSION, Ping.TYPE))
+    decoder = FrameDecoder(MAX_CONTROL_MESSAGE_BYTES)
     with allocation_peak() as peak:
         decoder.feed(head)
-        for read in reads:
-            decoder.feed(read)
-    assert decoder.buffered_bytes == len(head) + 16 * KIB
+        for _ in range(16):
+            decoder.feed(bytes(KIB))
+            assert decoder.next_frame() is None
     assert peak[0] < REFUSAL_BYTES
 
 

@@ -17,45 +17,37 @@ from mesh_sidecar.errors import (
     ProtocolVersionError,
     WireError,
 )
+from mesh_sidecar.mesh.events import (LoopStalled, MemberJoined, MemberLeft, MemberLost, MemberRemoved, MemberUpdated,
+                                      PeerDegraded, PeerLost, PeerRecovered, SecretRotated)
+from mesh_sidecar.mesh.health import DEGRADED_AFTER_S, LOOP_STALL_S, LOST_AFTER_S
+from mesh_sidecar.mesh.membership import Dial, Disconnect, Membership, MemberState, Send
+from mesh_sidecar.wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from mesh_sidecar.wire.gossip import (
     GOSSIP_WIRE_VERSION,
-    LENGTH_PREFIX_BYTES,
     MAX_ADDRESS_CHARS,
     MAX_ADDRESSES,
     MAX_CAPACITY_ENTRIES,
     MAX_CAPACITY_KEY_CHARS,
     MAX_CAPACITY_VALUE,
-    MAX_GOSSIP_FRAME_BYTES,
     MAX_MEMBERS_PER_LIST,
     MAX_NAME_CHARS,
     MAX_EPOCH,
     MAX_NONCE,
     MAX_REASON_CHARS,
     MAX_VERSION_CHARS,
-    Dial,
-    Disconnect,
-    GossipDecoder,
     Leave,
     MemberInfo,
-    MemberJoined,
-    MemberLeft,
     MemberList,
-    MemberRemoved,
-    MemberLost,
-    Membership,
-    MemberState,
-    MemberUpdated,
     Ping,
     Pong,
     Rekey,
-    SecretRotated,
     RpcOrder,
-    Send,
+    decode_message,
     encode_message,
 )
 from mesh_sidecar.identity import short_id
 
-FRAME_CAP = LENGTH_PREFIX_BYTES + MAX_GOSSIP_FRAME_BYTES
+FRAME_CAP = FRAME_HEADER.size + MAX_CONTROL_MESSAGE_BYTES  # one control frame, length included
 
 # --- strategies ---------------------------------------------------------------------------
 
@@ -115,21 +107,20 @@ def info(node_id: bytes, name: str = "node", **changes: object) -> MemberInfo:
 A_ID, B_ID = b"\xaa" * 32, b"\xbb" * 32
 
 
-def frame(payload: bytes) -> bytes:
-    return len(payload).to_bytes(LENGTH_PREFIX_BYTES, "big") + payload
-
-
 def body_frame(type_byte: int, body: str, version: int = GOSSIP_WIRE_VERSION) -> bytes:
-    return frame(bytes((version, type_byte)) + body.encode("utf-8"))
+    """One control frame's payload: version, type, body."""
+    return bytes((version, type_byte)) + body.encode("utf-8")
 
 
-def decode_all(data: bytes) -> list[object]:
-    decoder = GossipDecoder()
-    decoder.feed(data)
-    out = []
-    while (msg := decoder.next_message()) is not None:
-        out.append(msg)
-    return out
+def decode_stream(parts: list[bytes]) -> list[object]:
+    """Control frames split into ``parts`` -> their messages, through the frame decoder as a connection does."""
+    decoder = FrameDecoder(MAX_CONTROL_MESSAGE_BYTES)
+    got = []
+    for part in parts:
+        decoder.feed(part)
+        while (payload := decoder.next_frame()) is not None:
+            got.append(decode_message(payload))
+    return got
 
 
 def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -143,20 +134,20 @@ def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
 @given(messages)
 def test_every_message_round_trips(msg: object) -> None:
     data = encode_message(msg)
-    assert int.from_bytes(data[:LENGTH_PREFIX_BYTES], "big") == len(data) - LENGTH_PREFIX_BYTES
-    assert data[LENGTH_PREFIX_BYTES] == GOSSIP_WIRE_VERSION
-    assert decode_all(data) == [msg]
+    assert data[0] == GOSSIP_WIRE_VERSION
+    assert decode_message(data) == msg
 
 
 def test_known_frame_bytes() -> None:
     # Pins the layout, so a change to it fails here and not only between two releases.
     data = encode_message(Ping(nonce=7, sent_at=1.5))
-    assert data == b"\x00\x00\x00\x1b\x02\x04" + b'{"nonce":7,"sent_at":1.5}'
-    assert encode_message(Leave(A_ID, "bye"))[4:6] == b"\x02\x02"
+    assert data == b"\x03\x04" + b'{"nonce":7,"sent_at":1.5}'
+    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x03\x04"  # the transport's length, then ours
+    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x03\x02"
 
 
 def test_node_ids_travel_as_lowercase_hex() -> None:
-    body = json.loads(encode_message(RpcOrder((A_ID, B_ID)))[6:])
+    body = json.loads(encode_message(RpcOrder((A_ID, B_ID)))[2:])
     assert body == {"node_ids": ["aa" * 32, "bb" * 32]}
 
 
@@ -168,88 +159,75 @@ SAMPLE_STREAM = [
 ]
 
 
-def feed_in_parts(parts: list[bytes]) -> list[object]:
-    decoder = GossipDecoder()
-    got = []
-    for part in parts:
-        decoder.feed(part)
-        while (msg := decoder.next_message()) is not None:
-            got.append(msg)
-    assert decoder.buffered_bytes == 0
-    return got
+def control_stream(msgs: list[object]) -> bytes:
+    return b"".join(encode_frame(encode_message(m)) for m in msgs)
 
 
-def test_decoder_gives_the_same_messages_at_every_split_point() -> None:
-    data = b"".join(encode_message(m) for m in SAMPLE_STREAM)
+def test_frames_give_the_same_messages_at_every_split_point() -> None:
+    data = control_stream(SAMPLE_STREAM)
     for split in range(len(data) + 1):
-        assert feed_in_parts([data[:split], data[split:]]) == SAMPLE_STREAM, f"split at {split}"
+        assert decode_stream([data[:split], data[split:]]) == SAMPLE_STREAM, f"split at {split}"
+
+
+def test_frames_give_the_same_messages_at_every_pair_of_split_points() -> None:
+    data = control_stream(SAMPLE_STREAM[1:])
+    for first in range(len(data) + 1):
+        for second in range(first, len(data) + 1, 7):
+            parts = [data[:first], data[first:second], data[second:]]
+            assert decode_stream(parts) == SAMPLE_STREAM[1:], f"split at {first}, {second}"
 
 
 @given(st.lists(messages, min_size=1, max_size=3), st.lists(st.integers(0, 1 << 16), max_size=6))
-def test_decoder_gives_the_same_messages_however_the_stream_is_cut(
+def test_frames_give_the_same_messages_however_the_stream_is_cut(
     msgs: list[object], cuts: list[int]
 ) -> None:
-    data = b"".join(encode_message(m) for m in msgs)
-    assert feed_in_parts(chunked(data, cuts)) == msgs
+    assert decode_stream(chunked(control_stream(msgs), cuts)) == msgs
 
 
-def test_decoder_fed_one_byte_at_a_time() -> None:
-    data = b"".join(encode_message(m) for m in SAMPLE_STREAM)
-    assert feed_in_parts([bytes([byte]) for byte in data]) == SAMPLE_STREAM
+def test_frames_fed_one_byte_at_a_time() -> None:
+    data = control_stream(SAMPLE_STREAM)
+    assert decode_stream([bytes([byte]) for byte in data]) == SAMPLE_STREAM
 
 
-def test_cut_frame_waits_for_more_and_is_an_error_at_end_of_stream() -> None:
-    data = encode_message(Leave(A_ID, "bye"))
-    decoder = GossipDecoder()
+def test_a_cut_frame_waits_for_the_rest() -> None:
+    data = control_stream([Leave(A_ID, "bye")])
+    decoder = FrameDecoder(MAX_CONTROL_MESSAGE_BYTES)
     decoder.feed(data[:-1])
-    assert decoder.next_message() is None
-    assert decoder.buffered_bytes == len(data) - 1
-    with pytest.raises(MalformedMessageError, match="unfinished frame"):
-        decoder.end_of_stream()
+    assert decoder.next_frame() is None
     decoder.feed(data[-1:])
-    assert decoder.next_message() == Leave(A_ID, "bye")
-    decoder.end_of_stream()  # between frames: a clean end
+    assert decode_message(decoder.next_frame()) == Leave(A_ID, "bye")
+    assert decoder.next_frame() is None
 
 
-def test_oversized_length_is_refused_before_buffering_anything() -> None:
-    decoder = GossipDecoder()
-    decoder.feed((MAX_GOSSIP_FRAME_BYTES + 1).to_bytes(4, "big") + b"\x01\x01{")
-    assert decoder.buffered_bytes == 0
+def test_oversized_length_is_refused_before_its_payload_arrives() -> None:
+    decoder = FrameDecoder(MAX_CONTROL_MESSAGE_BYTES)
+    decoder.feed(FRAME_HEADER.pack(MAX_CONTROL_MESSAGE_BYTES + 1) + b"\x03\x01{")
     with pytest.raises(FrameTooLargeError):
-        decoder.next_message()
+        decoder.next_frame()
+    with pytest.raises(FrameTooLargeError):  # and a payload that long is refused by the codec too
+        decode_message(body_frame(4, " " * MAX_CONTROL_MESSAGE_BYTES))
 
 
 def test_a_frame_of_exactly_the_limit_is_accepted() -> None:
     body = '{"nonce":1,"sent_at":2}'
-    padded = body[:-1] + " " * (MAX_GOSSIP_FRAME_BYTES - 2 - len(body)) + "}"
-    data = body_frame(4, padded)
+    padded = body[:-1] + " " * (MAX_CONTROL_MESSAGE_BYTES - 2 - len(body)) + "}"
+    data = encode_frame(body_frame(4, padded))
     assert len(data) == FRAME_CAP
-    decoder = GossipDecoder()
-    decoder.feed(data[:-1])
-    assert decoder.buffered_bytes == FRAME_CAP - 1
-    decoder.feed(data[-1:])
-    assert decoder.next_message() == Ping(1, 2.0)
-    assert decoder.buffered_bytes == 0
+    assert decode_stream([data[:-1], data[-1:]]) == [Ping(1, 2.0)]
 
 
-def test_messages_before_a_bad_frame_arrive_and_the_error_sticks() -> None:
-    decoder = GossipDecoder()
-    decoder.feed(
-        encode_message(Ping(1, 1.0)) + body_frame(4, "not json") + encode_message(Ping(2, 2.0))
-    )
-    assert decoder.next_message() == Ping(1, 1.0)
-    for _ in range(2):
-        with pytest.raises(MalformedMessageError):
-            decoder.next_message()
-    decoder.feed(encode_message(Ping(3, 3.0)))
+def test_each_frame_decodes_on_its_own() -> None:
+    frames = [encode_message(Ping(1, 1.0)), body_frame(4, "not json"), encode_message(Ping(2, 2.0))]
+    assert decode_message(frames[0]) == Ping(1, 1.0)
     with pytest.raises(MalformedMessageError):
-        decoder.next_message()
+        decode_message(frames[1])
+    assert decode_message(frames[2]) == Ping(2, 2.0)
 
 
 def test_other_wire_versions_are_refused() -> None:
-    for version in (0, 1, 3, 255):
+    for version in (0, 1, 2, 4, 255):
         with pytest.raises(ProtocolVersionError, match="wire version"):
-            decode_all(body_frame(4, '{"nonce":1,"sent_at":2}', version=version))
+            decode_message(body_frame(4, '{"nonce":1,"sent_at":2}', version=version))
 
 
 GOOD_MEMBER = info(A_ID).to_body()
@@ -262,11 +240,11 @@ def member_list_with(**changes: object) -> str:
 @pytest.mark.parametrize(
     ("data", "why"),
     [
-        (frame(b""), "no header at all"),
-        (frame(b"\x01"), "no type byte"),
+        (b"", "no header at all"),
+        (b"\x01", "no type byte"),
         (body_frame(0, "{}"), "type 0"),
         (body_frame(99, "{}"), "unknown type"),
-        (frame(bytes([GOSSIP_WIRE_VERSION]) + b"\x04\xff\xfe"), "not UTF-8"),
+        (bytes([GOSSIP_WIRE_VERSION]) + b"\x04\xff\xfe", "not UTF-8"),
         (body_frame(4, "{"), "truncated JSON"),
         (body_frame(4, ""), "empty body"),
         (body_frame(4, "[1, 2]"), "not an object"),
@@ -326,23 +304,22 @@ def member_list_with(**changes: object) -> str:
 )
 def test_bad_frames_are_malformed(data: bytes, why: str) -> None:
     with pytest.raises(MalformedMessageError):
-        decode_all(data)
+        decode_message(data)
 
 
 def test_the_good_member_used_above_does_decode() -> None:
     # Keeps the table honest: each row fails for its own reason, not a broken base.
-    assert decode_all(body_frame(1, member_list_with())) == [MemberList((info(A_ID),))]
+    assert decode_message(body_frame(1, member_list_with())) == MemberList((info(A_ID),))
 
 
 def assert_only_wire_errors(data: bytes, cuts: list[int]) -> None:
-    decoder = GossipDecoder()
+    """``data`` as a control stream cut at ``cuts``: frames and messages fail only with WireError."""
     try:
-        for part in chunked(data, cuts):
-            decoder.feed(part)
-            assert decoder.buffered_bytes <= FRAME_CAP
-            while decoder.next_message() is not None:
-                pass
-        decoder.end_of_stream()
+        decode_stream(chunked(data, cuts))
+    except WireError:
+        pass
+    try:
+        decode_message(data)  # and the same bytes as one frame's payload
     except WireError:
         pass
 
@@ -361,13 +338,13 @@ def test_arbitrary_bytes_raise_only_wire_errors(data: bytes, cuts: list[int]) ->
 def test_plausible_frames_with_random_bodies_raise_only_wire_errors(
     version: int, type_byte: int, body: bytes, cuts: list[int]
 ) -> None:
-    assert_only_wire_errors(frame(bytes((version, type_byte)) + body), cuts)
+    assert_only_wire_errors(encode_frame(bytes((version, type_byte)) + body), cuts)
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
 @given(messages, st.data())
 def test_damaged_valid_frames_raise_only_wire_errors(msg: object, data: st.DataObject) -> None:
-    raw = bytearray(encode_message(msg))
+    raw = bytearray(encode_frame(encode_message(msg)))
     for _ in range(data.draw(st.integers(1, 4))):
         raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
     assert_only_wire_errors(bytes(raw), data.draw(st.lists(st.integers(0, len(raw)), max_size=4)))
@@ -403,8 +380,8 @@ def test_the_largest_member_list_fits_in_one_frame() -> None:
         replace(widest, node_id=i.to_bytes(32, "big")) for i in range(MAX_MEMBERS_PER_LIST)
     )
     data = encode_message(MemberList(members))
-    assert len(data) <= FRAME_CAP
-    assert decode_all(data) == [MemberList(members)]
+    assert len(data) <= MAX_CONTROL_MESSAGE_BYTES
+    assert decode_message(data) == MemberList(members)
 
 
 def test_capacity_order_does_not_matter_and_keys_are_unique() -> None:
@@ -421,7 +398,7 @@ def test_capacity_order_does_not_matter_and_keys_are_unique() -> None:
 class Harness:
     """Several Membership instances wired together in memory, through the real codec.
 
-    Send actions become frames on a per-direction decoder; a Dial becomes
+    Send actions become encoded messages, decoded on delivery; a Dial becomes
     ``peer_connected`` on both sides (unless the pair is already linked: that
     de-duplication is the transport's job); Disconnect drops the link.
     """
@@ -430,7 +407,6 @@ class Harness:
         self.nodes: dict[bytes, Membership] = {}
         self.names: dict[bytes, str] = {}
         self.links: set[frozenset[bytes]] = set()
-        self.decoders: dict[tuple[bytes, bytes], GossipDecoder] = {}
         self.wire: deque[tuple[bytes, bytes, bytes]] = deque()
         self.events: dict[bytes, list[object]] = defaultdict(list)
         self.dials: dict[bytes, list[Dial]] = defaultdict(list)
@@ -447,8 +423,6 @@ class Harness:
         if frozenset((a, b)) in self.links:
             return
         self.links.add(frozenset((a, b)))
-        self.decoders[(a, b)] = GossipDecoder()
-        self.decoders[(b, a)] = GossipDecoder()
         self.nodes[a].peer_connected(b, self.now)
         self.nodes[b].peer_connected(a, self.now)
 
@@ -488,10 +462,7 @@ class Harness:
                 progressed = True
                 a, b, data = self.wire.popleft()
                 if frozenset((a, b)) in self.links and b in self.nodes:
-                    decoder = self.decoders[(a, b)]
-                    decoder.feed(data)
-                    while (msg := decoder.next_message()) is not None:
-                        self.nodes[b].receive(a, msg, self.now)
+                    self.nodes[b].receive(a, decode_message(data), self.now)
             if not progressed:
                 return
         raise AssertionError("gossip never went quiet")
@@ -681,24 +652,64 @@ def test_connecting_to_itself_is_a_caller_bug() -> None:
         node.peer_connected(A_ID, 0.0)
 
 
+def rtts(node: Membership) -> dict[bytes, float | None]:
+    return {m.info.node_id: node.health(m.info.node_id).rtt_last_s for m in node.members()}
+
+
 def test_heartbeats_measure_rtt_and_unasked_pongs_are_ignored() -> None:
     mesh, a, b, c = chain_of_three()
     node = mesh.nodes[a]
     node.receive(b, Pong(12345, -100.0), 0.0)  # never asked
-    assert all(m.rtt_s is None for m in node.members())
+    assert rtts(node) == {b: None, c: None}
     mesh.now = 10.0
     node.heartbeat(10.0)
     mesh.run()  # delivered at once: RTT 0
-    mesh.now = 20.0
-    node.heartbeat(20.0)
+    mesh.now = 11.0
+    node.heartbeat(11.0)
     pings = [node.next_action(), node.next_action()]
     assert {p.to for p in pings} == {b, c}
-    assert all(isinstance(p.msg, Ping) and p.msg.sent_at == 20.0 for p in pings)
+    assert all(isinstance(p.msg, Ping) and p.msg.sent_at == 11.0 for p in pings)
     for p in pings:
         mesh.wire.append((a, p.to, encode_message(p.msg)))
-    mesh.now = 20.25
+    mesh.now = 11.25
     mesh.run()
-    assert {m.info.node_id: m.rtt_s for m in node.members()} == {b: 0.25, c: 0.25}
+    assert rtts(node) == {b: 0.25, c: 0.25}
+    assert node.health(b).rtt_samples == (0.0, 0.25)
+
+
+def heartbeat_events(node: Membership, now: float) -> list[object]:
+    node.heartbeat(now)
+    while node.next_action() is not None:
+        pass
+    events = []
+    while (event := node.next_event()) is not None:
+        events.append(event)
+    return events
+
+
+def test_a_silent_member_is_degraded_then_lost_and_an_answer_recovers_it() -> None:
+    mesh, a, b, c = chain_of_three()
+    node = mesh.nodes[a]
+    assert heartbeat_events(node, 10.0) == []  # Pings to b and c, never delivered
+    assert heartbeat_events(node, 11.0) == []
+    degraded = heartbeat_events(node, 10.0 + DEGRADED_AFTER_S)
+    assert {(type(e), e.node_id) for e in degraded} == {(PeerDegraded, b), (PeerDegraded, c)}
+    assert all(e.silent_s == DEGRADED_AFTER_S and e.missed == 2 for e in degraded)
+    # c answers the latest Ping (so every earlier one); b stays silent.
+    node.receive(c, Pong(6, 12.5), 12.75)
+    later = heartbeat_events(node, 10.0 + LOST_AFTER_S - 0.5)  # within LOOP_STALL_S of the last
+    assert [type(e) for e in later] == [PeerRecovered] and later[0].node_id == c
+    lost = heartbeat_events(node, 10.0 + LOST_AFTER_S)
+    assert lost == [PeerLost(b, LOST_AFTER_S, 4)]  # Pings at 10, 11, 12.5, 14.5 and 15: four after the first
+
+
+def test_no_member_is_judged_on_a_heartbeat_after_a_stall_of_our_own() -> None:
+    mesh, a, b, c = chain_of_three()
+    node = mesh.nodes[a]
+    assert heartbeat_events(node, 10.0) == []
+    gap_s = LOST_AFTER_S + 1.0
+    assert gap_s > LOOP_STALL_S
+    assert heartbeat_events(node, 10.0 + gap_s) == [LoopStalled(gap_s)]
 
 
 def test_rpc_order_reaches_peers_now_and_later() -> None:
@@ -725,7 +736,7 @@ def rotated_secrets(h: Harness, node_id: bytes) -> list[bytes]:
 def test_rekey_never_shows_its_secret():
     rekey = Rekey(3, b"\x5a" * 32, (B_ID,), A_ID)
     assert "5a5a" not in repr(rekey) and "Z" * 4 not in repr(rekey)
-    assert decode_all(encode_message(rekey)) == [rekey]
+    assert decode_message(encode_message(rekey)) == rekey
 
 
 def test_rotation_reaches_every_member_once_and_shuts_out_the_removed_one():

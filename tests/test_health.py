@@ -11,17 +11,16 @@ import struct
 import pytest
 
 from mesh_sidecar.wire import auth
+from mesh_sidecar.mesh import membership as membership_module
 from mesh_sidecar.mesh import runtime as mesh_module
 from mesh_sidecar.wire.gossip import Ping
+from mesh_sidecar.mesh.events import PeerDegraded, PeerLost, PeerRecovered
 from mesh_sidecar.mesh.health import (
     DEGRADED_AFTER_S,
     LOST_AFTER_S,
     RTT_WINDOW,
     HealthState,
-    PeerDegraded,
     PeerHealth,
-    PeerLost,
-    PeerRecovered,
     percentile,
 )
 from mesh_sidecar.ports import LOOPBACK
@@ -271,7 +270,7 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
     # Fast heartbeats and short thresholds; QUIC keepalives keep the connection itself
     # alive all along, so only the heartbeats can tell that B stopped answering.
     monkeypatch.setattr(mesh_module, "HEARTBEAT_INTERVAL_S", 0.1)
-    monkeypatch.setattr(mesh_module, "PeerHealth",
+    monkeypatch.setattr(membership_module, "PeerHealth",
                         functools.partial(PeerHealth, degraded_after_s=0.5, lost_after_s=1.0))
     caplog.set_level(logging.INFO, "mesh_sidecar.mesh.runtime")
     said: dict[str, list[str]] = {"a": [], "b": []}
@@ -314,7 +313,7 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
 
 async def test_a_peer_that_answers_again_recovers(monkeypatch, tmp_path):
     monkeypatch.setattr(mesh_module, "HEARTBEAT_INTERVAL_S", 0.1)
-    monkeypatch.setattr(mesh_module, "PeerHealth",
+    monkeypatch.setattr(membership_module, "PeerHealth",
                         functools.partial(PeerHealth, degraded_after_s=0.3, lost_after_s=5.0))
     said: list[str] = []
     a = make_mesh(tmp_path, "a", SECRET, said.append)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mesh_sidecar.net.discovery import LanRecord, mesh_id
-from mesh_sidecar.mesh.runtime import MESH_FILE_NAME
+from mesh_sidecar.mesh.saved import MESH_FILE_NAME
 from mesh_sidecar.wire.ticket import PeerAddress
 from tests.conftest import cli
 from tests.netns import QUIC_PORT, Lab, can_make_namespaces, start_in, ticket_of

@@ -50,7 +50,7 @@ async def upstream(stall_after: int | None, id_: str, seeds: list[int]) -> tuple
 @pytest.fixture
 async def proxy_port():
     stalls: list[str] = []
-    proxy = ApiProxy(Metrics(lambda: {"peers": []}), stalls.append, stall_timeout_s=0.5)
+    proxy = ApiProxy(Metrics(lambda: ()), stalls.append, stall_timeout_s=0.5)
     port = free_tcp_port()
     await proxy.start(port)
     yield proxy, port, stalls

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mesh_sidecar.mesh.runtime import MESH_FILE_NAME
+from mesh_sidecar.mesh.saved import MESH_FILE_NAME
 from tests.conftest import TICKET_LINE, cli
 from tests.waiting import wait_until
 

@@ -10,7 +10,8 @@ import pytest
 
 from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import AuthError
-from mesh_sidecar.mesh.runtime import MESH_FILE_NAME, Mesh, SavedMesh
+from mesh_sidecar.mesh.runtime import Mesh
+from mesh_sidecar.mesh.saved import MESH_FILE_NAME, SavedMesh
 from mesh_sidecar.wire.ticket import decode_ticket
 from tests.meshes import make_mesh, row, ticket_of, wait_for
 
@@ -42,7 +43,7 @@ def saved(mesh: Mesh) -> dict:
 
 
 async def test_rotation_gives_members_a_new_secret_and_shuts_out_old_tickets(trio, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, "mesh_sidecar.net.transport")
+    caplog.set_level(logging.WARNING, "mesh_sidecar.net.connection")
     a, b, c = trio
     new_ticket = decode_ticket(b.rotate_secret())
     assert new_ticket.mesh_secret != OLD_SECRET and new_ticket.node_id == b.identity.node_id

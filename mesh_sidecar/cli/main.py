@@ -40,11 +40,13 @@ from ..logs import follow as follow_logs
 from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
 from ..identity import load_or_create_identity, short_id
 from ..llama.build import B2B, STOCK, ensure_binaries
-from ..mesh.runtime import DEFAULT_QUIC_PORT, MESH_FILE_NAME, SavedMesh
+from ..mesh.runtime import DEFAULT_QUIC_PORT
+from ..mesh.saved import MESH_FILE_NAME, SavedMesh
 from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..node.node import DEFAULT_CTX_SIZE, Node, NodeOptions
 from ..ports import LOOPBACK, check_tcp_port_free
 from ..serve.proxy import ApiAccess
+from ..serve.supervisor import PlanAnnouncement
 from ..units import MIB, format_gib, parse_size
 from ..wire.ticket import decode_ticket
 from .views import plan_table
@@ -175,7 +177,9 @@ def _configure_logging(home: NodeHome, verbose: bool) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _say(message: str) -> None:
+def _say(message: object) -> None:
+    if isinstance(message, PlanAnnouncement):
+        message = plan_table(message.plan_json, title=message.title)
     # Never wrapped: tickets and commands must stay copy-pasteable.
     console.print(message, highlight=False, soft_wrap=True)
 

@@ -1,9 +1,10 @@
 """Peer health from heartbeats: round-trip times, missed heartbeats, connected/degraded/lost.
 
-Sans-I/O like gossip: no clock, no event loop. The mesh tells a :class:`PeerHealth`
-each Ping it sent (``ping_sent``) and each Pong that came back (``pong_received``),
-passing ``now`` (seconds, the same monotonic clock throughout), and calls
-``tick(now)`` once per heartbeat to learn of changes of state.
+Sans-I/O like gossip: no clock, no event loop. Membership (membership.py) keeps one
+:class:`PeerHealth` per connected member and tells it each Ping it sent
+(``ping_sent``) and each Pong that came back (``pong_received``), passing ``now``
+(seconds, the same monotonic clock throughout), and calls ``tick(now)`` once per
+heartbeat to learn of changes of state, which it reports as its own events.
 
 A peer's state follows the oldest Ping still waiting for its Pong (a Pong answers its
 own Ping and every earlier one: the control stream is ordered, so the earlier Pongs
@@ -17,9 +18,10 @@ either came first or never will)::
 PeerHealth. With nothing outstanding a peer stays connected, so a peer that is not
 pinged (not yet identified, or leaving) is never judged.
 
-Gossip's Membership keeps only the latest Ping per peer for its own ``rtt_s``; this
-keeps the last MAX_OUTSTANDING_PINGS, so a Pong slower than one heartbeat still
-gives a sample and still counts as an answer.
+The last MAX_OUTSTANDING_PINGS are kept, so a Pong slower than one heartbeat still
+gives a sample and still counts as an answer. A heartbeat that comes LOOP_STALL_S
+late means the node's own event loop stalled, not its peers: Membership judges no
+one on it.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ import enum
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypeAlias
+
+from .events import HealthEvent, PeerDegraded, PeerLost, PeerRecovered
 
 DEGRADED_AFTER_S = 2.5  # a Ping this long without a Pong: the peer is degraded
 LOST_AFTER_S = 5.0  # ...this long: the peer is lost and its connection closed
 RTT_WINDOW = 64  # RTT samples kept for the percentiles
 MAX_OUTSTANDING_PINGS = 32  # unanswered Pings remembered; older ones no longer count as answered
+# A heartbeat due after a gap longer than this means our own event loop stalled:
+# Pongs may be waiting unread, so peers are not judged on that heartbeat.
+LOOP_STALL_S = 2.0
 
 
 class HealthState(enum.StrEnum):
@@ -43,28 +48,6 @@ class HealthState(enum.StrEnum):
     LOST = "lost"  # a Ping has waited LOST_AFTER_S or more; final
 
 
-@dataclass(frozen=True)
-class PeerDegraded:
-    node_id: bytes
-    silent_s: float  # how long the oldest unanswered Ping has waited
-    missed: int
-
-
-@dataclass(frozen=True)
-class PeerRecovered:
-    node_id: bytes
-    degraded_for_s: float  # from the tick that saw it degraded to the one that saw it recover
-    rtt_s: float | None  # the last round trip
-
-
-@dataclass(frozen=True)
-class PeerLost:
-    node_id: bytes
-    silent_s: float
-    missed: int
-
-
-HealthEvent: TypeAlias = PeerDegraded | PeerRecovered | PeerLost
 
 
 def percentile(samples: Sequence[float], q: float) -> float | None:
@@ -192,3 +175,18 @@ class PeerHealth:
         degraded_for = now - self._degraded_at
         self._degraded_at = None
         return PeerRecovered(self.node_id, degraded_for, self.rtt_last_s)
+
+
+def lost_reason(event: PeerLost) -> str:
+    """Why the connection to a lost member is closed; people see it as "Lost peer NAME: ..."."""
+    return f"no heartbeat answer for {event.silent_s:.1f} s"
+
+
+def health_message(event: PeerDegraded | PeerRecovered, name: str) -> str:
+    """The sentence for people about a member whose heartbeats slowed or came back."""
+    match event:
+        case PeerDegraded(silent_s=silent_s, missed=missed):
+            return f"Peer {name} is slow to answer: no heartbeat answer for {silent_s:.1f} s ({missed} missed)"
+        case PeerRecovered(rtt_s=rtt_s):
+            rtt = "-" if rtt_s is None else f"{rtt_s * 1000:.1f} ms"
+            return f"Peer {name} answers heartbeats again (round trip {rtt})"

@@ -3,11 +3,16 @@
 This is the asyncio edge that joins the pure parts together:
 
     MeshTransport --admitted PeerConnection--> _serve_peer (one task per peer)
-        control frames -> GossipDecoder -> Membership.receive
+        each control frame -> gossip.decode_message -> Membership.receive
         Membership actions -> send_control / dial / close
-        Membership events  -> messages to people, tunnels opened and closed
-        Pings sent, Pongs received -> PeerHealth (health.py); lost -> close the connection
-    inbound QUIC streams -> serve_inbound_stream -> local rpc-server
+        Membership events  -> messages to people, tunnels opened and closed,
+                              mesh.json (saved.py); PeerLost (heartbeats,
+                              health.py) -> close the connection
+    heartbeat timer -> Membership.heartbeat (pings; health judged inside)
+    LanDialer (lan.py, with --lan) -> dial members found on the LAN
+    inbound QUIC streams -> serve_inbound_stream -> local rpc-server,
+                            serve_model_file (model_transfer.py)
+    peer_views / mesh_view -> status.py (the `status` JSON, metrics, dashboard)
 
 Two nodes may dial each other at once; both connections are admitted and the
 one the transport marks ``preferred`` (dialed by the lower node id) carries the
@@ -19,58 +24,53 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .. import __version__
+from ..errors import MeshError, PortInUseError, UsageError
+from ..home import NodeHome
+from ..identity import NodeIdentity, short_id
+from ..llama.build import ProgressCallback
 from ..llama.capacity import MAX_HELD_ENTRIES, Capacity, held_key
-from ..net.discovery import LanPresence, LanRecord, lan_record_json, mesh_id
-from ..errors import MeshError, ModelError, PortInUseError, UsageError
-from ..wire.gossip import (
-    MAX_ADDRESSES,
-    Dial,
-    Disconnect,
-    GossipDecoder,
-    MemberInfo,
+from ..net.addresses import reachable_addresses
+from ..net.discovery import LanRecord, mesh_id
+from ..net.model_transfer import fetch_model_over, serve_model_file
+from ..net.connection import PeerConnection
+from ..net.transport import MeshTransport
+from ..net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
+from ..ports import LOOPBACK
+from ..wire.auth import MESH_SECRET_BYTES
+from ..wire.gossip import MAX_ADDRESSES, MemberInfo, decode_message, encode_message
+from ..wire.ticket import PeerAddress, Ticket, encode_ticket
+from .events import (
+    Event,
+    LoopStalled,
     MemberJoined,
     MemberLeft,
     MemberLost,
     MemberRemoved,
-    Membership,
-    MemberState,
     MemberUpdated,
-    Ping,
-    Pong,
+    PeerDegraded,
+    PeerLost,
+    PeerRecovered,
     SecretRotated,
-    Send,
-    encode_message,
 )
-from .health import PeerDegraded, PeerHealth, PeerLost, PeerRecovered
-from ..home import NodeHome
-from ..llama.build import ProgressCallback
-from ..identity import NodeIdentity, short_id
-from ..ports import LOOPBACK
-from ..net.addresses import reachable_addresses
-from ..wire.ticket import MESH_SECRET_BYTES, PeerAddress, Ticket, encode_ticket
-from ..net.transport import MeshTransport, PeerConnection
-from ..net.model_transfer import fetch_model_file, serve_model_file
-from ..net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
+from .health import HealthState, health_message, lost_reason
+from .lan import LanDialer
+from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
+from .saved import SavedMesh
+from .status import MeshView, PeerView
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUIC_PORT = 47470
 LISTEN_HOST = "0.0.0.0"
 HEARTBEAT_INTERVAL_S = 1.0
-# A heartbeat due after a gap longer than this means our own event loop stalled:
-# Pongs may be waiting unread, so peers are not judged on that heartbeat.
-LOOP_STALL_S = 2.0
 CAPACITY_REFRESH_S = 5.0
 # When two members learn of each other at once, the lower id dials; the higher
 # one dials only if no connection came in this long (a lost or blocked dial).
@@ -84,10 +84,6 @@ LEAVE_GRACE_S = 40.0
 RETIRE_IDLE_S = 10.0
 RETIRE_POLL_S = 1.0
 REPLACED_REASON = "replaced by a simultaneous connection"
-MESH_FILE_NAME = "mesh.json"
-# A member seen on the LAN is dialed at most this often (its record may be re-announced often).
-LAN_REDIAL_S = 10.0
-MAX_REMEMBERED_MEMBERS = 64
 STOPPED_REASON = "node stopped"
 LEFT_FOR_GOOD_REASON = "left the mesh for good"  # `mesh-inference leave`: members forget it
 # Why a serving node leaves a member out: it holds a different model file.
@@ -110,73 +106,12 @@ def _peer_addresses(texts: tuple[str, ...]) -> list[PeerAddress]:
     return addresses
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 2)
-
-
-@dataclass
-class SavedMesh:
-    """What a node remembers of its mesh in ``<home>/mesh.json`` (mode 0600)."""
-
-    secret: bytes
-    epoch: int = 0  # rotations of the secret this node has taken part in
-    removed: frozenset[bytes] = frozenset()  # node keys never admitted again
-    # Members met, by id, with their last addresses: dialed again after a restart.
-    members: dict[bytes, tuple[str, ...]] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, home: NodeHome, ticket: Ticket | None) -> SavedMesh:
-        """From the ticket when joining, else the one remembered, else a new mesh."""
-        path = home.root / MESH_FILE_NAME
-        if ticket is not None:
-            saved = cls(ticket.mesh_secret)
-        elif path.exists():
-            try:
-                data = json.loads(path.read_text())
-                saved = cls(bytes.fromhex(data["secret"]), int(data.get("epoch", 0)),
-                            frozenset(bytes.fromhex(n) for n in data.get("removed", [])),
-                            {bytes.fromhex(n): tuple(str(a) for a in addresses)
-                             for n, addresses in data.get("members", {}).items()})
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise UsageError(f"{path} is damaged ({exc}); move it away to start a new mesh.") from exc
-            if len(saved.secret) != MESH_SECRET_BYTES:
-                raise UsageError(f"{path} holds a secret of the wrong length; move it away to start a new mesh.")
-        else:
-            saved = cls(secrets.token_bytes(MESH_SECRET_BYTES))
-        saved.save(home)
-        return saved
-
-    def save(self, home: NodeHome) -> None:
-        path = home.root / MESH_FILE_NAME
-        partial = path.with_suffix(".partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"secret": self.secret.hex(), "epoch": self.epoch,
-                       "removed": sorted(n.hex() for n in self.removed),
-                       "members": {n.hex(): list(a) for n, a in self.members.items()}}, f)
-        partial.replace(path)
-
-    @staticmethod
-    def remembered_mesh_id(home: NodeHome) -> str | None:
-        """The public id of the mesh this home belongs to, if it remembers one (for `--lan`)."""
-        try:
-            return mesh_id(bytes.fromhex(json.loads((home.root / MESH_FILE_NAME).read_text())["secret"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    @staticmethod
-    def forget(home: NodeHome) -> None:
-        """`mesh-inference leave`: the next start begins a new mesh."""
-        (home.root / MESH_FILE_NAME).unlink(missing_ok=True)
-
-
 @dataclass
 class _Peer:
     """A member we hold a kept connection to."""
 
     connection: PeerConnection
     tunnel: TunnelListener
-    health: PeerHealth
     # Connections to it replaced by a simultaneous one, still finishing their streams.
     retired: set[PeerConnection] = field(default_factory=set)
 
@@ -222,9 +157,8 @@ class Mesh:
         self._weights_warned: set[tuple[bytes, str]] = set()
         self.port: int | None = None
         self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
-        # mDNS (discovery.py): advertise this node, dial members whose records show up.
-        self._lan = LanPresence(self._lan_record, self._lan_seen) if lan else None
-        self._lan_dialed: dict[bytes, float] = {}  # node id -> when a LAN record last made us dial it
+        # mDNS (lan.py): advertise this node, dial members whose records show up.
+        self._lan = LanDialer(self._lan_record, self._may_dial_from_lan, self._spawn_redial) if lan else None
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -251,20 +185,9 @@ class Mesh:
         return self.ticket()
 
     def find_member(self, which: str) -> bytes:
-        """A member's id from its name, short id (node_...) or a hex prefix of its id."""
+        """A member's id from its name, short id (node_...) or a hex prefix of its id (membership.py)."""
         assert self._membership is not None
-        which = which.strip()
-        matches = {m.info.node_id for m in self._membership.members()
-                   if m.state is not MemberState.REMOVED
-                   and (which in (m.info.name, short_id(m.info.node_id))
-                        or (len(which) >= 8 and m.info.node_id.hex().startswith(which.lower())))}
-        if which in (self._name, self.identity.short_id):
-            raise UsageError("That is this node. To take it out of the mesh, stop it (Ctrl-C).")
-        if not matches:
-            raise UsageError(f"No member called {which!r}. `mesh-inference status` lists the members.")
-        if len(matches) > 1:
-            raise UsageError(f"{which!r} names {len(matches)} members: use the id from `mesh-inference status`.")
-        return matches.pop()
+        return find_member(self._membership, which)
 
     async def join(self, ticket: Ticket) -> None:
         """Connect to the node a ticket names; gossip brings in everyone else."""
@@ -281,32 +204,27 @@ class Mesh:
 
     async def _heartbeats(self) -> None:
         assert self._membership is not None
-        last_refresh = last_beat = time.monotonic()
+        last_refresh = time.monotonic()
         while True:
             now = time.monotonic()
-            stalled = now - last_beat > LOOP_STALL_S
-            last_beat = now
             self._membership.heartbeat(now)
             if now - last_refresh >= CAPACITY_REFRESH_S:
                 self._membership.update_self(self._self_info())
                 if self._lan is not None:
-                    # A dial may have failed (the member was still starting): records are offered again.
-                    for record in self._lan.seen():
-                        self._lan_seen(record)
+                    self._lan.offer_again(now)
                 last_refresh = now
             self._process()
-            if stalled:
-                log.warning("event loop stalled; peer health not judged on this heartbeat")
-            else:
-                self._check_health(now)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     def rejoin(self) -> int:
         """Dial every member remembered from an earlier run; how many."""
         remembered = [(n, a) for n, a in self._saved.members.items() if n != self.identity.node_id]
         for node_id, texts in remembered:
-            self._spawn(self._redial(node_id, _peer_addresses(texts)))
+            self._spawn_redial(node_id, _peer_addresses(texts))
         return len(remembered)
+
+    def _spawn_redial(self, node_id: bytes, addresses: list[PeerAddress]) -> None:
+        self._spawn(self._redial(node_id, addresses))
 
     async def _redial(self, node_id: bytes, addresses: list[PeerAddress]) -> None:
         try:
@@ -357,61 +275,47 @@ class Mesh:
         self._membership.announce_rpc_order(node_ids)
         self._process()
 
-    def summary(self) -> dict[str, Any]:
-        """This node's side of the mesh, for `mesh-inference status`."""
-        own_mesh = mesh_id(self._saved.secret)
-        return {"quic_port": self.port, "secret_epoch": self._saved.epoch,
-                "removed": [short_id(n) for n in sorted(self._saved.removed)],
-                "ignored_datagrams": self._transport.ignored_datagrams,
-                "model_sha256": self.model_sha256 or None,
-                "mesh_id": own_mesh,
-                "lan": None if self._lan is None else [
-                    {**lan_record_json(r), "this_mesh": r.mesh_id == own_mesh} for r in self._lan.seen()]}
+    def mesh_view(self) -> MeshView:
+        """This node's side of the mesh, for `mesh-inference status` (status.py)."""
+        return MeshView(self.port, self._saved.epoch, tuple(sorted(self._saved.removed)),
+                        self._transport.ignored_datagrams, self.model_sha256, mesh_id(self._saved.secret),
+                        None if self._lan is None else tuple(self._lan.records()))
 
-    def status(self) -> list[dict[str, Any]]:
-        """One entry per member we know of, for `mesh-inference status`."""
+    def peer_views(self) -> tuple[PeerView, ...]:
+        """Every member we know of, as it stands now (status.py)."""
         assert self._membership is not None
-        rows = []
-        for member in self._membership.members():
-            node_id = member.info.node_id
-            peer = self._peers.get(node_id)
-            health = peer.health if peer else None
-            counters = peer.tunnel.counters if peer else None
-            rows.append({
-                "id": node_id.hex(),
-                "short_id": short_id(node_id),
-                "name": member.info.name,
-                "state": member.state.value,
-                "address": (str(PeerAddress(*peer.connection.remote_address)) if peer
-                            else (member.info.addresses or [None])[0]),
-                "health": (health.state.value if health is not None
-                           else "lost" if member.state is MemberState.LOST else None),
-                "rtt_ms": _ms(health.rtt_last_s) if health else None,  # the last heartbeat's
-                "rtt_p50_ms": _ms(health.rtt_p50_s) if health else None,
-                "rtt_p95_ms": _ms(health.rtt_p95_s) if health else None,
-                "quic_rtt_ms": _ms(peer.connection.rtt) if peer else None,  # QUIC's smoothed estimate
-                "datagram_bytes": peer.connection.datagram_size if peer else None,  # as probed (path_mtu.py)
-                "missed_heartbeats": health.missed if health else None,
-                "tunnel_port": peer.tunnel.port if peer else None,
-                "rpc_server_up": member.info.rpc_ready,
-                "serving": member.info.serving,
-                "capacity": dict(member.info.capacity),
-                "model_sha256": member.info.model_sha256 or None,
-                "secret_epoch": member.info.secret_epoch,
-                "refused": WEIGHTS_MISMATCH if holds_other_weights(self.model_sha256, member.info) else None,
-                "learned_via": short_id(member.learned_via) if member.learned_via else None,
-                # Our tunnel to its rpc-server...
-                "bytes_to_peer": counters.bytes_to_peer if counters else 0,
-                "bytes_from_peer": counters.bytes_from_peer if counters else 0,
-                # ...and its streams into ours: bytes and RPC commands.
-                "bytes_from_peer_in": counters.inbound_bytes_from_peer if counters else 0,
-                "bytes_to_peer_in": counters.inbound_bytes_to_peer if counters else 0,
-                "rpc_commands": counters.rpc_commands if counters else 0,
-                # Of those, the bytes that moved layer outputs (both ways): from the serving node
-                # without --b2b, from the worker before us in the plan with it.
-                "activation_bytes_in": counters.inbound_activation_bytes if counters else 0,
-            })
-        return rows
+        return tuple(self._peer_view(member.info, member.state, member.learned_via)
+                     for member in self._membership.members())
+
+    def _peer_view(self, info: MemberInfo, state: MemberState, learned_via: bytes | None) -> PeerView:
+        assert self._membership is not None
+        peer = self._peers.get(info.node_id)
+        # Heartbeats run on an identified connection; a member that left keeps its until it closes.
+        health = self._membership.health(info.node_id) if peer is not None else None
+        counters = peer.tunnel.counters if peer is not None else None
+        return PeerView(
+            node_id=info.node_id, name=info.name, state=state,
+            address=(str(PeerAddress(*peer.connection.remote_address)) if peer is not None
+                     else (info.addresses or [None])[0]),
+            health=(health.state if health is not None
+                    else HealthState.LOST if state is MemberState.LOST else None),
+            rtt_last_s=health.rtt_last_s if health else None,
+            rtt_p50_s=health.rtt_p50_s if health else None,
+            rtt_p95_s=health.rtt_p95_s if health else None,
+            quic_rtt_s=peer.connection.rtt if peer else None,
+            datagram_bytes=peer.connection.datagram_size if peer else None,
+            missed_heartbeats=health.missed if health else None,
+            tunnel_port=peer.tunnel.port if peer else None,
+            rpc_server_up=info.rpc_ready, serving=info.serving, capacity=dict(info.capacity),
+            model_sha256=info.model_sha256, secret_epoch=info.secret_epoch,
+            refused=WEIGHTS_MISMATCH if holds_other_weights(self.model_sha256, info) else None,
+            learned_via=learned_via,
+            **({} if counters is None else dict(
+                bytes_to_peer=counters.bytes_to_peer, bytes_from_peer=counters.bytes_from_peer,
+                bytes_from_peer_in=counters.inbound_bytes_from_peer,
+                bytes_to_peer_in=counters.inbound_bytes_to_peer, rpc_commands=counters.rpc_commands,
+                activation_bytes_in=counters.inbound_activation_bytes)),
+        )
 
     # --- internals ---------------------------------------------------------------
 
@@ -477,7 +381,7 @@ class Mesh:
         self._spawn(dial())
 
     def _process(self) -> None:
-        """Carry out what membership asks for, and tell people what happened."""
+        """Carry out what membership asks for, and act on what happened."""
         membership = self._membership
         assert membership is not None
         while (action := membership.next_action()) is not None:
@@ -486,57 +390,65 @@ class Mesh:
                     peer = self._peers.get(to)
                     if peer is not None and not peer.connection.closed:
                         peer.connection.send_control(encode_message(msg))
-                        if isinstance(msg, Ping):
-                            peer.health.ping_sent(msg.nonce, msg.sent_at)
                 case Dial():
                     self._start_dial(action)
                 case Disconnect(node_id=node_id, reason=reason):
                     if (peer := self._peers.get(node_id)) is not None:
                         self._spawn(self._close_when_idle(peer, reason))
         while (event := membership.next_event()) is not None:
-            match event:
-                case MemberJoined(info=info, learned_via=via):
-                    how = f" (learned via gossip from {self.name_of(via)})" if via else ""
-                    self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
-                    self._check_weights(info)
-                    self._remember(info.node_id, info.addresses)
-                    self.changed.set()
-                case MemberLost(node_id=node_id, reason=reason):
-                    self._say(f"Lost peer {self.name_of(node_id)}: {reason}")
-                    self.changed.set()
-                case MemberLeft(node_id=node_id, reason=reason):
-                    self._say(f"Peer {self.name_of(node_id)} left the mesh ({reason})")
-                    if reason == LEFT_FOR_GOOD_REASON:
-                        self._remember(node_id, None)
-                    self.changed.set()
-                case MemberRemoved(node_id=node_id, by=by):
-                    # At once, not when idle: a removed member must lose its access now.
-                    if (peer := self._peers.get(node_id)) is not None:
-                        peer.close(f"removed from the mesh by {self.name_of(by)}")
+            self._on_event(event)
+
+    def _on_event(self, event: Event) -> None:
+        """Tell people what happened, keep mesh.json current, and close what must close."""
+        match event:
+            case MemberJoined(info=info, learned_via=via):
+                how = f" (learned via gossip from {self.name_of(via)})" if via else ""
+                self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
+                self._check_weights(info)
+                self._remember(info.node_id, info.addresses)
+                self.changed.set()
+            case MemberLost(node_id=node_id, reason=reason):
+                self._say(f"Lost peer {self.name_of(node_id)}: {reason}")
+                self.changed.set()
+            case MemberLeft(node_id=node_id, reason=reason):
+                self._say(f"Peer {self.name_of(node_id)} left the mesh ({reason})")
+                if reason == LEFT_FOR_GOOD_REASON:
                     self._remember(node_id, None)
-                    self._say(f"Peer {self.name_of(node_id)} was removed from the mesh by {self.name_of(by)}")
-                    self.changed.set()
-                case SecretRotated(rekey=rekey):
-                    self._adopt(rekey.secret, rekey.epoch, rekey.removed)
-                    self._say(f"The mesh secret was rotated by {self.name_of(rekey.by)}: tickets printed "
-                              f"before now admit no one. New ticket: {self.ticket()}")
-                case MemberUpdated(info=info):
-                    self._check_weights(info)
-                    self._remember(info.node_id, info.addresses)
+                self.changed.set()
+            case MemberRemoved(node_id=node_id, by=by):
+                # At once, not when idle: a removed member must lose its access now.
+                if (peer := self._peers.get(node_id)) is not None:
+                    peer.close(f"removed from the mesh by {self.name_of(by)}")
+                self._remember(node_id, None)
+                self._say(f"Peer {self.name_of(node_id)} was removed from the mesh by {self.name_of(by)}")
+                self.changed.set()
+            case SecretRotated(rekey=rekey):
+                self._adopt(rekey.secret, rekey.epoch, rekey.removed)
+                self._say(f"The mesh secret was rotated by {self.name_of(rekey.by)}: tickets printed "
+                          f"before now admit no one. New ticket: {self.ticket()}")
+            case MemberUpdated(info=info):
+                self._check_weights(info)
+                self._remember(info.node_id, info.addresses)
+            case PeerDegraded() | PeerRecovered():
+                message = health_message(event, self.name_of(event.node_id))
+                log.log(logging.WARNING if isinstance(event, PeerDegraded) else logging.INFO,
+                        "%s (%s)", message, short_id(event.node_id))
+                self._say(message)
+            case PeerLost(node_id=node_id, missed=missed):
+                reason = lost_reason(event)
+                log.warning("peer %s lost: %s (%d missed)", short_id(node_id), reason, missed)
+                # _serve_peer sees the close, marks the member lost and closes its tunnel.
+                if (peer := self._peers.get(node_id)) is not None:
+                    peer.close(reason)
+            case LoopStalled(gap_s=gap_s):
+                log.warning("event loop stalled for %.1f s; peer health not judged on this heartbeat", gap_s)
 
     def _remember(self, node_id: bytes, addresses: tuple[str, ...] | None) -> None:
         """Keep (or, with None, drop) a member's addresses in mesh.json for the next start."""
-        members = dict(self._saved.members)
-        if addresses is None:
-            members.pop(node_id, None)
-        else:
-            members.pop(node_id, None)  # re-inserted last: the oldest are dropped first
-            members[node_id] = addresses
-            while len(members) > MAX_REMEMBERED_MEMBERS:
-                members.pop(next(iter(members)))
-        if members != self._saved.members:
-            self._saved = dataclasses.replace(self._saved, members=members)
-            self._saved.save(self._home)
+        saved = self._saved.remembering(node_id, addresses)
+        if saved is not self._saved:
+            self._saved = saved
+            saved.save(self._home)
 
     def _check_weights(self, info: MemberInfo) -> None:
         """Tell the person at a member with other weights than the serving node, once per pair."""
@@ -557,15 +469,9 @@ class Mesh:
     async def fetch_model(self, node_id: bytes, sha256: str, destination: Path,
                           progress: ProgressCallback) -> Path:
         """Fetch the model file ``sha256`` from member ``node_id`` (resuming a partial one)."""
-        async def open_stream():
-            peer = self._peers.get(node_id)
-            if peer is None or peer.connection.closed:
-                raise ModelError(f"{self.name_of(node_id)} is not connected; the model fetch will be retried.")
-            reader, writer = await peer.connection.open_stream()
-            writer.write(bytes([StreamKind.MODEL_FILE]))
-            return reader, writer
-
-        return await fetch_model_file(open_stream, sha256, destination, self.name_of(node_id), progress)
+        peer = self._peers.get(node_id)
+        return await fetch_model_over(None if peer is None else peer.connection, sha256, destination,
+                                      self.name_of(node_id), progress)
 
     def holds_model(self, sha256: str, path: Path) -> None:
         """This node now holds the model file ``sha256`` at ``path``: announce it, and offer it."""
@@ -575,8 +481,7 @@ class Mesh:
         self._process()
 
     def _adopt(self, secret: bytes, epoch: int, removed: tuple[bytes, ...]) -> None:
-        self._saved = SavedMesh(secret, epoch, self._saved.removed | frozenset(removed),
-                                {n: a for n, a in self._saved.members.items() if n not in removed})
+        self._saved = self._saved.rotated(secret, epoch, removed)
         self._saved.save(self._home)
         self._transport.set_secret(secret)
         self._transport.refuse_nodes(removed)
@@ -585,55 +490,15 @@ class Mesh:
         if self._lan is not None:
             self._lan.refresh()  # the mesh id follows the secret
 
-    # --- the LAN (mDNS) -------------------------------------------------------------
+    # --- the LAN (mDNS, lan.py) ------------------------------------------------------
 
     def _lan_record(self) -> LanRecord:
         assert self.port is not None
         return LanRecord(mesh_id(self._saved.secret), self.identity.node_id, self._name,
                          reachable_addresses(self.port))
 
-    def _lan_seen(self, record: LanRecord) -> None:
-        """A node's record on the LAN: dial it if it claims our mesh and we are not connected.
-
-        The claim is not trusted: the handshake admits it only if it holds the secret.
-        """
-        node_id = record.node_id
-        if (record.mesh_id != mesh_id(self._saved.secret) or node_id in self._peers
-                or node_id in self._saved.removed or self._leaving):
-            return
-        now = time.monotonic()
-        if now - self._lan_dialed.get(node_id, -LAN_REDIAL_S) < LAN_REDIAL_S:
-            return
-        self._lan_dialed[node_id] = now
-        log.info("LAN: %s (%s) advertises this mesh at %s; dialing", record.name, short_id(node_id),
-                 ", ".join(map(str, record.addresses)))
-        self._spawn(self._redial(node_id, list(record.addresses)))
-
-    def _check_health(self, now: float) -> None:
-        """Judge each pinged peer by its heartbeats; close the connection to a lost one."""
-        if self._leaving:
-            return
-        assert self._membership is not None
-        pinged = {m.info.node_id for m in self._membership.members() if m.state is MemberState.CONNECTED}
-        for node_id, peer in list(self._peers.items()):
-            if node_id not in pinged or peer.connection.closed:
-                continue
-            match peer.health.tick(now):
-                case PeerDegraded(silent_s=silent_s, missed=missed):
-                    log.warning("peer %s degraded: a heartbeat unanswered for %.1f s (%d missed)",
-                                short_id(node_id), silent_s, missed)
-                    self._say(f"Peer {self.name_of(node_id)} is slow to answer: no heartbeat answer "
-                              f"for {silent_s:.1f} s ({missed} missed)")
-                case PeerRecovered(degraded_for_s=degraded_for_s, rtt_s=rtt_s):
-                    rtt = "-" if rtt_s is None else f"{rtt_s * 1000:.1f} ms"
-                    log.info("peer %s recovered after %.1f s; round trip %s",
-                             short_id(node_id), degraded_for_s, rtt)
-                    self._say(f"Peer {self.name_of(node_id)} answers heartbeats again (round trip {rtt})")
-                case PeerLost(silent_s=silent_s, missed=missed):
-                    reason = f"no heartbeat answer for {silent_s:.1f} s"
-                    log.warning("peer %s lost: %s (%d missed)", short_id(node_id), reason, missed)
-                    # _serve_peer sees the close, marks the member lost and closes its tunnel.
-                    peer.close(reason)
+    def _may_dial_from_lan(self, node_id: bytes) -> bool:
+        return not (node_id in self._peers or node_id in self._saved.removed or self._leaving)
 
     def name_of(self, node_id: bytes) -> str:
         assert self._membership is not None
@@ -665,7 +530,7 @@ class Mesh:
         if joined:
             tunnel = TunnelListener(connection)
             await tunnel.start()
-            peer = _Peer(connection, tunnel, PeerHealth(node_id))
+            peer = _Peer(connection, tunnel)
             self._peers[node_id] = peer
         elif connection.preferred:  # both ends move to this one; the tunnel port stays
             log.info("peer %s dialed us as we dialed it: keeping the new connection", short_id(node_id))
@@ -681,15 +546,10 @@ class Mesh:
             if joined:
                 membership.peer_connected(node_id, time.monotonic())
                 self._process()
-            decoder = GossipDecoder()
             while True:
-                decoder.feed(await connection.receive_control())
-                while (msg := decoder.next_message()) is not None:
-                    now = time.monotonic()
-                    if isinstance(msg, Pong):
-                        peer.health.pong_received(msg.nonce, now)
-                    membership.receive(node_id, msg, now)
-                    self._process()
+                msg = decode_message(await connection.receive_control())
+                membership.receive(node_id, msg, time.monotonic())
+                self._process()
         except MeshError as exc:
             reason = connection.close_reason or str(exc)
         finally:

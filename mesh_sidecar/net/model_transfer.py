@@ -12,8 +12,8 @@ One QUIC stream per fetch, after its StreamKind.MODEL_FILE byte::
     reply    status u8  | file size u64                       REPLY.size = 9
              then, if status is OK, the file from ``offset`` to its end, and FIN
 
-All integers big-endian. The codec below is pure; the two coroutines are the
-asyncio edges (server side and fetching side).
+All integers big-endian. The codec below is pure; the coroutines are the
+asyncio edges (server side, fetching side, and fetching over a member's connection).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from pathlib import Path
 from ..errors import MalformedMessageError, ModelError, ProtocolVersionError
 from ..llama.build import ProgressCallback
 from ..llama.model import file_sha256
-from .transport import MeshStreamReader, MeshStreamWriter
+from .connection import PeerConnection
+from .streams import MeshStreamReader, MeshStreamWriter
+from .tunnel import StreamKind
 
 log = logging.getLogger(__name__)
 
@@ -162,3 +164,16 @@ async def fetch_model_file(open_stream: OpenStream, sha256: str, destination: Pa
                          "it was discarded.")
     partial.replace(destination)
     return destination
+
+
+async def fetch_model_over(connection: PeerConnection | None, sha256: str, destination: Path, source_name: str,
+                           progress: ProgressCallback) -> Path:
+    """:func:`fetch_model_file` on a new MODEL_FILE stream of ``connection`` (None: not connected)."""
+    async def open_stream() -> tuple[MeshStreamReader, MeshStreamWriter]:
+        if connection is None or connection.closed:
+            raise ModelError(f"{source_name} is not connected; the model fetch will be retried.")
+        reader, writer = await connection.open_stream()
+        writer.write(bytes([StreamKind.MODEL_FILE]))
+        return reader, writer
+
+    return await fetch_model_file(open_stream, sha256, destination, source_name, progress)

@@ -19,7 +19,7 @@ import httpx
 from aiohttp import web
 
 from ..errors import MeshError, PlanError, UsageError
-from ..home import NodeHome
+from ..home import NodeHome, write_private_file
 from ..serve.planner import Plan
 from ..ports import LOOPBACK
 
@@ -73,11 +73,8 @@ class ControlServer:
         site = web.TCPSite(self._runner, LOOPBACK, 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        partial = self._home.control_file.with_suffix(".partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "port": self.port, "token": self._token}, f)
-        partial.replace(self._home.control_file)
+        write_private_file(self._home.control_file,
+                           json.dumps({"pid": os.getpid(), "port": self.port, "token": self._token}))
 
     async def close(self) -> None:
         # Only remove the file if it is still ours (a newer node may own the home now).

@@ -26,7 +26,9 @@ from ..home import NodeHome
 from ..identity import NodeIdentity
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.build import LlamaBinaries
-from ..mesh.runtime import Mesh, SavedMesh
+from ..mesh.runtime import Mesh
+from ..mesh.saved import SavedMesh
+from ..mesh.status import PeerView, mesh_json, peers_json
 from ..serve.metrics import Metrics
 from ..serve.planner import Plan
 from ..ports import LOOPBACK, free_tcp_port
@@ -110,7 +112,7 @@ class Node:
         self.rpc_port: int | None = None
         self.mesh: Mesh | None = None
         self.serving: ServingSupervisor | None = None
-        self.metrics = Metrics(self.status_snapshot)
+        self.metrics = Metrics(self.peer_views)
         self._force = False
         self._for_good = False
         self._closing: asyncio.Task | None = None
@@ -276,6 +278,10 @@ class Node:
         name = self.mesh.name_of(node_id)
         return name, self.mesh.rotate_secret(remove=(node_id,))
 
+    def peer_views(self) -> tuple[PeerView, ...]:
+        """The members this node's mesh knows of (none before it starts)."""
+        return self.mesh.peer_views() if self.mesh else ()
+
     def status_snapshot(self) -> dict[str, Any]:
         """Everything ``mesh-inference status`` shows, as JSON-ready data."""
         children = [(self.rpc_server, self.rpc_port)]
@@ -298,7 +304,7 @@ class Node:
             "processes": processes,
             "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
                         if self.serving and self.options.serve_port else None),
-            "mesh": self.mesh.summary() if self.mesh else {"quic_port": None},
-            "peers": self.mesh.status() if self.mesh else [],
+            "mesh": mesh_json(self.mesh.mesh_view()) if self.mesh else {"quic_port": None},
+            "peers": peers_json(self.peer_views()),
             "events": self.events.to_json(),
         }

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from rich.table import Table
 
 from ..llama.capacity import USABLE_KEY
+from ..mesh.status import PeerView, rtt_ms
 from .replay import DATA_PREFIX, DONE
+from ..identity import short_id
 from ..wire.ticket import TICKET_PREFIX
 
 PAGE_PATH = "/mesh"
@@ -106,8 +107,8 @@ class RecentEvents:
         self._events: deque[tuple[float, str]] = deque(maxlen=kept)
 
     def add(self, when: float, message: Any) -> None:
-        """``message`` as given to the node's ``say``: a string, or a rich table (the plan) named by its title."""
-        text = str(message.title) if isinstance(message, Table) else str(message)
+        """``message`` as given to the node's ``say``: a string, or a typed message (the plan) as its ``str``."""
+        text = str(message)
         self._events.append((when, _TICKET.sub(TICKET_PLACEHOLDER, text)))
 
     def to_json(self) -> list[dict[str, Any]]:
@@ -142,16 +143,18 @@ class Segment:
     output: bool  # it also holds the output head
 
 
-def state_from(snapshot: dict[str, Any]) -> dict[str, Any]:
-    """What the page draws, from a node's ``status_snapshot()``; no paths, pids or secrets."""
+def state_from(snapshot: dict[str, Any], peer_views: Sequence[PeerView]) -> dict[str, Any]:
+    """What the page draws, from a node's ``status_snapshot()`` and its mesh's peer views;
+    no paths, pids or secrets."""
     node, serving = snapshot["node"], snapshot["serving"] or {}
     this = Member(id=node["id"], short_id=node["short_id"], name=node["name"], state="self", health=None,
                   address=f"udp :{snapshot['mesh']['quic_port']}", rtt_ms=None, rtt_p50_ms=None,
                   capacity_bytes=(node["capacity"] or {}).get(USABLE_KEY, 0), serving=bool(serving))
-    peers = [Member(id=p["id"], short_id=p["short_id"], name=p["name"], state=p["state"], health=p["health"],
-                    address=p["address"], rtt_ms=p["rtt_ms"], rtt_p50_ms=p["rtt_p50_ms"],
-                    capacity_bytes=p["capacity"].get(USABLE_KEY, 0), serving=p["serving"])
-             for p in snapshot["peers"]]
+    peers = [Member(id=p.node_id.hex(), short_id=short_id(p.node_id), name=p.name, state=p.state.value,
+                    health=None if p.health is None else p.health.value, address=p.address,
+                    rtt_ms=rtt_ms(p.rtt_last_s), rtt_p50_ms=rtt_ms(p.rtt_p50_s),
+                    capacity_bytes=p.capacity.get(USABLE_KEY, 0), serving=p.serving)
+             for p in peer_views]
     plan = serving.get("plan")
     return {
         "node": {"name": node["name"], "short_id": node["short_id"], "version": node["version"],
@@ -172,8 +175,10 @@ def state_from(snapshot: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def add_routes(app: web.Application, snapshot: Callable[[], dict[str, Any]]) -> None:
-    """Serve the dashboard on ``app``; ``snapshot`` returns the node's ``status_snapshot()``."""
+def add_routes(app: web.Application, snapshot: Callable[[], dict[str, Any]],
+               peer_views: Callable[[], Sequence[PeerView]]) -> None:
+    """Serve the dashboard on ``app``; ``snapshot`` returns the node's ``status_snapshot()``,
+    ``peer_views`` its mesh's ``peer_views()``."""
     # Read once: the files are part of the installed package and never change under a running node.
     page = (ASSET_DIR / PAGE_FILE).read_bytes()
     assets = {name: (ASSET_DIR / name).read_bytes() for name in ASSET_TYPES}
@@ -188,7 +193,7 @@ def add_routes(app: web.Application, snapshot: Callable[[], dict[str, Any]]) -> 
         return serve_asset
 
     async def serve_state(request: web.Request) -> web.Response:
-        return web.json_response(state_from(snapshot()), headers={"Cache-Control": "no-store"})
+        return web.json_response(state_from(snapshot(), peer_views()), headers={"Cache-Control": "no-store"})
 
     app.router.add_get(PAGE_PATH, serve_page)
     for name in ASSET_TYPES:

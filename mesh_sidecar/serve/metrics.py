@@ -2,18 +2,21 @@
 
 Counters and histograms are updated where things happen (the proxy, the
 serving loop); mesh-wide gauges (members, per-peer RTT and bytes) are read from
-the node's status at scrape time, so they can never drift from `status`.
+the mesh's peer views at scrape time, the same values `status` shows.
 llama-server's own metrics (``llamacpp:*``) are appended by the proxy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from ..mesh.membership import MemberState
+from ..mesh.status import PeerView
 
 PREFIX = "mesh_"
 FIRST_TOKEN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -21,22 +24,22 @@ TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 
 
 class _MeshCollector(Collector):
-    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
-        self._status = status
+    def __init__(self, peer_views: Callable[[], Sequence[PeerView]]) -> None:
+        self._peer_views = peer_views
 
     def collect(self) -> Iterator[Any]:
-        peers = self._status()["peers"]
+        peers = self._peer_views()
         members = GaugeMetricFamily(PREFIX + "members", "Mesh members connected to this node, itself included")
-        members.add_metric([], 1 + sum(p["state"] == "connected" for p in peers))
+        members.add_metric([], 1 + sum(p.state is MemberState.CONNECTED for p in peers))
         yield members
         rtt = GaugeMetricFamily(PREFIX + "peer_rtt_seconds", "Last heartbeat round trip to a peer", labels=["peer"])
         sent = CounterMetricFamily(PREFIX + "peer_tunnel_bytes", "Bytes through the tunnel to a peer",
                                    labels=["peer", "direction"])
         for peer in peers:
-            if peer["rtt_ms"] is not None:
-                rtt.add_metric([peer["name"]], peer["rtt_ms"] / 1000)
-            sent.add_metric([peer["name"], "to_peer"], peer["bytes_to_peer"])
-            sent.add_metric([peer["name"], "from_peer"], peer["bytes_from_peer"])
+            if peer.rtt_last_s is not None:
+                rtt.add_metric([peer.name], peer.rtt_last_s)
+            sent.add_metric([peer.name, "to_peer"], peer.bytes_to_peer)
+            sent.add_metric([peer.name, "from_peer"], peer.bytes_from_peer)
         yield rtt
         yield sent
 
@@ -44,7 +47,8 @@ class _MeshCollector(Collector):
 class Metrics:
     """One node's registry."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, peer_views: Callable[[], Sequence[PeerView]]) -> None:
+        """``peer_views``: the mesh's ``peer_views()`` (none before the mesh starts)."""
         self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "API requests by path and HTTP status",
                                 ["path", "status"], registry=self.registry)
@@ -58,7 +62,7 @@ class Metrics:
                                      buckets=FIRST_TOKEN_BUCKETS_S, registry=self.registry)
         self.tokens_per_second = Histogram(PREFIX + "tokens_per_second", "Decode speed per request",
                                            buckets=TOKENS_PER_SECOND_BUCKETS, registry=self.registry)
-        self.registry.register(_MeshCollector(status))
+        self.registry.register(_MeshCollector(peer_views))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,20 +27,22 @@ import time
 from datetime import datetime, timezone
 import functools
 import logging
-import os
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import dashboard
 from ..llama.capacity import Capacity
 from ..errors import PlanError, PortInUseError, ProcessError
+from ..home import write_private_file
 from ..llama.estimate import ModelEstimate, estimate_model
 from ..identity import NodeIdentity, short_id
 from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
 from ..llama.build import LlamaBinaries
 from ..mesh.runtime import WEIGHTS_MISMATCH, Mesh, holds_other_weights
+from ..mesh.status import rtt_ms
 from .metrics import Metrics
 from .planner import NodeCapacity, Plan, plan_layers
 from ..ports import LOOPBACK, free_tcp_port
@@ -48,7 +50,6 @@ from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy, Generation
 from . import receipt
 from ..llama.model import model_sha256
 from .speculation import Speculation, choose
-from ..cli.views import plan_table
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,19 @@ cached_estimate = functools.lru_cache(maxsize=8)(estimate_model)
 async def estimate_off_loop(model: Path, ctx_size: int) -> ModelEstimate:
     """The cached estimate, computed in a thread the first time: heartbeats keep flowing meanwhile."""
     return await asyncio.to_thread(cached_estimate, model, ctx_size)
+
+
+@dataclass(frozen=True)
+class PlanAnnouncement:
+    """Said to the user when llama-server starts on a new plan; the CLI draws it as a table."""
+
+    plan_json: dict[str, Any]  # Plan.to_json()
+    title: str
+
+    def __str__(self) -> str:
+        """One line, for the recent events (`status --json`, the dashboard) and logs."""
+        nodes = ", ".join(f"{n['name']} [{n['layers'][0]}, {n['layers'][1]})" for n in self.plan_json["nodes"])
+        return f"{self.title}: {self.plan_json['n_layers']} layers over {nodes}"
 
 
 def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, estimate: ModelEstimate) -> Plan:
@@ -141,12 +155,10 @@ class ServingSupervisor:
         # llama-server's own key, known only to our proxy (see llama_server_argv).
         upstream_key = secrets.token_hex(UPSTREAM_KEY_BYTES)
         self._upstream_key_file = logs.parent / UPSTREAM_KEY_FILE
-        fd = os.open(self._upstream_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(upstream_key + "\n")
+        write_private_file(self._upstream_key_file, upstream_key + "\n")
         self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key,
                                on_generation=self._write_receipt if receipts is not None else None)
-        dashboard.add_routes(self._proxy.app, node_status)
+        dashboard.add_routes(self._proxy.app, node_status, mesh.peer_views)
         self._restart_reason: str | None = None
         self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
@@ -168,11 +180,11 @@ class ServingSupervisor:
                               cached_estimate(self._model, self._ctx_size))
 
     def _choose_speculation(self, plan: Plan) -> Speculation:
-        remote = {n.node_id.hex() for n in plan.nodes if n.node_id != self._identity.node_id}
-        rtts = [row["rtt_p50_ms"] if row["rtt_p50_ms"] is not None else row["rtt_ms"]
-                for row in self._mesh.status() if row["id"] in remote]
-        known = [r for r in rtts if r is not None]
-        return choose(self._draft_model, max(known) if known else None, len(remote), allowed=self._speculate)
+        remote = {n.node_id for n in plan.nodes if n.node_id != self._identity.node_id}
+        known = [view.rtt_typical_s for view in self._mesh.peer_views()
+                 if view.node_id in remote and view.rtt_typical_s is not None]
+        return choose(self._draft_model, rtt_ms(max(known)) if known else None, len(remote),
+                      allowed=self._speculate)
 
     def _endpoint(self, node_id: bytes) -> str:
         if node_id == self._identity.node_id:
@@ -235,7 +247,7 @@ class ServingSupervisor:
             self._proxy.refuse(str(exc))
             return
         self.refusal = None
-        self._say(plan_table(self.plan.to_json(), title=f"Plan for {self._model.name}"))
+        self._say(PlanAnnouncement(self.plan.to_json(), title=f"Plan for {self._model.name}"))
         self.speculation = self._choose_speculation(self.plan)
         if self.speculation.kind != "none":
             self._say(f"Speculative decoding: {self.speculation.reason}")
@@ -310,7 +322,7 @@ class ServingSupervisor:
         assert self._receipts is not None and self.plan is not None
         out = generation.output
         timings = out.timings
-        plan_ids = {n.node_id.hex() for n in self.plan.nodes}
+        plan_ids = {n.node_id for n in self.plan.nodes}
         drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
         now = time.time()
         body = {
@@ -324,8 +336,9 @@ class ServingSupervisor:
                       if self._draft_model is not None else None),
             "speculation": self.speculation.to_json() if self.speculation else None,
             # Heartbeat round trips to the plan's other members, as measured while this ran.
-            "edges_rtt_ms": {row["name"]: {"last": row["rtt_ms"], "p50": row["rtt_p50_ms"], "p95": row["rtt_p95_ms"]}
-                             for row in self._mesh.status() if row["id"] in plan_ids},
+            "edges_rtt_ms": {view.name: {"last": rtt_ms(view.rtt_last_s), "p50": rtt_ms(view.rtt_p50_s),
+                                         "p95": rtt_ms(view.rtt_p95_s)}
+                             for view in self._mesh.peer_views() if view.node_id in plan_ids},
             "tokens": {"prompt": timings.get("prompt_n"), "completion": timings.get("predicted_n")},
             "tok_s": {"prompt": timings.get("prompt_per_second"), "decode": timings.get("predicted_per_second")},
             "draft_acceptance": ({"drafted": drafted, "accepted": accepted, "rate": accepted / drafted}
@@ -336,9 +349,7 @@ class ServingSupervisor:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
         path = self._receipts / f"{stamp}-{out.response_id or 'request'}.json"
         # Receipts hold the prompt: readable by this user only.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(receipt.sign(body, self._identity), f, indent=2)
+        write_private_file(path, json.dumps(receipt.sign(body, self._identity), indent=2))
 
     def status(self) -> dict[str, Any]:
         return {

@@ -1,20 +1,16 @@
-"""Gossip: who is in the mesh. A wire codec and a membership state machine, both sans-I/O.
+"""Gossip's wire format: the messages members exchange, and their codec. Pure: no I/O.
 
-Nothing here touches a socket, a clock or an event loop. The transport feeds
-bytes into :class:`GossipDecoder` and messages into :class:`Membership`,
-passes the current time in as ``now`` (seconds, any monotonic origin), and
-pulls out what to do (:meth:`Membership.next_action`) and what happened
-(:meth:`Membership.next_event`).
+Each gossip message is the payload of one control frame (wire/frames.py puts
+the length in front and splits the stream; the mesh decodes each frame it
+receives with :func:`decode_message`)::
 
-Frame layout (one gossip stream carries a sequence of these)::
-
-    0                   1                   2                   3
+    0       1       2       3       4       5       6
     +-------+-------+-------+-------+-------+-------+---------------- - -
-    |        length (u32, big-endian)       |version| type  | body ...
+    |   frame length (u32, big-endian)  |version| type  | body ...
     +-------+-------+-------+-------+-------+-------+---------------- - -
-    |<-------- LENGTH_PREFIX_BYTES -------->|<------- length bytes ------>|
+    |<-------- wire/frames.py -------->|<- encode_message / decode_message ->|
 
-    length   counts version + type + body; at most MAX_GOSSIP_FRAME_BYTES
+    length   counts version + type + body; at most MAX_CONTROL_MESSAGE_BYTES
     version  GOSSIP_WIRE_VERSION; anything else is ProtocolVersionError
     type     a key of MESSAGE_TYPES (1 MemberList, 2 Leave, 3 RpcOrder,
              4 Ping, 5 Pong, 6 Rekey)
@@ -22,7 +18,7 @@ Frame layout (one gossip stream carries a sequence of these)::
              node ids are lowercase hex of all 32 bytes
 
 Every field has a length limit, chosen so that a MemberList of
-MAX_MEMBERS_PER_LIST members at the limits still fits in one frame.
+MAX_MEMBERS_PER_LIST members at the limits still fits in one control frame.
 
 Adding a message: write a frozen dataclass with ``TYPE``, ``to_body`` and
 ``from_body`` and list it in MESSAGE_TYPES. The encoder runs ``from_body`` on
@@ -31,21 +27,21 @@ its own output, so the one schema guards both directions.
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import re
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
 
-from ..errors import FrameTooLargeError, MalformedMessageError, ProtocolVersionError, WireError
+from ..errors import FrameTooLargeError, MalformedMessageError, ProtocolVersionError
 from ..identity import NODE_ID_BYTES, short_id
+from .auth import MESH_SECRET_BYTES
+from .frames import MAX_CONTROL_MESSAGE_BYTES
 
-GOSSIP_WIRE_VERSION = 2  # 2: MemberInfo.model_sha256 and secret_epoch; Rekey
-LENGTH_PREFIX_BYTES = 4
-FRAME_HEADER_BYTES = 2  # version u8 + type u8, counted in the length
-MAX_GOSSIP_FRAME_BYTES = 1024 * 1024  # 1 MiB, version + type + body
+# 3: one message per control frame, without gossip's own length prefix inside it;
+#    MAX_MEMBERS_PER_LIST 64. 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
+GOSSIP_WIRE_VERSION = 3
+MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
 MAX_VERSION_CHARS = 32
@@ -54,12 +50,13 @@ MAX_ADDRESS_CHARS = 259  # a 253-char DNS name, ":" and a 5-digit port
 MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
-MAX_MEMBERS_PER_LIST = 256  # so the largest mesh gossip can describe
+# The largest mesh gossip can describe: 64 members at every field's limit take about
+# 205 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 256 KiB).
+MAX_MEMBERS_PER_LIST = 64
 MAX_RPC_ORDER_ENTRIES = 256
 MAX_REASON_CHARS = 256
 MAX_NONCE = 2**64 - 1
 MAX_EPOCH = 2**63 - 1
-MESH_SECRET_BYTES = 32
 MAX_REMOVED_PER_REKEY = MAX_MEMBERS_PER_LIST
 
 _NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
@@ -389,12 +386,12 @@ MESSAGE_TYPES: dict[int, type[GossipMessage]] = {
     cls.TYPE: cls for cls in (MemberList, Leave, RpcOrder, Ping, Pong, Rekey)
 }
 
-
 # --- codec ------------------------------------------------------------------------------
 
 
 def encode_message(msg: GossipMessage) -> bytes:
-    """One complete frame. ValueError if ``msg`` breaks the schema (a bug on our side)."""
+    """One control frame's payload: version, type, body. ValueError if ``msg`` breaks the schema
+    (a bug on our side); the field limits keep every valid message within one frame."""
     body = msg.to_body()
     try:
         type(msg).from_body(body)
@@ -403,7 +400,7 @@ def encode_message(msg: GossipMessage) -> bytes:
     payload = bytes((GOSSIP_WIRE_VERSION, msg.TYPE)) + json.dumps(
         body, ensure_ascii=False, separators=(",", ":"), allow_nan=False
     ).encode("utf-8")
-    return len(payload).to_bytes(LENGTH_PREFIX_BYTES, "big") + payload
+    return payload
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -417,8 +414,16 @@ def _reject_constant(name: str) -> Any:
     raise MalformedMessageError(f"gossip body contains {name}, which JSON does not allow")
 
 
-def _decode_payload(payload: bytes) -> GossipMessage:
-    """Decode version + type + body (the part the length prefix counts)."""
+def decode_message(payload: bytes) -> GossipMessage:
+    """One control frame's payload -> its message; a WireError names what is wrong with it."""
+    # The frame decoder refuses longer frames before buffering them; a caller holding
+    # bytes from elsewhere gets the same limit.
+    if len(payload) > MAX_CONTROL_MESSAGE_BYTES:
+        raise FrameTooLargeError(
+            f"gossip message of {len(payload)} bytes is over the {MAX_CONTROL_MESSAGE_BYTES}-byte limit"
+        )
+    if len(payload) < MESSAGE_HEADER_BYTES:
+        raise MalformedMessageError(f"gossip message of {len(payload)} bytes has no room for its header")
     version, type_byte = payload[0], payload[1]
     if version != GOSSIP_WIRE_VERSION:
         raise ProtocolVersionError(
@@ -430,7 +435,7 @@ def _decode_payload(payload: bytes) -> GossipMessage:
         raise MalformedMessageError(f"unknown gossip message type {type_byte}")
     try:
         body = json.loads(
-            payload[FRAME_HEADER_BYTES:].decode("utf-8"),
+            payload[MESSAGE_HEADER_BYTES:].decode("utf-8"),
             object_pairs_hook=_reject_duplicate_keys,
             parse_constant=_reject_constant,
         )
@@ -438,431 +443,3 @@ def _decode_payload(payload: bytes) -> GossipMessage:
     except (ValueError, RecursionError) as exc:
         raise MalformedMessageError(f"gossip body is not valid UTF-8 JSON: {exc}") from exc
     return cls.from_body(body)
-
-
-class GossipDecoder:
-    """Turns a byte stream into messages.
-
-    ``feed`` takes bytes as they arrive and decodes every complete frame at
-    once, so only the one unfinished frame is ever buffered: at most
-    LENGTH_PREFIX_BYTES + MAX_GOSSIP_FRAME_BYTES. ``next_message`` returns the
-    decoded messages in order, then None when it needs more data. A bad frame
-    is raised (a WireError) once the messages before it have been taken, and
-    again on every later call: the stream cannot be trusted past it. Call
-    ``end_of_stream`` when the peer closes, to catch a frame cut short.
-    """
-
-    def __init__(self) -> None:
-        self._partial = bytearray()  # the unfinished frame, length prefix included
-        self._ready: deque[GossipMessage] = deque()
-        self._error: WireError | None = None
-
-    @property
-    def buffered_bytes(self) -> int:
-        return len(self._partial)
-
-    def feed(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view and self._error is None:
-            if len(self._partial) < LENGTH_PREFIX_BYTES:
-                take = LENGTH_PREFIX_BYTES - len(self._partial)
-                self._partial += view[:take]
-                view = view[take:]
-                if len(self._partial) == LENGTH_PREFIX_BYTES:
-                    self._check_length(int.from_bytes(self._partial, "big"))
-                continue
-            length = int.from_bytes(self._partial[:LENGTH_PREFIX_BYTES], "big")
-            frame_end = LENGTH_PREFIX_BYTES + length
-            take = frame_end - len(self._partial)
-            self._partial += view[:take]
-            view = view[take:]
-            if len(self._partial) == frame_end:
-                payload = bytes(self._partial[LENGTH_PREFIX_BYTES:])
-                self._partial.clear()
-                try:
-                    self._ready.append(_decode_payload(payload))
-                except WireError as exc:
-                    self._error = exc
-
-    def end_of_stream(self) -> None:
-        """The peer closed the stream: MalformedMessageError if it did so inside a frame."""
-        if self._partial:
-            raise MalformedMessageError(
-                f"gossip stream ended {len(self._partial)} bytes into an unfinished frame"
-            )
-
-    def _check_length(self, length: int) -> None:
-        # Checked before any of the frame is buffered: a hostile length costs nothing.
-        if length > MAX_GOSSIP_FRAME_BYTES:
-            self._error = FrameTooLargeError(
-                f"gossip frame of {length} bytes is over the {MAX_GOSSIP_FRAME_BYTES}-byte limit"
-            )
-        elif length < FRAME_HEADER_BYTES:
-            self._error = MalformedMessageError(
-                f"gossip frame of {length} bytes has no room for its header"
-            )
-        if self._error is not None:
-            self._partial.clear()
-
-    def next_message(self) -> GossipMessage | None:
-        if self._ready:
-            return self._ready.popleft()
-        if self._error is not None:
-            raise self._error
-        return None
-
-
-# --- membership: actions (for the transport) and events (for the rest of the node) ------
-
-
-@dataclass(frozen=True)
-class Send:
-    to: bytes
-    msg: GossipMessage
-
-
-@dataclass(frozen=True)
-class Dial:
-    """Connect to a member we heard of; call ``peer_connected`` once it is up."""
-
-    member: MemberInfo
-    learned_via: bytes
-
-
-@dataclass(frozen=True)
-class Disconnect:
-    node_id: bytes
-    reason: str
-
-
-Action: TypeAlias = Send | Dial | Disconnect
-
-
-@dataclass(frozen=True)
-class MemberJoined:
-    """We now have our own connection to this member, and know its info."""
-
-    info: MemberInfo
-    learned_via: bytes | None  # None: it reached us before anyone mentioned it
-
-
-@dataclass(frozen=True)
-class MemberUpdated:
-    info: MemberInfo
-
-
-@dataclass(frozen=True)
-class MemberLost:
-    """Our connection to a member ended without a Leave; its info is kept for a redial."""
-
-    node_id: bytes
-    reason: str
-
-
-@dataclass(frozen=True)
-class MemberLeft:
-    node_id: bytes
-    reason: str
-
-
-@dataclass(frozen=True)
-class MemberRemoved:
-    """A Rekey removed this member: disconnected, never redialed."""
-
-    node_id: bytes
-    by: bytes
-
-
-@dataclass(frozen=True)
-class SecretRotated:
-    """The mesh secret changed: admit new connections with ``rekey.secret`` from now on."""
-
-    rekey: Rekey
-
-
-Event: TypeAlias = MemberJoined | MemberUpdated | MemberLost | MemberLeft | MemberRemoved | SecretRotated
-
-
-class MemberState(enum.StrEnum):
-    CONNECTED = "connected"  # we have our own connection to it
-    KNOWN = "known"  # heard of through gossip; a Dial is out
-    LOST = "lost"  # was connected, or its Dial failed; info kept
-    LEFT = "left"  # said Leave; only its own new connection brings it back
-    REMOVED = "removed"  # a Rekey left it out: it no longer holds the secret
-
-
-@dataclass(frozen=True)
-class MemberStatus:
-    """One row of :meth:`Membership.members`."""
-
-    info: MemberInfo
-    state: MemberState
-    learned_via: bytes | None
-    last_change: float  # ``now`` of the last change of state or info
-    rtt_s: float | None  # from the last answered Ping
-
-
-@dataclass
-class _Record:
-    info: MemberInfo
-    state: MemberState
-    learned_via: bytes | None
-    last_change: float
-    rtt_s: float | None = None
-
-
-class Membership:
-    """One node's view of the mesh, driven by the transport.
-
-    The transport calls ``peer_connected``/``peer_disconnected`` as its
-    connections (inbound, or made for a Dial) come and go, once per connection
-    it keeps: settling two connections between the same pair is its job. It
-    also calls ``peer_disconnected`` when a Dial fails. Messages from a node
-    we hold no connection to are ignored (they race with our own close).
-
-    Joins spread because a node re-sends its MemberList to all its peers
-    whenever its own connections or the infos it holds change; a receiver dials
-    the members it has never heard of. A lost member is dialed again when a
-    peer lists it (that peer is connected to it); the transport may also redial
-    the ``lost`` members of :meth:`members` on its own schedule.
-    """
-
-    def __init__(self, self_info: MemberInfo) -> None:
-        self._self = self_info
-        self._records: dict[bytes, _Record] = {}
-        # Connected, but its MemberList (so its info) has not arrived yet.
-        self._unidentified: set[bytes] = set()
-        self._actions: deque[Action] = deque()
-        self._events: deque[Event] = deque()
-        self._rpc_order: tuple[bytes, ...] = ()
-        self._announced_rpc_order: RpcOrder | None = None
-        self._ping_nonces: dict[bytes, int] = {}  # the one outstanding Ping per peer
-        self._next_nonce = 0
-        self._left = False
-        self._rekey_rank: tuple[int, bytes] = (self_info.secret_epoch, b"")
-
-    # --- outputs ---
-
-    def next_action(self) -> Action | None:
-        return self._actions.popleft() if self._actions else None
-
-    def next_event(self) -> Event | None:
-        return self._events.popleft() if self._events else None
-
-    @property
-    def self_info(self) -> MemberInfo:
-        return self._self
-
-    @property
-    def rpc_order(self) -> tuple[bytes, ...]:
-        """The last RpcOrder a peer sent (empty until one arrives): index i -> node id."""
-        return self._rpc_order
-
-    def members(self) -> tuple[MemberStatus, ...]:
-        """Every member we know of except ourselves, in the order we learned of them."""
-        return tuple(
-            MemberStatus(r.info, r.state, r.learned_via, r.last_change, r.rtt_s)
-            for r in self._records.values()
-        )
-
-    # --- inputs ---
-
-    def peer_connected(self, node_id: bytes, now: float) -> None:
-        if node_id == self._self.node_id:
-            raise ValueError("a node cannot connect to itself")
-        if self._left or self._is_connected(node_id):
-            return
-        record = self._records.get(node_id)
-        if record is None:
-            self._unidentified.add(node_id)
-        else:
-            self._set_state(record, MemberState.CONNECTED, now)
-            self._events.append(MemberJoined(record.info, record.learned_via))
-            self._broadcast_view(except_id=node_id)
-        self._actions.append(Send(node_id, self._member_list()))
-        if self._announced_rpc_order is not None:
-            self._actions.append(Send(node_id, self._announced_rpc_order))
-
-    def peer_disconnected(self, node_id: bytes, now: float, reason: str) -> None:
-        if self._left:
-            return
-        self._unidentified.discard(node_id)
-        self._ping_nonces.pop(node_id, None)
-        record = self._records.get(node_id)
-        if record is None:
-            return
-        if record.state is MemberState.CONNECTED:
-            self._set_state(record, MemberState.LOST, now)
-            self._events.append(MemberLost(node_id, reason))
-            self._broadcast_view(except_id=None)
-        elif record.state is MemberState.KNOWN:  # its Dial failed
-            self._set_state(record, MemberState.LOST, now)
-
-    def receive(self, from_id: bytes, msg: GossipMessage, now: float) -> None:
-        if self._left or not self._is_connected(from_id):
-            return
-        match msg:
-            case MemberList():
-                self._on_member_list(from_id, msg, now)
-            case Leave():
-                self._on_leave(from_id, msg, now)
-            case RpcOrder():
-                self._rpc_order = msg.node_ids
-            case Ping():
-                self._actions.append(Send(from_id, Pong(msg.nonce, msg.sent_at)))
-            case Pong():
-                record = self._records.get(from_id)
-                if record is not None and self._ping_nonces.get(from_id) == msg.nonce:
-                    del self._ping_nonces[from_id]
-                    record.rtt_s = now - msg.sent_at
-            case Rekey():
-                self._on_rekey(from_id, msg, now)
-
-    def update_self(self, info: MemberInfo) -> None:
-        if info.node_id != self._self.node_id:
-            raise ValueError("update_self cannot change the node id")
-        if self._left or info == self._self:
-            return
-        self._self = info
-        self._broadcast_view(except_id=None)
-
-    def announce_rpc_order(self, node_ids: tuple[bytes, ...]) -> None:
-        """As the serving node: tell every peer, now and on each later connect, our --rpc order."""
-        if self._left:
-            return
-        self._announced_rpc_order = RpcOrder(node_ids)
-        for peer in self._connected_ids():
-            self._actions.append(Send(peer, self._announced_rpc_order))
-
-    def heartbeat(self, now: float) -> None:
-        """Ping every identified peer; the Pongs fill in ``rtt_s``."""
-        if self._left:
-            return
-        for node_id, record in self._records.items():
-            if record.state is MemberState.CONNECTED:
-                self._next_nonce += 1
-                self._ping_nonces[node_id] = self._next_nonce
-                self._actions.append(Send(node_id, Ping(self._next_nonce, now)))
-
-    def rotate_secret(self, secret: bytes, removed: tuple[bytes, ...], now: float) -> Rekey:
-        """Give every member except ``removed`` a new secret; disconnect the removed ones."""
-        if self._self.node_id in removed:
-            raise ValueError("a node cannot remove itself; use leave")
-        epochs = [self._rekey_rank[0]] + [r.info.secret_epoch for r in self._records.values()]
-        rekey = Rekey(max(epochs) + 1, secret, removed, self._self.node_id)
-        self._on_rekey(None, rekey, now)
-        return rekey
-
-    def leave(self, reason: str) -> None:
-        """Say Leave to every peer, then ignore all input. Receivers close the connections."""
-        if self._left:
-            return
-        for peer in self._connected_ids():
-            self._actions.append(Send(peer, Leave(self._self.node_id, reason)))
-        self._left = True
-
-    # --- internals ---
-
-    def _on_member_list(self, from_id: bytes, msg: MemberList, now: float) -> None:
-        own = next((m for m in msg.members if m.node_id == from_id), None)
-        if own is None:
-            self._actions.append(
-                Disconnect(from_id, f"{short_id(from_id)} sent a member list without itself")
-            )
-            return
-        changed = self._learn(own, from_id, now)
-        for info in msg.members:
-            if info.node_id not in (from_id, self._self.node_id):
-                changed |= self._learn(info, from_id, now)
-        if changed:
-            self._broadcast_view(except_id=from_id)
-
-    def _learn(self, info: MemberInfo, via: bytes, now: float) -> bool:
-        """Take in ``info`` as told by ``via``; True if our own view (connected infos) changed."""
-        node_id = info.node_id
-        direct = node_id == via
-        if node_id in self._unidentified:
-            self._unidentified.discard(node_id)
-            learned_via = None if direct else via
-            self._records[node_id] = _Record(info, MemberState.CONNECTED, learned_via, now)
-            self._events.append(MemberJoined(info, learned_via))
-            return True
-        record = self._records.get(node_id)
-        if record is None:
-            self._records[node_id] = _Record(info, MemberState.KNOWN, via, now)
-            self._actions.append(Dial(info, via))
-        elif direct and record.info != info:
-            # Only a member speaks for itself: a third party's copy may be stale.
-            record.info = info
-            record.last_change = now
-            self._events.append(MemberUpdated(info))
-            return True
-        elif not direct and record.state is MemberState.LOST:
-            # `via` holds a live connection to it, so its copy is worth a redial.
-            record.info = info
-            record.learned_via = via
-            self._set_state(record, MemberState.KNOWN, now)
-            self._actions.append(Dial(info, via))
-        return False
-
-    def _on_leave(self, from_id: bytes, msg: Leave, now: float) -> None:
-        if msg.node_id != from_id:
-            # Each member says its own Leave; a relayed one could not be told from a forged one.
-            self._actions.append(
-                Disconnect(from_id, f"{short_id(from_id)} sent a Leave for {short_id(msg.node_id)}")
-            )
-            return
-        self._unidentified.discard(from_id)
-        self._ping_nonces.pop(from_id, None)
-        record = self._records.get(from_id)
-        if record is not None:
-            self._set_state(record, MemberState.LEFT, now)
-            self._events.append(MemberLeft(from_id, msg.reason))
-            self._broadcast_view(except_id=None)
-        self._actions.append(Disconnect(from_id, f"{short_id(from_id)} left: {msg.reason}"))
-
-    def _on_rekey(self, from_id: bytes | None, msg: Rekey, now: float) -> None:
-        if msg.rank <= self._rekey_rank or self._self.node_id in msg.removed:
-            return  # seen it, or lost to a concurrent rotation; never adopt a key meant to exclude us
-        self._rekey_rank = msg.rank
-        self._events.append(SecretRotated(msg))
-        for node_id in msg.removed:
-            if self._is_connected(node_id):
-                self._actions.append(Disconnect(node_id, f"removed from the mesh by {short_id(msg.by)}"))
-            self._unidentified.discard(node_id)
-            self._ping_nonces.pop(node_id, None)
-            if (record := self._records.get(node_id)) is not None:
-                self._set_state(record, MemberState.REMOVED, now)
-                self._events.append(MemberRemoved(node_id, msg.by))
-        for peer in self._connected_ids():
-            if peer != from_id:
-                self._actions.append(Send(peer, msg))
-        self._broadcast_view(except_id=None)
-
-    def _is_connected(self, node_id: bytes) -> bool:
-        record = self._records.get(node_id)
-        return node_id in self._unidentified or (
-            record is not None and record.state is MemberState.CONNECTED
-        )
-
-    def _connected_ids(self) -> list[bytes]:
-        return [
-            node_id for node_id, r in self._records.items() if r.state is MemberState.CONNECTED
-        ] + sorted(self._unidentified)
-
-    def _member_list(self) -> MemberList:
-        return MemberList(
-            (self._self,)
-            + tuple(r.info for r in self._records.values() if r.state is MemberState.CONNECTED)
-        )
-
-    def _broadcast_view(self, except_id: bytes | None) -> None:
-        view = self._member_list()
-        for peer in self._connected_ids():
-            if peer != except_id:
-                self._actions.append(Send(peer, view))
-
-    @staticmethod
-    def _set_state(record: _Record, state: MemberState, now: float) -> None:
-        record.state = state
-        record.last_change = now

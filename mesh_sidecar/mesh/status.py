@@ -1,0 +1,127 @@
+"""The mesh as `mesh-inference status` shows it: typed views, and the one place they become JSON.
+
+The mesh runtime builds a :class:`PeerView` per member it knows of and a
+:class:`MeshView` of its own side (``Mesh.peer_views``, ``Mesh.mesh_view``).
+Code that decides things (the serving supervisor, metrics, the dashboard) reads
+these typed values; :func:`peer_json` and :func:`mesh_json` turn them into the
+dicts that ``status --json`` prints and tests read, in milliseconds where the
+JSON names them so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..identity import short_id
+from ..net.discovery import LanRecord, lan_record_json
+from .health import HealthState
+from .membership import MemberState
+
+
+def rtt_ms(seconds: float | None) -> float | None:
+    """A round trip as status JSON and receipts show it: milliseconds, to 0.01 ms."""
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """One member this node knows of, as it stands now. Connection figures are None (counters
+    0) when this node holds no connection to it."""
+
+    node_id: bytes
+    name: str
+    state: MemberState
+    address: str | None  # the connection's remote address, else the first the member announced
+    health: HealthState | None  # from heartbeats; LOST for a lost member without a connection
+    rtt_last_s: float | None  # the last heartbeat's round trip
+    rtt_p50_s: float | None
+    rtt_p95_s: float | None
+    quic_rtt_s: float | None  # QUIC's smoothed estimate
+    datagram_bytes: int | None  # as probed (path_mtu.py)
+    missed_heartbeats: int | None
+    tunnel_port: int | None
+    rpc_server_up: bool
+    serving: bool
+    capacity: dict[str, int]
+    model_sha256: str  # "" when it holds no model file
+    secret_epoch: int
+    refused: str | None  # why the serving node leaves it out (WEIGHTS_MISMATCH), if it does
+    learned_via: bytes | None
+    # Our tunnel to its rpc-server...
+    bytes_to_peer: int = 0
+    bytes_from_peer: int = 0
+    # ...and its streams into ours: bytes and RPC commands.
+    bytes_from_peer_in: int = 0
+    bytes_to_peer_in: int = 0
+    rpc_commands: int = 0
+    # Of those, the bytes that moved layer outputs (both ways): from the serving node
+    # without --b2b, from the worker before us in the plan with it.
+    activation_bytes_in: int = 0
+
+    @property
+    def rtt_typical_s(self) -> float | None:
+        """The median heartbeat round trip, or the last one before there is a median."""
+        return self.rtt_p50_s if self.rtt_p50_s is not None else self.rtt_last_s
+
+
+@dataclass(frozen=True)
+class MeshView:
+    """This node's side of the mesh."""
+
+    quic_port: int | None
+    secret_epoch: int
+    removed: tuple[bytes, ...]  # node keys this node refuses, sorted
+    ignored_datagrams: int
+    model_sha256: str
+    mesh_id: str
+    lan: tuple[LanRecord, ...] | None  # records seen on the LAN; None without --lan
+
+
+def peer_json(view: PeerView) -> dict[str, Any]:
+    """One entry of ``status --json``'s "peers"."""
+    return {
+        "id": view.node_id.hex(),
+        "short_id": short_id(view.node_id),
+        "name": view.name,
+        "state": view.state.value,
+        "address": view.address,
+        "health": None if view.health is None else view.health.value,
+        "rtt_ms": rtt_ms(view.rtt_last_s),
+        "rtt_p50_ms": rtt_ms(view.rtt_p50_s),
+        "rtt_p95_ms": rtt_ms(view.rtt_p95_s),
+        "quic_rtt_ms": rtt_ms(view.quic_rtt_s),
+        "datagram_bytes": view.datagram_bytes,
+        "missed_heartbeats": view.missed_heartbeats,
+        "tunnel_port": view.tunnel_port,
+        "rpc_server_up": view.rpc_server_up,
+        "serving": view.serving,
+        "capacity": dict(view.capacity),
+        "model_sha256": view.model_sha256 or None,
+        "secret_epoch": view.secret_epoch,
+        "refused": view.refused,
+        "learned_via": short_id(view.learned_via) if view.learned_via else None,
+        "bytes_to_peer": view.bytes_to_peer,
+        "bytes_from_peer": view.bytes_from_peer,
+        "bytes_from_peer_in": view.bytes_from_peer_in,
+        "bytes_to_peer_in": view.bytes_to_peer_in,
+        "rpc_commands": view.rpc_commands,
+        "activation_bytes_in": view.activation_bytes_in,
+    }
+
+
+def peers_json(views: Sequence[PeerView]) -> list[dict[str, Any]]:
+    """``status --json``'s "peers": one entry per member this node knows of."""
+    return [peer_json(view) for view in views]
+
+
+def mesh_json(view: MeshView) -> dict[str, Any]:
+    """``status --json``'s "mesh"."""
+    return {"quic_port": view.quic_port, "secret_epoch": view.secret_epoch,
+            "removed": [short_id(n) for n in view.removed],
+            "ignored_datagrams": view.ignored_datagrams,
+            "model_sha256": view.model_sha256 or None,
+            "mesh_id": view.mesh_id,
+            "lan": None if view.lan is None else [
+                {**lan_record_json(r), "this_mesh": r.mesh_id == view.mesh_id} for r in view.lan]}
