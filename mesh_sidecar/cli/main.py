@@ -196,7 +196,8 @@ def run_node(
     join: Annotated[Optional[str], typer.Option("--join", help="Join the mesh of the node that printed this ticket.")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
     min_peers: Annotated[int, typer.Option("--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
-    max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G (G means GiB).")] = None,
+    max_memory: Annotated[Optional[str], typer.Option(
+        "--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G (G means GiB).")] = None,
     ctx_size: CtxOption = DEFAULT_CTX_SIZE,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", envvar=environment.API_KEY_ENV, show_default=False,
@@ -430,8 +431,9 @@ def verify(
     replay: Annotated[bool, typer.Option("--replay", help="Also run the request again on the mesh of the node "
                                          "in --home and compare the output's hash.")] = False,
     home: HomeOption = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=environment.API_KEY_ENV, show_default=False,
-                                                   help="The serving node's API key, if it has one.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar=environment.API_KEY_ENV, show_default=False,
+        help="The serving node's API key, if it has one.")] = None,
 ) -> None:
     """Check a run receipt's signature (and with --replay, that the mesh reproduces its output)."""
     try:
