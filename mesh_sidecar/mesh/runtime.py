@@ -119,6 +119,21 @@ class _Peer:
         for connection in (self.connection, *self.retired):
             connection.close(reason)
 
+    async def close_when_idle(self, reason: str) -> None:
+        # Requests still running through this peer finish first (a leaving
+        # node waits for us); the serving node's replan ends them soon.
+        await self.tunnel.wait_idle(LEAVE_GRACE_S)
+        self.close(reason)
+
+
+async def _close_when_unused(connection: PeerConnection) -> None:
+    """Close a retired connection once it has carried no stream for RETIRE_IDLE_S."""
+    idle_s = 0.0
+    while idle_s < RETIRE_IDLE_S and not connection.closed:
+        await asyncio.sleep(RETIRE_POLL_S)
+        idle_s = 0.0 if connection.open_streams else idle_s + RETIRE_POLL_S
+    connection.close(REPLACED_REASON)
+
 
 class Mesh:
     """One node's membership in the mesh, from its QUIC port to its tunnel ports."""
@@ -158,7 +173,10 @@ class Mesh:
         self.port: int | None = None
         self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
         # mDNS (lan.py): advertise this node, dial members whose records show up.
-        self._lan = LanDialer(self._lan_record, self._may_dial_from_lan, self._spawn_redial) if lan else None
+        self._lan = LanDialer(
+            self._lan_record,
+            lambda node_id: not (node_id in self._peers or node_id in self._saved.removed or self._leaving),
+            self._redial) if lan else None
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -220,17 +238,18 @@ class Mesh:
         """Dial every member remembered from an earlier run; how many."""
         remembered = [(n, a) for n, a in self._saved.members.items() if n != self.identity.node_id]
         for node_id, texts in remembered:
-            self._spawn_redial(node_id, _peer_addresses(texts))
+            self._redial(node_id, _peer_addresses(texts))
         return len(remembered)
 
-    def _spawn_redial(self, node_id: bytes, addresses: list[PeerAddress]) -> None:
-        self._spawn(self._redial(node_id, addresses))
+    def _redial(self, node_id: bytes, addresses: list[PeerAddress]) -> None:
+        """Dial a member we knew (or saw on the LAN) in the background; silence is only logged."""
+        async def redial() -> None:
+            try:
+                await self._dial(node_id, addresses)
+            except MeshError as exc:
+                log.info("member %s did not answer at %s: %s", short_id(node_id), ", ".join(map(str, addresses)), exc)
 
-    async def _redial(self, node_id: bytes, addresses: list[PeerAddress]) -> None:
-        try:
-            await self._dial(node_id, addresses)
-        except MeshError as exc:
-            log.info("member %s did not answer at %s: %s", short_id(node_id), ", ".join(map(str, addresses)), exc)
+        self._spawn(redial())
 
     async def close(self, *, graceful: bool = True, for_good: bool = False) -> None:
         """Say goodbye to every peer, give them time to move off us, then close everything.
@@ -245,17 +264,14 @@ class Mesh:
             self._process()
             if graceful and self._peers:
                 self._say("Leaving the mesh: waiting for peers to move their work off this node...")
-                await self._wait_peers_gone(LEAVE_GRACE_S)
+                deadline = time.monotonic() + LEAVE_GRACE_S
+                while self._peers and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
         for task in self._tasks:
             task.cancel()
         for peer in list(self._peers.values()):
             await peer.tunnel.close()
         await self._transport.close()
-
-    async def _wait_peers_gone(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self._peers and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
 
     # --- what the node needs -----------------------------------------------------
 
@@ -355,12 +371,6 @@ class Mesh:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _close_when_idle(self, peer: _Peer, reason: str) -> None:
-        # Requests still running through this peer finish first (a leaving
-        # node waits for us); the serving node's replan ends them soon.
-        await peer.tunnel.wait_idle(LEAVE_GRACE_S)
-        peer.close(reason)
-
     def _start_dial(self, action: Dial) -> None:
         addresses = _peer_addresses(action.member.addresses)
         node_id = action.member.node_id
@@ -394,7 +404,7 @@ class Mesh:
                     self._start_dial(action)
                 case Disconnect(node_id=node_id, reason=reason):
                     if (peer := self._peers.get(node_id)) is not None:
-                        self._spawn(self._close_when_idle(peer, reason))
+                        self._spawn(peer.close_when_idle(reason))
         while (event := membership.next_event()) is not None:
             self._on_event(event)
 
@@ -463,9 +473,6 @@ class Mesh:
         log.error("%s", message)
         self._say(message)
 
-    def _model_file_for(self, sha256: str) -> Path | None:
-        return self.model_file if self.model_file is not None and sha256 == self.model_sha256 else None
-
     async def fetch_model(self, node_id: bytes, sha256: str, destination: Path,
                           progress: ProgressCallback) -> Path:
         """Fetch the model file ``sha256`` from member ``node_id`` (resuming a partial one)."""
@@ -496,9 +503,6 @@ class Mesh:
         assert self.port is not None
         return LanRecord(mesh_id(self._saved.secret), self.identity.node_id, self._name,
                          reachable_addresses(self.port))
-
-    def _may_dial_from_lan(self, node_id: bytes) -> bool:
-        return not (node_id in self._peers or node_id in self._saved.removed or self._leaving)
 
     def name_of(self, node_id: bytes) -> str:
         assert self._membership is not None
@@ -569,19 +573,13 @@ class Mesh:
         servers = {
             StreamKind.RPC: lambda reader, writer: serve_inbound_stream(
                 reader, writer, self._rpc_port, self._resolve_endpoint, name, counters=peer.tunnel.counters),
+            # Only the file we announce, and only while we announce it.
             StreamKind.MODEL_FILE: lambda reader, writer: serve_model_file(
-                reader, writer, self._model_file_for, name),
+                reader, writer, lambda sha256: self.model_file if sha256 == self.model_sha256 else None, name),
         }
         connection.set_stream_handler(lambda reader, writer: serve_peer_stream(reader, writer, servers, name))
 
     def _retire(self, peer: _Peer, connection: PeerConnection) -> None:
         """No new streams on ``connection``; close it once its streams have ended."""
         peer.retired.add(connection)
-        self._spawn(self._close_when_unused(connection))
-
-    async def _close_when_unused(self, connection: PeerConnection) -> None:
-        idle_s = 0.0
-        while idle_s < RETIRE_IDLE_S and not connection.closed:
-            await asyncio.sleep(RETIRE_POLL_S)
-            idle_s = 0.0 if connection.open_streams else idle_s + RETIRE_POLL_S
-        connection.close(REPLACED_REASON)
+        self._spawn(_close_when_unused(connection))
