@@ -30,9 +30,9 @@ processes (not timed) and sums its samples by where they fall.
 Run as root: ``.venv/bin/python -m benchmarks.relay [--bulk-mb N] [--reps N]
 [--round-trips N] [--libraries aioquic,qh3[:DIR]] [--mtu N] [--tweak MODULE.NAME=INT]...
 [--uvloop] [--profile] [--json PATH]``. ``--tweak`` sets an int constant in the mesh
-processes before they start, for experiments: ``transport.MAX_DATAGRAM_BYTES=1452``,
-``transport.MAX_DATAGRAMS_PER_READ=1`` (no read batching), ``transport.GSO_MAX_SEGMENTS=1``
-(no GSO), ``tunnel.RELAY_CHUNK_BYTES=65536``.
+processes before they start, for experiments: ``net.quic.MAX_DATAGRAM_BYTES=1452``,
+``net.endpoint.MAX_DATAGRAMS_PER_READ=1`` (no read batching), ``net.endpoint.GSO_MAX_SEGMENTS=1``
+(no GSO), ``net.tunnel.RELAY_CHUNK_BYTES=65536``.
 Figures are printed and written as JSON; nothing is asserted.
 """
 
@@ -188,7 +188,8 @@ def _node(spec: dict[str, Any]) -> None:
 
 
 async def _node_main(spec: dict[str, Any]) -> None:
-    from mesh_sidecar.net import transport
+    from mesh_sidecar.net import quic, transport
+    from mesh_sidecar.net.connection import PeerConnection
     from mesh_sidecar.identity import generate_identity
     from mesh_sidecar.ports import LOOPBACK
     from mesh_sidecar.net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
@@ -199,7 +200,7 @@ async def _node_main(spec: dict[str, Any]) -> None:
     identity = generate_identity()
     secret = bytes.fromhex(spec["secret"])
 
-    async def serve_peer(peer: transport.PeerConnection) -> None:
+    async def serve_peer(peer: PeerConnection) -> None:
         if spec["name"] == "b":
             servers = {StreamKind.RPC: lambda r, w: serve_inbound_stream(r, w, TARGET_PORT, lambda _peer: None, "a")}
             peer.set_stream_handler(lambda r, w: serve_peer_stream(r, w, servers, "a"))
@@ -208,7 +209,7 @@ async def _node_main(spec: dict[str, Any]) -> None:
     mesh = transport.MeshTransport(identity, secret, serve_peer)
     await mesh.start(spec["ip"], QUIC_PORT)
     listener = None
-    info = {"library": transport.QUIC_LIBRARY, "version": importlib.metadata.version(transport.QUIC_LIBRARY),
+    info = {"library": quic.QUIC_LIBRARY, "version": importlib.metadata.version(quic.QUIC_LIBRARY),
             "pid": os.getpid()}
     if spec["name"] == "b":
         (workdir / "b.id").write_text(identity.node_id.hex())
@@ -483,7 +484,7 @@ def _print(report: dict[str, Any]) -> None:
 def _tweak(text: str) -> tuple[str, int]:
     name, _, value = text.partition("=")
     if not value or "." not in name:
-        raise argparse.ArgumentTypeError("a tweak is MODULE.NAME=INT, e.g. transport.MAX_DATAGRAM_BYTES=1452")
+        raise argparse.ArgumentTypeError("a tweak is MODULE.NAME=INT, e.g. net.quic.MAX_DATAGRAM_BYTES=1452")
     return name, int(value)
 
 
@@ -558,8 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name.startswith("node "):
                     started.stop(proc)
 
-        from mesh_sidecar.net import transport
-        from mesh_sidecar.net import tunnel
+        from mesh_sidecar.net import quic, streams, tunnel
 
         report = {
             "benchmark": "relay",
@@ -575,9 +575,10 @@ def main(argv: list[str] | None = None) -> int:
             "mtu": args.mtu,
             "tweaks": dict(args.tweak),
             "uvloop": args.uvloop,
-            "constants": {name: getattr(transport, name) for name in (
-                "MAX_DATAGRAM_BYTES", "STREAM_RECEIVE_WINDOW_BYTES", "CONNECTION_RECEIVE_WINDOW_BYTES",
-                "SEND_HIGH_WATER_BYTES", "SEND_LOW_WATER_BYTES")} | {"RELAY_CHUNK_BYTES": tunnel.RELAY_CHUNK_BYTES},
+            "constants": {name: getattr(module, name) for module, names in (
+                (quic, ("MAX_DATAGRAM_BYTES", "STREAM_RECEIVE_WINDOW_BYTES", "CONNECTION_RECEIVE_WINDOW_BYTES")),
+                (streams, ("SEND_HIGH_WATER_BYTES", "SEND_LOW_WATER_BYTES")),
+                (tunnel, ("RELAY_CHUNK_BYTES",))) for name in names},
             "paths": {name: {**_summary(r), **({"profile": r["profile"]} if "profile" in r else {})}
                       for name, r in results.items()},
             "raw": {name: {"bulk": r["bulk"], "round_trip_us": r["round_trip"]["us"]} for name, r in results.items()},

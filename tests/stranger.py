@@ -27,7 +27,8 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent
 from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import MeshError
 from mesh_sidecar.identity import NodeIdentity, generate_identity
-from mesh_sidecar.net.transport import ALPN, MeshTransport
+from mesh_sidecar.net.quic import ALPN
+from mesh_sidecar.net.transport import MeshTransport
 
 SILENT_WAIT_S = auth.AUTH_TIMEOUT_S + 5
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from mesh_sidecar.net import path_mtu
-from mesh_sidecar.net import transport
+from mesh_sidecar.net import quic
 from mesh_sidecar.net.path_mtu import BASE_DATAGRAM_BYTES, DatagramSizeSearch, candidate_sizes
 from tests.netns import Lab, can_make_namespaces, run
 
@@ -136,7 +136,7 @@ ENDPOINT = textwrap.dedent(f"""
 @pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.skipif(not can_make_namespaces(), reason="needs root and `ip netns`")
-@pytest.mark.skipif(not transport._QuicConnection.probes_datagram_size, reason="qh3 probes its own sizes")
+@pytest.mark.skipif(not quic.QuicConnection.probes_datagram_size, reason="qh3 probes its own sizes")
 def test_each_side_finds_the_size_its_path_carries():
     """a's link takes jumbo frames but b's does not: the bridge drops a's 9000-byte frames to b
     without a word, so only acknowledged probes can tell a to use Ethernet-sized datagrams."""

@@ -16,7 +16,7 @@ from mesh_sidecar.llama.launch import start_rpc_server
 from mesh_sidecar.mesh.runtime import Mesh
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.wire.ticket import PeerAddress
-from mesh_sidecar.net.transport import PeerConnection
+from mesh_sidecar.net.connection import PeerConnection
 from tests.meshes import HANG_S, make_mesh, row, ticket_of, wait_for
 from tests.test_tunnel import DEVICE_COUNT_CMD, HELLO_REQUEST, RPC_HEADER
 

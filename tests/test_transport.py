@@ -17,16 +17,13 @@ import pytest
 
 from mesh_sidecar.wire import auth
 from mesh_sidecar.net import path_mtu
-from mesh_sidecar.net import transport
+from mesh_sidecar.net import quic, streams, transport
 from mesh_sidecar.wire import frames
 from mesh_sidecar.errors import AuthError, FrameTooLargeError, MeshError
 from mesh_sidecar.identity import NodeIdentity, generate_identity
-from mesh_sidecar.net.transport import (
-    MeshStreamReader,
-    MeshStreamWriter,
-    MeshTransport,
-    PeerConnection,
-)
+from mesh_sidecar.net.connection import PeerConnection
+from mesh_sidecar.net.streams import MeshStreamReader, MeshStreamWriter
+from mesh_sidecar.net.transport import MeshTransport
 
 HOST = "127.0.0.1"
 SECRET = b"s" * auth.MESH_SECRET_BYTES
@@ -142,14 +139,14 @@ async def test_stream_carries_50_mb_both_ways_with_bounded_buffers(make_node) ->
     assert received_up == hashlib.sha256(up).hexdigest()
     assert received_down == hashlib.sha256(down).hexdigest()
     for w in (writer, far_writer):
-        assert w.peak_buffered <= transport.SEND_HIGH_WATER_BYTES + CHUNK
+        assert w.peak_buffered <= streams.SEND_HIGH_WATER_BYTES + CHUNK
     for r in (reader, far_reader):
-        assert r.peak_buffered <= transport.STREAM_RECEIVE_WINDOW_BYTES
+        assert r.peak_buffered <= quic.STREAM_RECEIVE_WINDOW_BYTES
     # The stalls did fill a window: the bound was tested, not just never approached.
-    assert max(reader.peak_buffered, far_reader.peak_buffered) > transport.STREAM_RECEIVE_WINDOW_BYTES // 2
+    assert max(reader.peak_buffered, far_reader.peak_buffered) > quic.STREAM_RECEIVE_WINDOW_BYTES // 2
 
 
-@pytest.mark.skipif(not transport._QuicConnection.probes_datagram_size, reason="qh3 probes its own sizes")
+@pytest.mark.skipif(not quic.QuicConnection.probes_datagram_size, reason="qh3 probes its own sizes")
 async def test_datagram_size_grows_to_what_loopback_carries(make_node) -> None:
     a, b = await make_node(), await make_node()
     outbound = await b.dial(a)
@@ -182,25 +179,25 @@ def _burst(pacer) -> int:
     return sent
 
 
-@pytest.mark.skipif(not transport._QuicConnection.paces_in_bursts, reason="qh3's pacer is native code")
+@pytest.mark.skipif(not quic.QuicConnection.paces_in_bursts, reason="qh3's pacer is native code")
 async def test_a_full_pacing_bucket_releases_one_gso_batch(make_node) -> None:
     from aioquic.quic.recovery import QuicPacketPacer
 
     size = 1472
     window, rtt = 400 * size, 0.002  # 294 MB/s: 5 us a datagram, above the pacer's 1 us floor
-    ours, stock = transport._BurstPacer(max_datagram_size=size), QuicPacketPacer(max_datagram_size=size)
+    ours, stock = quic._BurstPacer(max_datagram_size=size), QuicPacketPacer(max_datagram_size=size)
     for pacer in (ours, stock):
         pacer.update_rate(congestion_window=window, smoothed_rtt=rtt)
     assert _burst(stock) <= 17  # aioquic's own: 16 datagrams
-    assert transport.PACING_BURST_DATAGRAMS <= _burst(ours) <= transport.PACING_BURST_DATAGRAMS + 1
-    small = transport._BurstPacer(max_datagram_size=size)
+    assert quic.PACING_BURST_DATAGRAMS <= _burst(ours) <= quic.PACING_BURST_DATAGRAMS + 1
+    small = quic._BurstPacer(max_datagram_size=size)
     small.update_rate(congestion_window=20 * size, smoothed_rtt=rtt)
     assert 10 <= _burst(small) <= 11  # never more than half the window at once
     # And connections use it.
     a, b = await make_node(), await make_node()
     outbound = await b.dial(a)
     inbound = await a.next_peer()
-    assert all(isinstance(c._quic._loss._pacer, transport._BurstPacer) for c in (outbound, inbound))
+    assert all(isinstance(c._quic._loss._pacer, quic._BurstPacer) for c in (outbound, inbound))
 
 
 async def test_half_close_leaves_the_other_direction_open(make_node) -> None:
@@ -258,12 +255,12 @@ def refusals(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "mesh_sidecar.net.transport" and r.getMessage().startswith("refused") and text in r.getMessage()
+        if r.name == "mesh_sidecar.net.connection" and r.getMessage().startswith("refused") and text in r.getMessage()
     ]
 
 
 async def test_wrong_mesh_secret_is_refused_on_both_sides(make_node, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.transport")
+    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.connection")
     a = await make_node()
     intruder = await make_node(secret=b"x" * auth.MESH_SECRET_BYTES)
     with pytest.raises(AuthError, match=auth.WRONG_SECRET):
@@ -276,7 +273,7 @@ async def test_wrong_mesh_secret_is_refused_on_both_sides(make_node, caplog) -> 
 
 
 async def test_key_other_than_the_ticket_id_is_refused(make_node, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.transport")
+    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.connection")
     a, b = await make_node(), await make_node()
     with pytest.raises(AuthError, match=auth.KEY_MISMATCH):
         await b.transport.connect([(HOST, a.port)], generate_identity().node_id)
@@ -374,7 +371,7 @@ def rogue_dialers(monkeypatch) -> set[MeshTransport]:
 
 
 async def test_silent_peer_is_refused_after_the_auth_timeout(make_node, rogue_dialers, monkeypatch, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.transport")
+    caplog.set_level(logging.WARNING, logger="mesh_sidecar.net.connection")
     monkeypatch.setattr(auth, "AUTH_TIMEOUT_S", 0.5)
     a, rogue = await make_node(), await make_node()
     rogue_dialers.add(rogue.transport)
@@ -412,7 +409,7 @@ async def test_unadmitted_peer_gets_only_the_pre_auth_window(make_node, rogue_di
     writer.write(bytes(1024 * 1024))
     await asyncio.sleep(0.3)
     ((unclaimed_reader, _),) = pending._unclaimed
-    assert 0 < unclaimed_reader.peak_buffered <= transport.PRE_AUTH_RECEIVE_WINDOW_BYTES
+    assert 0 < unclaimed_reader.peak_buffered <= quic.PRE_AUTH_RECEIVE_WINDOW_BYTES
     assert a.peers.empty()
     flood.cancel()
     with contextlib.suppress(asyncio.CancelledError):

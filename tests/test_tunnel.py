@@ -25,7 +25,8 @@ from mesh_sidecar.wire import auth
 from mesh_sidecar.identity import generate_identity
 from mesh_sidecar.llama.launch import start_rpc_server
 from mesh_sidecar.ports import LOOPBACK, free_tcp_port, loopback_client_uid, socket_owner_uid
-from mesh_sidecar.net.transport import MeshTransport, PeerConnection
+from mesh_sidecar.net.connection import PeerConnection
+from mesh_sidecar.net.transport import MeshTransport
 from mesh_sidecar.net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
 
 SECRET = b"t" * auth.MESH_SECRET_BYTES

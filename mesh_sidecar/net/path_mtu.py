@@ -5,7 +5,7 @@ Every QUIC path carries 1200-byte datagrams; an Ethernet LAN carries 1472, a jum
 per CPU second (docs/performance.md). Discovery follows RFC 8899 (packetization-layer path MTU
 discovery): a probe is one PING padded to the size tried, and only the peer's acknowledgement
 counts, so no ICMP is needed and a path that silently drops big frames is found out too. The
-socket sets don't-fragment (transport.py), so a probe too big for a link is dropped, never
+socket sets don't-fragment (endpoint.py), so a probe too big for a link is dropped, never
 split into IP fragments.
 
 The search is pure (sizes in, sizes out): the largest size the local interface allows first,

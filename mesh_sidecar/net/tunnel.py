@@ -34,7 +34,8 @@ from ..errors import MeshError, WireError
 from ..identity import short_id
 from ..ports import LOOPBACK, loopback_client_uid
 from ..wire.rpc_framing import RpcStreamFilter
-from .transport import MeshStreamReader, MeshStreamWriter, PeerConnection
+from .connection import PeerConnection
+from .streams import MeshStreamReader, MeshStreamWriter
 
 log = logging.getLogger(__name__)
 
