@@ -10,6 +10,8 @@ processes, reads clocks or speaks HTTP. docs/architecture.md draws the same orde
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,34 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     ours, others = _imports("wire.probe", bad)
     assert [t for t in ours if _rank(t) > _rank("wire.probe")] == ["serve.proxy"]
     assert others & IMPURE_MODULES == {"socket"}
+
+
+ARCHITECTURE_MD = PACKAGE.parent / "docs" / "architecture.md"
+
+
+@pytest.mark.parametrize("module, path", _modules(), ids=[m for m, _ in _modules()])
+def test_every_module_opens_with_one_line_saying_its_job(module: str, path: Path) -> None:
+    docstring = ast.get_docstring(ast.parse(path.read_text()))
+    assert docstring, f"{module} has no docstring"
+    first = docstring.splitlines()[0]
+    assert first.strip() and len(first) <= 120, f"{module}: {first!r}"
+
+
+def test_architecture_md_names_every_module() -> None:
+    text = ARCHITECTURE_MD.read_text()
+    missing = [m for m, p in _modules() if p.name != "__init__.py" and f"`{p.relative_to(PACKAGE)}`" not in text]
+    assert not missing, f"docs/architecture.md does not list: {missing}"
+
+
+def _timeout_rows() -> list[tuple[str, str, str]]:
+    """(value, module, constant) of each row of the architecture doc's timeouts table."""
+    table = ARCHITECTURE_MD.read_text().split("## Timeouts", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\|[^|]+\| ([0-9.]+) s \| `([a-z_.]+)\.([A-Z_]+)` \|$", table, flags=re.M)
+
+
+def test_the_timeouts_table_names_real_constants_with_their_values() -> None:
+    rows = _timeout_rows()
+    assert len(rows) >= 10
+    for value, module, constant in rows:
+        actual = getattr(importlib.import_module(f"mesh_sidecar.{module}"), constant)
+        assert actual == float(value), f"{module}.{constant} is {actual}, the doc says {value} s"
