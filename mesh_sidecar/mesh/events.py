@@ -1,5 +1,6 @@
-"""What happened in the mesh, as one node's Membership saw it: frozen dataclasses, drained
-with ``Membership.next_event()`` by the mesh runtime, which tells people and acts on them.
+"""What happened in the mesh, as one node's Membership saw it: frozen dataclasses.
+
+The mesh runtime drains them with ``Membership.next_event()``, tells people, and acts on them.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from ..wire.ticket import Ticket
 from ..llama import weight_cache
 from ..llama.model import model_by_sha256
 from ..llama.weight_cache import WeightCache
+from ..units import MIB, format_gib
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class _SayEveryTenth:
         tenth = done * 10 // total if total else 0
         if tenth > self._said:
             self._said = tenth
-            self._say(f"{message}: {done / 1e6:.0f} of {total / 1e6:.0f} MB")
+            self._say(f"{message}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
 
 
 class _StopRequested(Exception):
@@ -179,7 +180,7 @@ class Node:
             self.rpc_port = port
             self._devices = parse_device_listing(self.rpc_server.log_path.read_text(errors="replace"))
             self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only); offering "
-                      f"{self.capacity().usable_bytes / 1e9:.2f} GB")
+                      f"{format_gib(self.capacity().usable_bytes)} GiB")
             return
 
     def capacity(self) -> Capacity:

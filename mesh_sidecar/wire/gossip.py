@@ -39,7 +39,7 @@ from .auth import MESH_SECRET_BYTES
 from .frames import MAX_CONTROL_MESSAGE_BYTES
 
 # 3: one message per control frame, without gossip's own length prefix inside it;
-#    MAX_MEMBERS_PER_LIST 64. 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
+# 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
 GOSSIP_WIRE_VERSION = 3
 MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
@@ -50,9 +50,9 @@ MAX_ADDRESS_CHARS = 259  # a 253-char DNS name, ":" and a 5-digit port
 MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
-# The largest mesh gossip can describe: 64 members at every field's limit take about
-# 205 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 256 KiB).
-MAX_MEMBERS_PER_LIST = 64
+# The largest mesh gossip can describe: 256 members at every field's limit take about
+# 820 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
+MAX_MEMBERS_PER_LIST = 256
 MAX_RPC_ORDER_ENTRIES = 256
 MAX_REASON_CHARS = 256
 MAX_NONCE = 2**64 - 1
