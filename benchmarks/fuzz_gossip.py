@@ -14,30 +14,17 @@ that decodes must encode again and decode to itself (what we accept, we can rela
 from __future__ import annotations
 
 from mesh_sidecar.wire.frames import MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
-from mesh_sidecar.wire.gossip import (
-    GOSSIP_WIRE_VERSION,
-    MESSAGE_HEADER_BYTES,
-    GossipMessage,
-    Leave,
-    MemberInfo,
-    MemberList,
-    Ping,
-    Pong,
-    Rekey,
-    RpcOrder,
-    decode_message,
-    encode_message,
-)
+from mesh_sidecar.wire import gossip
 
 from .fuzzing import Input, chunks, run
 
 _STREAM, _FRAME = 0, 1
 
 _A, _B = b"\xaa" * 32, b"\xbb" * 32
-SAMPLES: tuple[GossipMessage, ...] = (
-    MemberList(
+SAMPLES: tuple[gossip.GossipMessage, ...] = (
+    gossip.MemberList(
         (
-            MemberInfo(
+            gossip.MemberInfo(
                 node_id=_A,
                 name="worker a",
                 addresses=("192.0.2.7:7447", "[2001:db8::1]:7447"),
@@ -48,11 +35,11 @@ SAMPLES: tuple[GossipMessage, ...] = (
             ),
         )
     ),
-    Leave(_A, "shutting down"),
-    RpcOrder((_A, _B)),
-    Ping(7, 1.5),
-    Pong(7, 1.5),
-    Rekey(epoch=2, secret=b"\x5a" * 32, removed=(_B,), by=_A),
+    gossip.Leave(_A, "shutting down"),
+    gossip.RpcOrder((_A, _B)),
+    gossip.Ping(7, 1.5),
+    gossip.Pong(7, 1.5),
+    gossip.Rekey(epoch=2, secret=b"\x5a" * 32, removed=(_B,), by=_A),
 )
 
 
@@ -65,7 +52,7 @@ def fuzz_one(data: bytes) -> None:
     src = Input(data)
     mode, knob = src.byte() % 2, src.byte()
     if mode == _FRAME:
-        payloads = [bytes((GOSSIP_WIRE_VERSION, knob)) + src.rest()]
+        payloads = [bytes((gossip.GOSSIP_WIRE_VERSION, knob)) + src.rest()]
     else:
         decoder, payloads = FrameDecoder(MAX_CONTROL_MESSAGE_BYTES), []
         for read in chunks(src.rest(), knob + 1):
@@ -73,15 +60,15 @@ def fuzz_one(data: bytes) -> None:
             while (payload := decoder.next_frame()) is not None:
                 payloads.append(payload)
     for payload in payloads:
-        msg = decode_message(payload)
+        msg = gossip.decode_message(payload)
         # What we accept from one peer we may relay to the others.
-        assert decode_message(encode_message(msg)) == msg
+        assert gossip.decode_message(gossip.encode_message(msg)) == msg
 
 
 def seeds() -> list[bytes]:
     """Every sample as one frame, and all of them as one stream."""
-    payloads = [encode_message(msg) for msg in SAMPLES]
-    by_frame = [bytes((_FRAME, msg.TYPE)) + payload[MESSAGE_HEADER_BYTES:] for msg, payload in zip(SAMPLES, payloads)]
+    payloads = [gossip.encode_message(msg) for msg in SAMPLES]
+    by_frame = [bytes((_FRAME, msg.TYPE)) + payload[gossip.MESSAGE_HEADER_BYTES:] for msg, payload in zip(SAMPLES, payloads)]
     return [*by_frame, bytes((_STREAM, 6)) + b"".join(encode_frame(p) for p in payloads)]
 
 

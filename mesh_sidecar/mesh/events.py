@@ -58,12 +58,17 @@ class SecretRotated:
 
 
 @dataclass(frozen=True)
-class PeerDegraded:
-    """A connected member's oldest heartbeat has gone unanswered DEGRADED_AFTER_S (health.py)."""
+class _PeerSilent:
+    """A member's heartbeats go unanswered (the fields PeerDegraded and PeerLost share)."""
 
     node_id: bytes  # the member
     silent_s: float  # how long the oldest unanswered Ping has waited
     missed: int  # Pings in a row sent while an earlier one was unanswered
+
+
+@dataclass(frozen=True)
+class PeerDegraded(_PeerSilent):
+    """A connected member's oldest heartbeat has gone unanswered DEGRADED_AFTER_S (health.py)."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,8 @@ class PeerRecovered:
 
 
 @dataclass(frozen=True)
-class PeerLost:
+class PeerLost(_PeerSilent):
     """A member's heartbeat has gone unanswered LOST_AFTER_S: its connection is to be closed."""
-
-    node_id: bytes  # the member
-    silent_s: float  # how long the oldest unanswered Ping has waited
-    missed: int  # Pings in a row sent while an earlier one was unanswered
 
 
 @dataclass(frozen=True)

@@ -42,24 +42,12 @@ from ..net.discovery import LanRecord, mesh_id
 from ..net.model_transfer import fetch_model_over, serve_model_file
 from ..net.connection import PeerConnection
 from ..net.transport import MeshTransport
-from ..net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
+from ..net.tunnel import StreamKind, TunnelCounters, TunnelListener, serve_inbound_stream, serve_peer_stream
 from ..ports import LOOPBACK
 from ..wire.auth import MESH_SECRET_BYTES
 from ..wire.gossip import MAX_ADDRESSES, MemberInfo, decode_message, encode_message
 from ..wire.ticket import PeerAddress, Ticket, encode_ticket
-from .events import (
-    Event,
-    LoopStalled,
-    MemberJoined,
-    MemberLeft,
-    MemberLost,
-    MemberRemoved,
-    MemberUpdated,
-    PeerDegraded,
-    PeerLost,
-    PeerRecovered,
-    SecretRotated,
-)
+from . import events
 from .health import HealthState, health_message, lost_reason
 from .lan import LanDialer
 from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
@@ -326,11 +314,7 @@ class Mesh:
             model_sha256=info.model_sha256, secret_epoch=info.secret_epoch,
             refused=WEIGHTS_MISMATCH if holds_other_weights(self.model_sha256, info) else None,
             learned_via=learned_via,
-            **({} if counters is None else dict(
-                bytes_to_peer=counters.bytes_to_peer, bytes_from_peer=counters.bytes_from_peer,
-                bytes_from_peer_in=counters.inbound_bytes_from_peer,
-                bytes_to_peer_in=counters.inbound_bytes_to_peer, rpc_commands=counters.rpc_commands,
-                activation_bytes_in=counters.inbound_activation_bytes)),
+            tunnel=TunnelCounters() if counters is None else dataclasses.replace(counters),
         )
 
     # --- internals ---------------------------------------------------------------
@@ -408,49 +392,49 @@ class Mesh:
         while (event := membership.next_event()) is not None:
             self._on_event(event)
 
-    def _on_event(self, event: Event) -> None:
+    def _on_event(self, event: events.Event) -> None:
         """Tell people what happened, keep mesh.json current, and close what must close."""
         match event:
-            case MemberJoined(info=info, learned_via=via):
+            case events.MemberJoined(info=info, learned_via=via):
                 how = f" (learned via gossip from {self.name_of(via)})" if via else ""
                 self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
                 self._check_weights(info)
                 self._remember(info.node_id, info.addresses)
                 self.changed.set()
-            case MemberLost(node_id=node_id, reason=reason):
+            case events.MemberLost(node_id=node_id, reason=reason):
                 self._say(f"Lost peer {self.name_of(node_id)}: {reason}")
                 self.changed.set()
-            case MemberLeft(node_id=node_id, reason=reason):
+            case events.MemberLeft(node_id=node_id, reason=reason):
                 self._say(f"Peer {self.name_of(node_id)} left the mesh ({reason})")
                 if reason == LEFT_FOR_GOOD_REASON:
                     self._remember(node_id, None)
                 self.changed.set()
-            case MemberRemoved(node_id=node_id, by=by):
+            case events.MemberRemoved(node_id=node_id, by=by):
                 # At once, not when idle: a removed member must lose its access now.
                 if (peer := self._peers.get(node_id)) is not None:
                     peer.close(f"removed from the mesh by {self.name_of(by)}")
                 self._remember(node_id, None)
                 self._say(f"Peer {self.name_of(node_id)} was removed from the mesh by {self.name_of(by)}")
                 self.changed.set()
-            case SecretRotated(rekey=rekey):
+            case events.SecretRotated(rekey=rekey):
                 self._adopt(rekey.secret, rekey.epoch, rekey.removed)
                 self._say(f"The mesh secret was rotated by {self.name_of(rekey.by)}: tickets printed "
                           f"before now admit no one. New ticket: {self.ticket()}")
-            case MemberUpdated(info=info):
+            case events.MemberUpdated(info=info):
                 self._check_weights(info)
                 self._remember(info.node_id, info.addresses)
-            case PeerDegraded() | PeerRecovered():
+            case events.PeerDegraded() | events.PeerRecovered():
                 message = health_message(event, self.name_of(event.node_id))
-                log.log(logging.WARNING if isinstance(event, PeerDegraded) else logging.INFO,
+                log.log(logging.WARNING if isinstance(event, events.PeerDegraded) else logging.INFO,
                         "%s (%s)", message, short_id(event.node_id))
                 self._say(message)
-            case PeerLost(node_id=node_id, missed=missed):
+            case events.PeerLost(node_id=node_id, missed=missed):
                 reason = lost_reason(event)
                 log.warning("peer %s lost: %s (%d missed)", short_id(node_id), reason, missed)
                 # _serve_peer sees the close, marks the member lost and closes its tunnel.
                 if (peer := self._peers.get(node_id)) is not None:
                     peer.close(reason)
-            case LoopStalled(gap_s=gap_s):
+            case events.LoopStalled(gap_s=gap_s):
                 log.warning("event loop stalled for %.1f s; peer health not judged on this heartbeat", gap_s)
 
     def _remember(self, node_id: bytes, addresses: tuple[str, ...] | None) -> None:

@@ -11,11 +11,12 @@ JSON names them so.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..identity import short_id
 from ..net.discovery import LanRecord, lan_record_json
+from ..net.tunnel import TunnelCounters
 from .health import HealthState
 from .membership import MemberState
 
@@ -49,16 +50,8 @@ class PeerView:
     secret_epoch: int
     refused: str | None  # why the serving node leaves it out (WEIGHTS_MISMATCH), if it does
     learned_via: bytes | None
-    # Our tunnel to its rpc-server...
-    bytes_to_peer: int = 0
-    bytes_from_peer: int = 0
-    # ...and its streams into ours: bytes and RPC commands.
-    bytes_from_peer_in: int = 0
-    bytes_to_peer_in: int = 0
-    rpc_commands: int = 0
-    # Of those, the bytes that moved layer outputs (both ways): from the serving node
-    # without --b2b, from the worker before us in the plan with it.
-    activation_bytes_in: int = 0
+    # Bytes and RPC commands through its tunnels both ways, as of this view (a copy).
+    tunnel: TunnelCounters = field(default_factory=TunnelCounters)
 
     @property
     def rtt_typical_s(self) -> float | None:
@@ -102,12 +95,16 @@ def peer_json(view: PeerView) -> dict[str, Any]:
         "secret_epoch": view.secret_epoch,
         "refused": view.refused,
         "learned_via": short_id(view.learned_via) if view.learned_via else None,
-        "bytes_to_peer": view.bytes_to_peer,
-        "bytes_from_peer": view.bytes_from_peer,
-        "bytes_from_peer_in": view.bytes_from_peer_in,
-        "bytes_to_peer_in": view.bytes_to_peer_in,
-        "rpc_commands": view.rpc_commands,
-        "activation_bytes_in": view.activation_bytes_in,
+        # Our tunnel to its rpc-server...
+        "bytes_to_peer": view.tunnel.bytes_to_peer,
+        "bytes_from_peer": view.tunnel.bytes_from_peer,
+        # ...and its streams into ours: bytes and RPC commands.
+        "bytes_from_peer_in": view.tunnel.inbound_bytes_from_peer,
+        "bytes_to_peer_in": view.tunnel.inbound_bytes_to_peer,
+        "rpc_commands": view.tunnel.rpc_commands,
+        # Of those, the bytes that moved layer outputs (both ways): from the serving node
+        # without --b2b, from the worker before us in the plan with it.
+        "activation_bytes_in": view.tunnel.inbound_activation_bytes,
     }
 
 

@@ -38,8 +38,8 @@ class _MeshCollector(Collector):
         for peer in peers:
             if peer.rtt_last_s is not None:
                 rtt.add_metric([peer.name], peer.rtt_last_s)
-            sent.add_metric([peer.name, "to_peer"], peer.bytes_to_peer)
-            sent.add_metric([peer.name, "from_peer"], peer.bytes_from_peer)
+            sent.add_metric([peer.name, "to_peer"], peer.tunnel.bytes_to_peer)
+            sent.add_metric([peer.name, "from_peer"], peer.tunnel.bytes_from_peer)
         yield rtt
         yield sent
 
