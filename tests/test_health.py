@@ -270,8 +270,9 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
     # Fast heartbeats and short thresholds; QUIC keepalives keep the connection itself
     # alive all along, so only the heartbeats can tell that B stopped answering.
     monkeypatch.setattr(mesh_module, "HEARTBEAT_INTERVAL_S", 0.1)
+    # Degraded for 2.5 s before lost: wide enough that a busy machine's polling still sees it.
     monkeypatch.setattr(membership_module, "PeerHealth",
-                        functools.partial(PeerHealth, degraded_after_s=0.5, lost_after_s=1.0))
+                        functools.partial(PeerHealth, degraded_after_s=0.5, lost_after_s=3.0))
     caplog.set_level(logging.INFO, "mesh_sidecar.mesh.runtime")
     said: dict[str, list[str]] = {"a": [], "b": []}
     a = make_mesh(tmp_path, "a", SECRET, said["a"].append)
@@ -295,13 +296,13 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
         monkeypatch.setattr(b._membership, "receive",
                             lambda from_id, msg, now: None if isinstance(msg, Ping)
                             else real_receive(from_id, msg, now))
-        await wait_for(lambda: row(a, b)["health"] == "degraded", "B degraded", 3.0)
+        await wait_for(lambda: row(a, b)["health"] == "degraded", "B degraded", 10.0)
         assert row(a, b)["missed_heartbeats"] >= 1
         assert row(a, b)["state"] == "connected"
-        await wait_for(lambda: row(a, b)["state"] == "lost", "B lost", 3.0)
+        await wait_for(lambda: row(a, b)["state"] == "lost", "B lost", 10.0)
         assert row(a, b)["health"] == "lost"
         assert any(m.startswith("Peer b is slow to answer") for m in said["a"]), said["a"]
-        assert any(m.startswith("Lost peer b: no heartbeat answer for 1.") for m in said["a"]), said["a"]
+        assert any(m.startswith("Lost peer b: no heartbeat answer for 3.") for m in said["a"]), said["a"]
         assert a.connected_members() == []
     finally:
         for task in tasks:
@@ -329,9 +330,9 @@ async def test_a_peer_that_answers_again_recovers(monkeypatch, tmp_path):
         monkeypatch.setattr(b._membership, "receive",
                             lambda from_id, msg, now: None if isinstance(msg, Ping)
                             else real_receive(from_id, msg, now))
-        await wait_for(lambda: row(a, b)["health"] == "degraded", "B degraded", 3.0)
+        await wait_for(lambda: row(a, b)["health"] == "degraded", "B degraded", 10.0)
         monkeypatch.setattr(b._membership, "receive", real_receive)
-        await wait_for(lambda: row(a, b)["health"] == "connected", "B recovered", 3.0)
+        await wait_for(lambda: row(a, b)["health"] == "connected", "B recovered", 10.0)
         assert row(a, b)["state"] == "connected" and row(a, b)["missed_heartbeats"] == 0
         assert any(m.startswith("Peer b answers heartbeats again") for m in said), said
     finally:
