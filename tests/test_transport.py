@@ -24,12 +24,14 @@ from mesh_sidecar.identity import NodeIdentity, generate_identity
 from mesh_sidecar.net.connection import PeerConnection
 from mesh_sidecar.net.streams import MeshStreamReader, MeshStreamWriter
 from mesh_sidecar.net.transport import MeshTransport
+from tests.waiting import wait_until_async
 
 HOST = "127.0.0.1"
 SECRET = b"s" * auth.MESH_SECRET_BYTES
 CHUNK = 64 * 1024
 BIG = 50 * 1024 * 1024
 PROMPT_S = 2.0
+WAIT_S = 10.0  # for a condition a busy machine may take a while to reach
 
 
 class Node:
@@ -265,7 +267,9 @@ async def test_wrong_mesh_secret_is_refused_on_both_sides(make_node, caplog) -> 
     intruder = await make_node(secret=b"x" * auth.MESH_SECRET_BYTES)
     with pytest.raises(AuthError, match=auth.WRONG_SECRET):
         await intruder.dial(a)
-    await asyncio.sleep(0.05)
+    # The client's refusal arrives with its failed dial; the server logs its own as it closes.
+    await wait_until_async(lambda: refusals(caplog, f"refused {HOST}:{intruder.port}"), WAIT_S,
+                           "the server logs its refusal")
     server_side = refusals(caplog, f"refused {HOST}:{intruder.port}: {auth.WRONG_SECRET}")
     client_side = refusals(caplog, f"refused by {HOST}:{a.port}: {auth.WRONG_SECRET}")
     assert len(server_side) == 1 and len(client_side) == 1, caplog.text
@@ -334,7 +338,7 @@ async def test_closing_one_side_ends_the_other_sides_reads_promptly(make_node) -
     assert await peer_reader.read(1) == b"x"
     pending_read = asyncio.ensure_future(peer_reader.read(1))
     pending_control = asyncio.ensure_future(inbound.receive_control())
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # both now wait inside the connection
 
     started = time.monotonic()
     await b.transport.close()
@@ -389,7 +393,7 @@ async def test_unadmitted_peers_are_capped(make_node, rogue_dialers, monkeypatch
     a, rogue, b = await make_node(), await make_node(), await make_node()
     rogue_dialers.add(rogue.transport)
     squatting = asyncio.ensure_future(rogue.dial(a))
-    await asyncio.sleep(0.2)
+    await wait_until_async(lambda: a.transport.connections, WAIT_S, "the rogue's dial takes the only slot")
     with pytest.raises(MeshError, match="no answer"):
         await b.dial(a)  # its Initial packets are dropped while the slot is taken
     with pytest.raises(MeshError, match="no answer"):
@@ -401,13 +405,16 @@ async def test_unadmitted_peer_gets_only_the_pre_auth_window(make_node, rogue_di
     a, rogue = await make_node(), await make_node()
     rogue_dialers.add(rogue.transport)
     flood = asyncio.ensure_future(rogue.dial(a))
-    await asyncio.sleep(0.2)
+    await wait_until_async(lambda: a.transport.connections and rogue.transport.connections, WAIT_S,
+                           "the rogue's connection is pending at A")
     (pending,) = a.transport.connections
     (dialer,) = rogue.transport.connections
     await dialer.open_stream()  # stream 0, the control stream: left unused
     _, writer = await dialer.open_stream()  # reachable only from inside the module
     writer.write(bytes(1024 * 1024))
-    await asyncio.sleep(0.3)
+    # A's window is PRE_AUTH_RECEIVE_WINDOW_BYTES: once that much is buffered, no more can come.
+    await wait_until_async(lambda: any(r.peak_buffered >= quic.PRE_AUTH_RECEIVE_WINDOW_BYTES
+                                       for r, _ in pending._unclaimed), WAIT_S, "A buffers its window's worth")
     ((unclaimed_reader, _),) = pending._unclaimed
     assert 0 < unclaimed_reader.peak_buffered <= quic.PRE_AUTH_RECEIVE_WINDOW_BYTES
     assert a.peers.empty()
