@@ -21,6 +21,7 @@ import pytest
 from mesh_sidecar.llama.build import LlamaBinaries, ensure_binaries
 from mesh_sidecar.llama.model import ensure_model
 from mesh_sidecar.ports import free_tcp_port
+from tests.waiting import wait_until
 
 NODE_START_TIMEOUT_S = 180.0
 TICKET_LINE = re.compile(r"Node ticket: (meshinf[a-z2-7]+)")
@@ -75,6 +76,20 @@ def complete(port: int, prompt: str = PROMPT) -> str:
     body = response.json()
     assert body["usage"]["completion_tokens"] == N_PREDICT
     return body["choices"][0]["text"]
+
+
+def start_bare_rpc_server(binaries, port: int, log: Path) -> subprocess.Popen:
+    """A bare rpc-server, returned once it listens (llama-server aborts on a port not yet open)."""
+    proc = subprocess.Popen([str(binaries.rpc_server), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+    def listening() -> bool:  # its sockets, not a probe connection: that would be a client
+        assert proc.poll() is None, log.read_text()
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process(proc.pid).net_connections(kind="tcp"))
+
+    wait_until(listening, 30, f"rpc-server listens on {port}")
+    return proc
 
 
 def plain_llama_server_answer(binaries: LlamaBinaries, model: Path, log_dir: Path,

@@ -14,13 +14,12 @@ import subprocess
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
 
 from mesh_sidecar.llama.capacity import Capacity, held_key
 from mesh_sidecar.llama.build import B2B, ensure_binaries
 from mesh_sidecar.ports import free_tcp_port
-from tests.conftest import N_PREDICT, _quiet, api_healthy, complete
+from tests.conftest import N_PREDICT, _quiet, api_healthy, complete, start_bare_rpc_server
 from tests.netns import API_PORT, Lab, can_make_namespaces, ns_complete, start_in, ticket_of
 from tests.waiting import wait_until
 
@@ -118,20 +117,6 @@ def test_b2b_mesh_moves_activations_worker_to_worker(b2b_binaries, reference_tex
         assert rewritten == f"127.0.0.1:{b2b['tunnels'][node][peer]}"
 
 
-def _rpc_server(binaries, port: int, log: Path) -> subprocess.Popen:
-    """A bare rpc-server, returned once it listens (llama-server aborts on a port not yet open)."""
-    proc = subprocess.Popen([str(binaries.rpc_server), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-    def listening() -> bool:  # its sockets, not a probe connection: that would be a client
-        assert proc.poll() is None, log.read_text()
-        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                   for c in psutil.Process(proc.pid).net_connections(kind="tcp"))
-
-    wait_until(listening, 30, f"rpc-server listens on {port}")
-    return proc
-
-
 @pytest.mark.parametrize("client_build, server_build", [("stock", "b2b"), ("b2b", "stock")])
 def test_either_build_talks_to_the_other(client_build, server_build, binaries, b2b_binaries, model_path,
                                          reference_text, tmp_path):
@@ -142,7 +127,7 @@ def test_either_build_talks_to_the_other(client_build, server_build, binaries, b
     started: list[subprocess.Popen] = []  # stopped whatever happens
     try:
         for i, port in enumerate(ports):
-            started.append(_rpc_server(builds[server_build], port, tmp_path / f"rpc{i}.log"))
+            started.append(start_bare_rpc_server(builds[server_build], port, tmp_path / f"rpc{i}.log"))
         api = free_tcp_port()
         client = subprocess.Popen(
             [str(builds[client_build].llama_server), "-m", str(model_path), "--host", "127.0.0.1", "--port",

@@ -25,7 +25,7 @@ from mesh_sidecar.llama.estimate import (
 )
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.units import MIB
-from tests.conftest import api_healthy
+from tests.conftest import api_healthy, start_bare_rpc_server
 
 N_CTX = 4096
 # SmolLM2-135M: 30 blocks, 576 wide, 9 query heads sharing 3 K/V heads of 64.
@@ -231,10 +231,7 @@ def test_estimate_matches_llama_cpp_buffers(binaries, model_path: Path, tmp_path
         for i in range(len(split)):
             port = free_tcp_port()
             endpoints.append(f"127.0.0.1:{port}")
-            with open(tmp_path / f"rpc{i}.log", "w") as out:
-                procs.append(subprocess.Popen([str(binaries.rpc_server), "-H", "127.0.0.1", "-p", str(port)],
-                                              stdout=out, stderr=subprocess.STDOUT))
-        time.sleep(0.5)
+            procs.append(start_bare_rpc_server(binaries, port, tmp_path / f"rpc{i}.log"))
         port = free_tcp_port()
         # -lv 5 (debug) prints the "layer N assigned to device" lines; 4 would do for the sizes.
         with open(log_path, "w") as out:
