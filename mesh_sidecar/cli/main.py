@@ -17,6 +17,8 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -45,6 +47,7 @@ from ..mesh.saved import MESH_FILE_NAME, SavedMesh
 from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..node.node import DEFAULT_CTX_SIZE, Node, NodeOptions
 from ..ports import LOOPBACK, check_tcp_port_free
+from ..progress import PlainProgress, ProgressCallback
 from ..serve.proxy import ApiAccess
 from ..serve.supervisor import PlanAnnouncement
 from ..units import MIB, format_gib, parse_size
@@ -97,7 +100,7 @@ LlamaBinOption = Annotated[
 
 
 class _LazyProgress:
-    """One live bar for the setup steps' (message, done, total) reports.
+    """One live bar for the setup steps' (message, done, total) reports, on a terminal.
 
     Shown only once a step reports: when everything is cached, nothing is printed.
     """
@@ -120,6 +123,19 @@ class _LazyProgress:
             self._progress.stop()
 
 
+@contextmanager
+def _setup_progress() -> Iterator[ProgressCallback]:
+    """Where the setup steps report: a live bar on a terminal, else plain lines (CI logs, `| tee`)."""
+    if not err_console.is_terminal:
+        yield PlainProgress(lambda line: err_console.print(line, highlight=False, markup=False, soft_wrap=True))
+        return
+    bar = _LazyProgress()
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
 def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False, b2b: bool = False):
     """Binaries, model and (if asked) the model's sha256, with a progress bar when slow.
 
@@ -127,13 +143,10 @@ def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool
     """
     if model is not None:
         check_gguf(model)
-    progress = _LazyProgress()
-    try:
+    with _setup_progress() as progress:
         binaries = ensure_binaries(llama_bin, progress, B2B if b2b else STOCK)
         model_path = ensure_model(model, progress)
         return binaries, model_path, model_sha256(model_path, progress) if identify_model else ""
-    finally:
-        progress.close()
 
 
 def _draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:
@@ -150,16 +163,13 @@ def _draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:
 def _prepare_weight_cache(home: NodeHome, model: Path, sha256: str) -> tuple[WeightCache, Path]:
     """This node's rpc-server weight cache (checked, seeded from the model file it holds) and its helper."""
     cache = WeightCache.in_home(home.root)
-    progress = _LazyProgress()
-    try:
+    with _setup_progress() as progress:
         tool = weight_cache.ensure_tool(progress)
         removed = weight_cache.verify(cache, tool, progress)
         if removed:
             _say(f"Removed {removed} damaged file(s) from the weight cache; their tensors will be sent again.")
         if sha256:
             weight_cache.seed(cache, tool, model, sha256, progress)
-    finally:
-        progress.close()
     return cache, tool
 
 
@@ -259,7 +269,8 @@ def run_node(
                           api_access=api_access, model_sha256=sha256, weight_cache=cache,
                           weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
                           receipts=receipt.expanduser().resolve() if receipt else None,
-                          speculate=speculation_mode == "auto", mdns=not no_mdns)
+                          speculate=speculation_mode == "auto", mdns=not no_mdns,
+                          plain_progress=not console.is_terminal)
     console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
 

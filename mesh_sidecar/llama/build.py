@@ -40,6 +40,7 @@ from pathlib import Path
 from .. import environment
 from ..errors import BinariesMissingError, BuildError
 from ..home import cache_root
+from ..progress import ProgressCallback
 
 LLAMA_CPP_PYTHON_PIN = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}.tar.gz"
@@ -64,9 +65,8 @@ CMAKE_OPTIONS = (
 )
 BUILD_LOG_TAIL_LINES = 25
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
-
-# (message, done, total): total is 0 while a stage has no measurable length.
-ProgressCallback = Callable[[str, int, int], None]
+COMPILE_STAGE = "Compiling llama.cpp"
+UNPACK_REPORT_EVERY = 500  # source files
 
 # The patches live in the source checkout, beside the package.
 PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
@@ -161,7 +161,7 @@ def _build(root: Path, progress: ProgressCallback, variant: BuildVariant) -> Non
     with open(log_path, "w") as log:
         progress("Configuring llama.cpp", 0, 0)
         _run_logged(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *CMAKE_OPTIONS], log, log_path)
-        progress("Compiling llama.cpp", 0, 0)
+        progress(COMPILE_STAGE, 0, 0)
         _run_logged(
             ["ninja", "-C", str(build), *BUILD_TARGETS], log, log_path,
             on_line=lambda line: _report_ninja(line, progress),
@@ -177,10 +177,17 @@ def _build(root: Path, progress: ProgressCallback, variant: BuildVariant) -> Non
     )
 
 
-def _report_ninja(line: str, progress: ProgressCallback) -> None:
+def ninja_progress(line: str) -> tuple[int, int] | None:
+    """(done, total) from a ninja status line (``[12/345] Building CXX object ...``), else None."""
     match = _NINJA_PROGRESS.match(line)
-    if match:
-        progress("Compiling llama.cpp", int(match.group(1)), int(match.group(2)))
+    if match is None or int(match.group(2)) == 0:
+        return None
+    return int(match.group(1)), int(match.group(2))
+
+
+def _report_ninja(line: str, progress: ProgressCallback) -> None:
+    if (step := ninja_progress(line)) is not None:
+        progress(COMPILE_STAGE, *step)
 
 
 def _run_logged(
@@ -250,5 +257,5 @@ def _download_source(staging: Path, progress: ProgressCallback) -> None:
                 member.name = member.name[len(SDIST_VENDOR_PREFIX):]
                 if member.name:
                     tar.extract(member, staging, filter="data")
-                if i % 500 == 0:
-                    progress("Unpacking llama.cpp source", i, len(members))
+                if i % UNPACK_REPORT_EVERY == 0 or i + 1 == len(members):
+                    progress("Unpacking llama.cpp source", i + 1, len(members))

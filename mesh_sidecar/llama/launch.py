@@ -42,6 +42,7 @@ from ..logs import (
     tail,
 )
 from ..ports import LOOPBACK
+from ..progress import ProgressCallback
 from .weight_cache import WeightCache
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,16 @@ _PR_SET_PDEATHSIG = 1
 PUMP_DRAIN_S = 2.0
 # How long wait_ready lets the log catch up with what the child already wrote.
 LOG_CATCH_UP_S = 1.0
+# llama-server's load, in the order it logs it: (what its log line holds, the stage we say). Its own
+# load callback (a fraction of the bytes loaded) is not logged by a standalone llama-server, so a load
+# gives stage lines, not a percentage. Sending the weights to the devices (over the mesh) is the long one.
+LLAMA_SERVER_LOAD_STAGES = (
+    ("llama_model_loader: loaded meta data", "Loading the model: reading its metadata"),
+    ("load_tensors: loading model tensors", "Loading the model: sending the weights to the devices"),
+    ("llama_context: constructing llama_context", "Loading the model: allocating the context (KV cache)"),
+    ("common_init_: warming up the model", "Loading the model: warming up"),
+    ("llama_server: model loaded", "Loading the model: done"),
+)
 
 
 def rpc_server_argv(binaries: LlamaBinaries, port: int, *, tensor_cache: bool = False) -> list[str]:
@@ -127,8 +138,9 @@ class ChildProcess:
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, *,
                  max_log_bytes: int = CHILD_LOG_MAX_BYTES, log_backups: int = CHILD_LOG_BACKUPS,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, on_line: Callable[[bytes], None] | None = None) -> None:
         self.name = name
+        self.on_line = on_line  # also shown each output line as it is logged
         self.argv = list(argv)
         self.env = {**os.environ, **env} if env else None  # None: inherit ours
         self.log_path = log_path
@@ -193,7 +205,7 @@ class ChildProcess:
     async def _copy_output(self, reader: asyncio.StreamReader, transport: asyncio.ReadTransport,
                            log_file: CappedLogFile) -> None:
         try:
-            await pump_lines(reader, log_file)
+            await pump_lines(reader, _WatchedLog(log_file, self.on_line) if self.on_line else log_file)
         finally:
             self._pipe_fd = None
             transport.close()
@@ -290,6 +302,28 @@ class ChildProcess:
         await self._finish_pump()
 
 
+class _WatchedLog:
+    """A log file that also hands each line to ``on_line`` (which must not raise into the pump)."""
+
+    def __init__(self, log_file: CappedLogFile, on_line: Callable[[bytes], None]) -> None:
+        self._log_file = log_file
+        self._on_line = on_line
+        self.path = log_file.path
+
+    def write_line(self, line: bytes | str) -> None:
+        self._log_file.write_line(line)
+        try:
+            self._on_line(line.encode(errors="replace") if isinstance(line, str) else line)
+        except Exception:
+            log.exception("watching a log line failed")
+
+
+def llama_server_load_stage(line: bytes) -> str | None:
+    """The load stage a llama-server log line starts (LLAMA_SERVER_LOAD_STAGES), or None."""
+    text = line.decode(errors="replace")
+    return next((stage for marker, stage in LLAMA_SERVER_LOAD_STAGES if marker in text), None)
+
+
 def listening_probe(child: ChildProcess, port: int) -> Callable[[], Awaitable[bool]]:
     """Ready when the child itself listens on ``port``.
 
@@ -340,8 +374,15 @@ async def start_rpc_server(
     return child
 
 
-async def start_llama_server(argv: Sequence[str], port: int, logs: Path) -> ChildProcess:
-    child = ChildProcess("llama-server", argv, logs / "llama-server.log")
+async def start_llama_server(argv: Sequence[str], port: int, logs: Path,
+                             progress: ProgressCallback | None = None) -> ChildProcess:
+    """llama-server, ready (its /health answers); ``progress`` hears its load stages."""
+
+    def on_line(line: bytes) -> None:
+        if progress is not None and (stage := llama_server_load_stage(line)) is not None:
+            progress(stage, 0, 0)
+
+    child = ChildProcess("llama-server", argv, logs / "llama-server.log", on_line=on_line if progress else None)
     await child.start()
     try:
         async with httpx.AsyncClient(timeout=HEALTH_PROBE_TIMEOUT_S, trust_env=False) as client:

@@ -32,13 +32,14 @@ from ..mesh.status import PeerView, mesh_json, peers_json
 from ..serve.metrics import Metrics
 from ..serve.planner import Plan
 from ..ports import LOOPBACK, free_tcp_port
+from ..progress import PlainProgress, ProgressCallback, ignore_progress
 from ..serve.proxy import OPEN_ACCESS, ApiAccess
 from ..serve.supervisor import ServingSupervisor, estimate_off_loop, plan_over_mesh
 from ..wire.ticket import Ticket
 from ..llama import weight_cache
 from ..llama.model import model_by_sha256
 from ..llama.weight_cache import WeightCache
-from ..units import MIB, format_gib
+from ..units import format_gib
 
 log = logging.getLogger(__name__)
 
@@ -79,20 +80,9 @@ class NodeOptions:
     api_access: ApiAccess = OPEN_ACCESS
     # Advertise on the LAN and re-find members there (mDNS, discovery.py).
     mdns: bool = False
-
-
-class _SayEveryTenth:
-    """A progress callback for a node's output: one line per tenth of the way."""
-
-    def __init__(self, say: Callable[[Any], None]) -> None:
-        self._say = say
-        self._said = -1
-
-    def __call__(self, message: str, done: int, total: int) -> None:
-        tenth = done * 10 // total if total else 0
-        if tenth > self._said:
-            self._said = tenth
-            self._say(f"{message}: {done / MIB:.0f} of {total / MIB:.0f} MiB")
+    # Also say the progress of steps a terminal shows nothing of (llama-server's load stages, seeding
+    # the weight cache after a fetch): for output that is not a terminal, such as a CI log.
+    plain_progress: bool = False
 
 
 class _StopRequested(Exception):
@@ -123,6 +113,12 @@ class Node:
         """Every line for the user also goes to the recent events (`status --json`, the dashboard)."""
         self.events.add(time.time(), message)
         self._say_out(message)
+
+    def _plain_progress(self) -> ProgressCallback:
+        """A fresh reporter of one step's progress: plain lines with plain_progress set, else nothing."""
+        if not self.options.plain_progress:
+            return ignore_progress
+        return PlainProgress(self._say_out, in_bytes=True)
 
     def leave(self) -> None:
         """`mesh-inference leave`: stop, telling the others this node leaves for good, and forget the mesh."""
@@ -218,10 +214,10 @@ class Node:
 
     async def _take_model_from(self, node_id: bytes, sha256: str) -> None:
         assert self.mesh is not None
-        path = await self.mesh.fetch_model(node_id, sha256, model_by_sha256(sha256), _SayEveryTenth(self._say))
+        path = await self.mesh.fetch_model(node_id, sha256, model_by_sha256(sha256), PlainProgress(self._say, in_bytes=True))
         cache, tool = self.options.weight_cache, self.options.weight_cache_tool
         if cache is not None and tool is not None:
-            await asyncio.to_thread(weight_cache.seed, cache, tool, path, sha256, lambda *_: None)
+            await asyncio.to_thread(weight_cache.seed, cache, tool, path, sha256, self._plain_progress())
         self.mesh.holds_model(sha256, path)
         self._say(f"Now holding the served model ({path.name}): its loads here send only hashes.")
 
@@ -235,6 +231,7 @@ class Node:
             access=self.options.api_access,
             draft_model=self.options.draft_model, receipts=self.options.receipts,
             speculate=self.options.speculate,
+            load_progress=self._plain_progress if self.options.plain_progress else None,
         )
 
     async def _watch_rpc_server(self) -> None:

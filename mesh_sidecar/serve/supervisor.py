@@ -46,6 +46,7 @@ from ..mesh.status import rtt_ms
 from .metrics import Metrics
 from .planner import NodeCapacity, Plan, plan_layers
 from ..ports import LOOPBACK, free_tcp_port
+from ..progress import ProgressCallback
 from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy, Generation
 from . import receipt
 from ..llama.model import model_sha256
@@ -132,8 +133,11 @@ class ServingSupervisor:
         draft_model: Path | None = None,
         receipts: Path | None = None,
         speculate: bool = True,
+        load_progress: Callable[[], ProgressCallback] | None = None,
     ) -> None:
         self._identity = identity
+        # A fresh reporter per llama-server start, told its load stages; None: loads are silent.
+        self._load_progress = load_progress
         self._name = name
         self._mesh = mesh
         self._binaries = binaries
@@ -260,7 +264,8 @@ class ServingSupervisor:
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(tuple(n.node_id for n in self.plan.nodes))
         try:
-            self.llama_server = await start_llama_server(argv, self.llama_port, self._logs)
+            self.llama_server = await start_llama_server(
+                argv, self.llama_port, self._logs, self._load_progress() if self._load_progress else None)
         except ProcessError as exc:
             self._start_failures += 1
             self.refusal = f"llama-server failed to start: {exc}"
