@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# Rebase patches/llama.cpp-b2b.patch onto a new pristine llama.cpp source tree.
+# Rebase mesh_sidecar/llama/patches/llama.cpp-b2b.patch (package data: installed packages
+# build --b2b from it) onto a new pristine llama.cpp source tree.
 #
 # usage: scripts/rebase_b2b_patch.sh NEW_PRISTINE_SRC [PATCHED_COPY_DIR]
 #
 # 1. Copies the files the patch touches out of NEW_PRISTINE_SRC (the tree is never modified)
 #    and applies the patch there with `patch -p1` (fuzz allowed).
 # 2. On rejects: prints each .rej hunk and exits 1; the patch file is left as it is.
-# 3. Otherwise: regenerates patches/llama.cpp-b2b.patch against the new tree (so offsets and
+# 3. Otherwise: regenerates mesh_sidecar/llama/patches/llama.cpp-b2b.patch against the new tree (so offsets and
 #    fuzz disappear) and runs the checks below, which need a human when they warn.
 # With PATCHED_COPY_DIR, a full patched copy of the tree is also written there (for building:
-# the cmake options are CMAKE_OPTIONS in mesh_sidecar/llama_build.py).
+# the cmake options are CMAKE_OPTIONS in mesh_sidecar/llama/build.py).
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
-[ $# -ge 1 ] && [ $# -le 2 ] || die "usage: $0 NEW_PRISTINE_SRC [PATCHED_COPY_DIR]"
+if [ $# -lt 1 ] || [ $# -gt 2 ]; then die "usage: $0 NEW_PRISTINE_SRC [PATCHED_COPY_DIR]"; fi
 SRC=$(cd "$1" && pwd) || die "no such directory: $1"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PATCH="$REPO/patches/llama.cpp-b2b.patch"
+PATCH="$REPO/mesh_sidecar/llama/patches/llama.cpp-b2b.patch"
 RPC=ggml/src/ggml-rpc/ggml-rpc.cpp
 [ -f "$PATCH" ] || die "missing $PATCH"
 [ -f "$SRC/$RPC" ] || die "$SRC does not look like a llama.cpp tree (no $RPC)"
@@ -71,7 +72,7 @@ last_upstream=$(awk '/^enum rpc_cmd/{on=1;next} on&&/RPC_CMD_REGISTER_PEER/{prin
 if [ "$last_upstream" != "RPC_CMD_MEMSET_TENSOR" ]; then
     echo "WARNING: the command before RPC_CMD_REGISTER_PEER is now $last_upstream, not RPC_CMD_MEMSET_TENSOR:"
     echo "         upstream added commands; the b2b numbers (18, 19) would move. Decide on new numbers"
-    echo "         and update mesh_sidecar/rpc_framing.py's dialect table with them."
+    echo "         and update mesh_sidecar/wire/rpc_framing.py's dialect table with them."
     status=1
 fi
 # the b2b flag lives in the HELLO reply's padding byte: upstream must not use it

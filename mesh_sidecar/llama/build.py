@@ -68,8 +68,8 @@ _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 COMPILE_STAGE = "Compiling llama.cpp"
 UNPACK_REPORT_EVERY = 500  # source files
 
-# The patches live in the source checkout, beside the package.
-PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
+# The patches ship inside the package (package data), so an installed wheel can build --b2b too.
+PATCHES_DIR = Path(__file__).resolve().parent / "patches"
 B2B_PATCH_NAME = "llama.cpp-b2b.patch"
 PATCH_KEY_HEX_CHARS = 12
 
