@@ -6,7 +6,7 @@ PyPI (RPC protocol 7.0.0). ``ensure_binaries`` builds the two targets we run,
 ``<cache>/llama.cpp-<pin>/bin`` and is instant once that directory is complete.
 
 Two builds of the pin (``BuildVariant``): ``stock``, as published, and ``b2b``
-(``--b2b``), the same source with ``patches/llama.cpp-b2b.patch`` applied, so
+(``--b2b``), the same source with ``llama/patches/llama.cpp-b2b.patch`` applied, so
 workers push activations to each other (patches/README.md). The b2b build has
 its own directory keyed by the patch's hash, so a changed patch is rebuilt.
 
@@ -87,8 +87,8 @@ class BuildVariant:
             return f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}"
         if not self.patch.is_file():
             raise BinariesMissingError(
-                f"The {self.name} build needs {self.patch}, which is part of a source checkout of "
-                "mesh-inference; run from a clone of the repository, or pass --llama-bin.")
+                f"The {self.name} build needs {self.patch}, which ships inside the mesh-inference "
+                "package: reinstall it, or pass --llama-bin.")
         digest = hashlib.sha256(self.patch.read_bytes()).hexdigest()[:PATCH_KEY_HEX_CHARS]
         return f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}-{self.name}-{digest}"
 

@@ -21,8 +21,8 @@ HELLO (cmd 14) is always the first command. Its reply, server -> client::
     | size u64 LE | major u8 | minor u8 | patch u8 |                       b2b fork 3.x, size 3
     +-------------+----------+----------+----------+
 
-Our b2b build (``--b2b``, patches/llama.cpp-b2b.patch) answers 7.0.1 with B2B_HELLO_FLAG in the
-pad byte and adds REGISTER_PEER = 18 and PUSH_TENSOR_TO_PEER = 19 after upstream's commands.
+Our b2b build (``--b2b``, llama/patches/llama.cpp-b2b.patch) answers 7.0.1 with B2B_HELLO_FLAG
+in the pad byte and adds REGISTER_PEER = 18 and PUSH_TENSOR_TO_PEER = 19 after upstream's commands.
 
 REGISTER_PEER payload (the b2b fork and our b2b build; 132 bytes)::
 
@@ -71,8 +71,8 @@ HELLO_CMD = 14  # upstream static_asserts it never moves; the fork keeps it
 REPLY_SIZE_BYTES = 8  # every reply starts with its payload's size, u64
 HELLO_REPLY_SIZE_BYTES = REPLY_SIZE_BYTES
 HELLO_REPLY_CAPS_OFFSET = 4  # major, minor, patch, pad; then caps[24] in 7.x
-# Upstream's pad byte; our b2b patch (patches/llama.cpp-b2b.patch) sets a flag in it rather than in
-# caps, which RDMA transports read. Stock clients ignore it, so they still talk to b2b servers.
+# Upstream's pad byte; our b2b patch (llama/patches/llama.cpp-b2b.patch) sets a flag in it rather
+# than in caps, which RDMA transports read. Stock clients ignore it, so they still talk to b2b servers.
 HELLO_REPLY_FLAGS_OFFSET = 3
 B2B_HELLO_FLAG = 0x01
 RPC_CONN_CAPS_BYTES = 24  # upstream 7.x connection capabilities (RDMA data or zeros)
