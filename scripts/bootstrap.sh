@@ -88,38 +88,41 @@ check_after_install() {
   return 1
 }
 
-# The project's .venv: made once with $PY; a half-made one (no pip, e.g. from a failed
+# A venv ($1) made once with $PY; a half-made one (no pip, e.g. from a failed
 # `python3 -m venv` without python3-venv) is made again.
 ensure_venv() {
-  if [ -x .venv/bin/python ]; then
-    if ! python_ok .venv/bin/python; then
-      echo "error: .venv holds $(.venv/bin/python -V 2>&1 || echo 'a broken Python'), not $PYTHON_RANGE; remove it (rm -rf .venv) and run this again" >&2
+  local venv=$1
+  if [ -x "$venv/bin/python" ]; then
+    if ! python_ok "$venv/bin/python"; then
+      echo "error: $venv holds $("$venv/bin/python" -V 2>&1 || echo 'a broken Python'), not $PYTHON_RANGE; remove it (rm -rf $venv) and run this again" >&2
       return 1
     fi
-    .venv/bin/python -c "import pip" >/dev/null 2>&1 && return 0
-    echo "Re-creating .venv: it has no pip (a previous attempt stopped halfway)"
-    "$PY" -m venv --clear .venv
+    "$venv/bin/python" -c "import pip" >/dev/null 2>&1 && return 0
+    echo "Re-creating $venv: it has no pip (a previous attempt stopped halfway)"
+    "$PY" -m venv --clear "$venv"
   else
-    "$PY" -m venv .venv
+    echo "Creating $venv with $PY"
+    "$PY" -m venv "$venv"
   fi
 }
 
-# pip install -e '.[test]' into .venv, when pyproject.toml (or the venv's Python) changed since the
-# last successful install; pip's output is shown only when it fails.
+# pip install -e '.[test]' into a venv ($1), when pyproject.toml (or the venv's
+# Python) changed since the last successful install; pip's output is shown only when it fails.
 install_project() {
-  local stamp=.venv/.mesh-inference-installed want log
-  want=$({ cat pyproject.toml; .venv/bin/python -V; } 2>&1 | sha256sum | cut -d' ' -f1)
-  if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ -x .venv/bin/mesh-inference ] \
-      && .venv/bin/python -c "import mesh_sidecar" >/dev/null 2>&1; then
+  local venv=$1 want log
+  local stamp=$venv/.mesh-inference-installed
+  want=$({ cat pyproject.toml; "$venv/bin/python" -V; } 2>&1 | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ -x "$venv/bin/mesh-inference" ] \
+      && "$venv/bin/python" -c "import mesh_sidecar" >/dev/null 2>&1; then
     return 0
   fi
-  echo "Installing mesh-inference and its dependencies into .venv (pip)"
+  echo "Installing mesh-inference and its dependencies into $venv (pip)"
   log=$(mktemp)
-  if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e '.[test]'; } \
+  if ! { "$venv/bin/python" -m pip install -q --upgrade pip && "$venv/bin/python" -m pip install -q -e '.[test]'; } \
       >"$log" 2>&1; then
     cat "$log" >&2
     rm -f "$log"
-    echo "error: pip install failed (output above)" >&2
+    echo "error: pip install into $venv failed (output above)" >&2
     return 1
   fi
   rm -f "$log"
@@ -133,8 +136,8 @@ main() {
   mapfile -t packages < <(missing_packages)
   install_packages ${packages[@]+"${packages[@]}"}
   ((${#packages[@]} == 0)) || check_after_install
-  ensure_venv
-  install_project
+  ensure_venv .venv
+  install_project .venv
   # Builds llama.cpp once per pin (several minutes on 2 cores), then is instant.
   .venv/bin/mesh-inference setup
 }

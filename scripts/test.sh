@@ -24,33 +24,20 @@ fi
 
 venv=.venv
 if [ -n "${TEST_PYTHON:-}" ]; then
-  if ! minor=$("$TEST_PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); then
-    echo "TEST_PYTHON=$TEST_PYTHON does not run" >&2
+  # The bootstrap's own venv and install steps (sourcing it only defines them), for this Python.
+  source ./scripts/bootstrap.sh
+  if ! PY=$(command -v "$TEST_PYTHON") || ! python_ok "$PY"; then
+    echo "TEST_PYTHON=$TEST_PYTHON is not a working Python $PYTHON_RANGE" >&2
     exit 1
   fi
+  minor=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   venv=.venv-$minor
-  if [ ! -x "$venv/bin/python" ]; then
-    echo "Creating $venv with $TEST_PYTHON"
-    # Debian/Ubuntu ship venv apart: python3.X-venv.
-    "$TEST_PYTHON" -m venv "$venv" || { rm -rf "$venv"; echo "$TEST_PYTHON -m venv failed" \
-      "(on Debian/Ubuntu: apt-get install python$minor-venv)" >&2; exit 1; }
+  if ! "$PY" -c "import ensurepip, venv" >/dev/null 2>&1; then
+    echo "error: $PY cannot make a venv (on Debian/Ubuntu: apt-get install python$minor-venv)" >&2
+    exit 1
   fi
-  # pip install -e '.[test]' when pyproject.toml or the venv's Python changed since the last
-  # install (as the bootstrap does for .venv); pip's output only when it fails.
-  stamp=$venv/.mesh-inference-installed
-  want=$({ cat pyproject.toml; "$venv/bin/python" -V; } 2>&1 | sha256sum | cut -d' ' -f1)
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "Installing mesh-inference and its dependencies into $venv (pip)"
-    log=$(mktemp)
-    if ! { "$venv/bin/python" -m pip install -q --upgrade pip \
-           && "$venv/bin/python" -m pip install -q -e '.[test]'; } >"$log" 2>&1; then
-      cat "$log" >&2; rm -f "$log"
-      echo "error: pip install into $venv failed (output above)" >&2
-      exit 1
-    fi
-    rm -f "$log"
-    echo "$want" >"$stamp"
-  fi
+  ensure_venv "$venv"
+  install_project "$venv"
 fi
 version=$("$venv/bin/python" -c 'import platform; print(platform.python_version())')
 echo "== ${TEST_LABEL:-tests} on Python $version ($venv) =="
