@@ -261,9 +261,12 @@ def run_node(
         raise UsageError("--receipt works on the serving node only: add --serve PORT.")
     node_home.create()
     _configure_logging(node_home, verbose)
-    cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
     identity = load_or_create_identity(node_home.root)
-    options = NodeOptions(home=node_home, name=name or socket.gethostname(), model=model_path,
+    node_name = name or socket.gethostname()
+    # Said before the weight cache is seeded, so the seeding lines belong to this node.
+    console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
+    cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
+    options = NodeOptions(home=node_home, name=node_name, model=model_path,
                           binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
                           min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
                           api_access=api_access, model_sha256=sha256, weight_cache=cache,
@@ -271,7 +274,6 @@ def run_node(
                           receipts=receipt.expanduser().resolve() if receipt else None,
                           speculate=speculation_mode == "auto", mdns=not no_mdns,
                           plain_progress=not console.is_terminal)
-    console.print(f"Node {identity.short_id} ({options.name}), home {node_home.root}", highlight=False)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
 
 
