@@ -349,4 +349,6 @@ def test_to_json():
                      "reason": "weights_mismatch"}],
         "n_layers": 3,
         "tensor_split": [2, 2],
+        "model": "",
+        "tiers": [],
     }

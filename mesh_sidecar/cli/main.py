@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -136,17 +136,21 @@ def _setup_progress() -> Iterator[ProgressCallback]:
         bar.close()
 
 
-def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False, b2b: bool = False):
-    """Binaries, model and (if asked) the model's sha256, with a progress bar when slow.
+def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False, b2b: bool = False,
+             more_models: Sequence[Path] = ()):
+    """Binaries, model and (if asked) the model's sha256, with a progress bar when slow; and
+    ``more_models`` (the other tiers) as (path, sha256) pairs.
 
-    A model the user named is checked first: a typo should not wait for a build.
+    Models the user named are checked first: a typo should not wait for a build.
     """
     if model is not None:
         check_gguf(model)
+    more = [check_gguf(path) for path in more_models]
     with _setup_progress() as progress:
         binaries = ensure_binaries(llama_bin, progress, B2B if b2b else STOCK)
         model_path = ensure_model(model, progress)
-        return binaries, model_path, model_sha256(model_path, progress) if identify_model else ""
+        sha256 = model_sha256(model_path, progress) if identify_model else ""
+        return binaries, model_path, sha256, tuple((path, model_sha256(path, progress)) for path in more)
 
 
 def _draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:
@@ -198,7 +202,9 @@ def _say(message: object) -> None:
 def run_node(
     ctx: typer.Context,
     serve: Annotated[Optional[int], typer.Option("--serve", help="Serve the OpenAI-compatible API on this port.")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", help="GGUF model file (default: SmolLM2-135M-Instruct).")] = None,
+    model: Annotated[Optional[list[Path]], typer.Option(
+        "--model", help="GGUF model file (default: SmolLM2-135M-Instruct). With --serve, give it several times for "
+                        "model tiers: the node serves the largest that the mesh can hold now.")] = None,
     name: Annotated[Optional[str], typer.Option("--name", help="A name for this node (default: the host name).")] = None,
     home: HomeOption = None,
     llama_bin: LlamaBinOption = None,
@@ -250,8 +256,12 @@ def run_node(
     api_access = ApiAccess(api_key, cors_origin)
     if serve is not None:
         check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
-    binaries, model_path, sha256 = _prepare(llama_bin, model,
-                                            identify_model=serve is not None or model is not None, b2b=b2b)
+    if model and len(model) > 1 and serve is None:
+        raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
+                         "or give a worker one --model.")
+    binaries, model_path, sha256, more_models = _prepare(
+        llama_bin, model[0] if model else None, identify_model=serve is not None or bool(model), b2b=b2b,
+        more_models=model[1:] if model else ())
     if speculation_mode not in ("auto", "off"):
         raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
     if speculation_mode == "off" and draft_model is not None:
@@ -269,7 +279,7 @@ def run_node(
     options = NodeOptions(home=node_home, name=node_name, model=model_path,
                           binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
                           min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                          api_access=api_access, model_sha256=sha256, weight_cache=cache,
+                          api_access=api_access, model_sha256=sha256, more_models=more_models, weight_cache=cache,
                           weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
                           receipts=receipt.expanduser().resolve() if receipt else None,
                           speculate=speculation_mode == "auto", mdns=not no_mdns,
@@ -314,7 +324,7 @@ def setup(
     b2b: B2bOption = False,
 ) -> None:
     """Build the pinned llama.cpp (once) and fetch the default model. Prints the binaries' directory last."""
-    binaries, model_path, _ = _prepare(llama_bin, model, b2b=b2b)
+    binaries, model_path, _, _ = _prepare(llama_bin, model, b2b=b2b)
     console.print(f"model: {model_path}", highlight=False)
     print(binaries.directory)
 

@@ -10,9 +10,11 @@ from ..units import format_gib
 
 
 def plan_table(plan: dict[str, Any], title: str = "Plan") -> Table:
-    """node, layers, weights GiB, KV GiB, free GiB: seed 001's startup summary."""
+    """node, layers, weights GiB, KV GiB, free GiB: seed 001's startup summary; then the model tiers."""
+    model = f"{plan['model']}, " if plan.get("model") else ""
     table = Table("node", "id", "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB",
-                  title=f"{title}: {plan['n_layers']} layers", title_justify="left")
+                  title=f"{title}: {model}{plan['n_layers']} layers", title_justify="left",
+                  caption=_tiers_caption(plan), caption_justify="left")
     for node in plan["nodes"]:
         start, end = node["layers"]
         output = " + output" if node.get("output_bytes") else ""
@@ -26,3 +28,14 @@ def plan_table(plan: dict[str, Any], title: str = "Plan") -> Table:
         table.add_row(node["name"], node["id"][:8], f"refused: {node['reason']}", "-", "-", "-",
                       format_gib(node["free_bytes"]))
     return table
+
+
+def _tiers_caption(plan: dict[str, Any]) -> str | None:
+    """With several --model tiers: what each needs against what the mesh offers."""
+    tiers = plan.get("tiers", [])
+    if len(tiers) < 2:
+        return None
+    offered = sum(node["free_bytes"] for node in plan["nodes"] + plan.get("left_out", []))
+    listed = "; ".join(f"{tier['model']} needs {format_gib(tier['needs_bytes'])} GiB"
+                       f"{'' if tier['fits'] else ' (does not fit)'}" for tier in tiers)
+    return f"Tiers, largest first: {listed}. The mesh offers {format_gib(offered)} GiB."

@@ -66,6 +66,8 @@ class NodeOptions:
     # sha256 of the model file, announced to members: set on a serving node and
     # on any node given --model; "" on a worker that holds no model file.
     model_sha256: str = ""
+    # With serve_port: the other --model files (path, sha256), tiers to step between by what fits.
+    more_models: tuple[tuple[Path, str], ...] = ()
     # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
     weight_cache: WeightCache | None = None
     weight_cache_tool: Path | None = None
@@ -225,7 +227,8 @@ class Node:
         assert self.mesh is not None and self.rpc_port is not None and self.options.serve_port is not None
         return ServingSupervisor(
             identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
-            model=self.options.model, ctx_size=self.options.ctx_size, serve_port=self.options.serve_port,
+            models=((self.options.model, self.options.model_sha256), *self.options.more_models),
+            ctx_size=self.options.ctx_size, serve_port=self.options.serve_port,
             min_peers=self.options.min_peers, rpc_port=self.rpc_port, own_capacity=self.capacity,
             logs=self.options.home.logs, metrics=self.metrics, say=self._say, node_status=self.status_snapshot,
             access=self.options.api_access,
@@ -255,10 +258,14 @@ class Node:
         await self._control.close()
 
     async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan:
-        """A plan over the members connected now, for `mesh-inference plan` (PlanError if none fits)."""
+        """A plan over the members connected now, for `mesh-inference plan` (PlanError if none fits).
+
+        Without ``model``, for the largest of the node's --model tiers that fits.
+        """
         assert self.mesh is not None
-        estimate = await estimate_off_loop(model or self.options.model, ctx_size or self.options.ctx_size)
-        return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), estimate)
+        paths = [model] if model else [self.options.model, *(path for path, _ in self.options.more_models)]
+        tiers = [(path, await estimate_off_loop(path, ctx_size or self.options.ctx_size)) for path in paths]
+        return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), tiers)[1]
 
     def ticket(self) -> str:
         assert self.mesh is not None

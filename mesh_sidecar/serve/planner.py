@@ -31,10 +31,15 @@ names the shortfall in GiB and the size of a node that would close it.
 
 ``Plan.tensor_split`` turns the counts into llama.cpp's ``--tensor-split``
 weights; its docstring shows why they reproduce the runs exactly.
+
+**Tiers.** Given several models, :func:`choose_tier` ranks them by what they
+need and plans the largest one the members can hold; only when none fits does
+it raise, with the smallest tier's shortfall (the nearest to fitting).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -78,6 +83,18 @@ class PlannedNode:
 
 
 @dataclass(frozen=True)
+class TierFit:
+    """One model of the tier list against the members of one planning round."""
+
+    model: str  # the file's name
+    needs_bytes: int  # the whole model on one device: weights, KV cache, one compute margin
+    fits: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "needs_bytes": self.needs_bytes, "fits": self.fits}
+
+
+@dataclass(frozen=True)
 class Plan:
     """The layer ranges, in ``--rpc`` device order; the last node holds the output head."""
 
@@ -86,6 +103,8 @@ class Plan:
     n_layers: int
     # Members not offered to the planner at all, with the reason (e.g. "weights_mismatch").
     refused: tuple[tuple[NodeCapacity, str], ...] = ()
+    model: str = ""  # the planned model's file name; "" when planned without a name
+    tiers: tuple[TierFit, ...] = ()  # every tier considered, largest first
 
     def tensor_split(self) -> tuple[int, ...]:
         """``--tensor-split`` weights for ``-ngl 99`` that reproduce the planned runs exactly.
@@ -129,6 +148,8 @@ class Plan:
             ],
             "n_layers": self.n_layers,
             "tensor_split": list(self.tensor_split()),
+            "model": self.model,
+            "tiers": [tier.to_json() for tier in self.tiers],
         }
 
 
@@ -145,6 +166,45 @@ def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate) -> Pla
         raise _shortfall(participants, caps, left_out, estimate, largest_first)
     counts = _dhondt(participants, caps, estimate.n_layers)
     return Plan(_place(participants, counts, estimate), left_out, estimate.n_layers)
+
+
+def tier_needs_bytes(estimate: ModelEstimate) -> int:
+    """What a tier needs at the least, its rank: the whole model on one device (each more device adds a margin)."""
+    return estimate.total_bytes + estimate.compute_margin_bytes
+
+
+def choose_tier(
+    tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[NodeCapacity]
+) -> tuple[int, Plan]:
+    """The index in ``tiers`` of the largest model ``members`` can hold, and its plan.
+
+    ``tiers`` are (file name, estimate) pairs in any order; ``members`` end with
+    the serving host, whose ``usable_bytes`` still include what each model's
+    input embeddings take there (``host_bytes``, taken off per tier). Raises
+    the smallest tier's PlanError when no tier fits.
+    """
+    if not tiers:
+        raise ValueError("choose_tier needs at least one tier")
+    order = sorted(range(len(tiers)), key=lambda i: tier_needs_bytes(tiers[i][1]), reverse=True)
+    plans: dict[int, Plan] = {}
+    error: PlanError | None = None
+    for i in order:
+        estimate = tiers[i][1]
+        *peers, host = members
+        own = NodeCapacity(host.node_id, host.name, max(0, host.usable_bytes - estimate.host_bytes))
+        try:
+            plans[i] = plan_layers([*peers, own], estimate)
+        except PlanError as exc:
+            error = exc
+    fits = tuple(TierFit(tiers[i][0], tier_needs_bytes(tiers[i][1]), i in plans) for i in order)
+    chosen = next((i for i in order if i in plans), None)
+    if chosen is None:
+        assert error is not None
+        if len(tiers) == 1:
+            raise error
+        raise PlanError(f"None of the {len(tiers)} models given with --model fits the mesh now. "
+                        f"The smallest, {tiers[order[-1]][0]}: {error}")
+    return chosen, dataclasses.replace(plans[chosen], model=tiers[chosen][0], tiers=fits)
 
 
 def _largest_layers_prefix_sums(estimate: ModelEstimate) -> list[int]:

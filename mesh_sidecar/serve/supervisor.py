@@ -4,11 +4,12 @@ The serving node's loop::
 
     proxy up (holding) -> wait for --min-peers
     loop:
-        plan over connected members  --PlanError-->  proxy refuses with the shortfall
-        start llama-server with the plan's --rpc order and --tensor-split
+        plan the largest tier (--model, given once or more) the connected members hold
+                                     --PlanError (no tier fits)-->  proxy refuses with the shortfall
+        start llama-server on that tier with the plan's --rpc order and --tensor-split
         proxy serves
         wait for trouble: llama-server exited | a member of the plan is lost
-                          | membership changed and the plan would change
+                          | membership changed and the plan (or the tier) would change
         drain (bounded), stop llama-server
 
 llama.cpp aborts on any RPC transport error and an idle llama-server only
@@ -28,7 +29,7 @@ from datetime import datetime, timezone
 import functools
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from ..llama.build import LlamaBinaries
 from ..mesh.runtime import WEIGHTS_MISMATCH, Mesh, holds_other_weights
 from ..mesh.status import rtt_ms
 from .metrics import Metrics
-from .planner import NodeCapacity, Plan, plan_layers
+from .planner import NodeCapacity, Plan, choose_tier
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
 from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy, Generation
@@ -86,8 +87,11 @@ class PlanAnnouncement:
         return f"{self.title}: {self.plan_json['n_layers']} layers over {nodes}"
 
 
-def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, estimate: ModelEstimate) -> Plan:
-    """The plan over the members connected now; PlanError if they cannot hold the model.
+def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
+                   tiers: Sequence[tuple[Path, ModelEstimate]]) -> tuple[int, Plan]:
+    """The index of the largest tier the members connected now can hold, and its plan.
+
+    PlanError if they cannot hold any of ``tiers``.
 
     Peers come first (by id) and this node last: llama.cpp puts the output
     layer on the last device, so the logits (vocabulary x 4 bytes a token)
@@ -102,11 +106,10 @@ def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
             refused.append((member, WEIGHTS_MISMATCH))
         else:
             members.append(member)
-    # The serving host also keeps the input embeddings in its own memory.
-    held_for_others = mesh.held_for_peers_bytes()
-    members.append(NodeCapacity(identity.node_id, name,
-                                max(0, own.usable_bytes - held_for_others - estimate.host_bytes)))
-    return dataclasses.replace(plan_layers(members, estimate), refused=tuple(refused))
+    # choose_tier takes each tier's input embeddings off this node's share.
+    members.append(NodeCapacity(identity.node_id, name, max(0, own.usable_bytes - mesh.held_for_peers_bytes())))
+    index, plan = choose_tier([(path.name, estimate) for path, estimate in tiers], members)
+    return index, dataclasses.replace(plan, refused=tuple(refused))
 
 
 class ServingSupervisor:
@@ -119,7 +122,7 @@ class ServingSupervisor:
         name: str,
         mesh: Mesh,
         binaries: LlamaBinaries,
-        model: Path,
+        models: Sequence[tuple[Path, str]],
         ctx_size: int,
         serve_port: int,
         min_peers: int,
@@ -141,7 +144,9 @@ class ServingSupervisor:
         self._name = name
         self._mesh = mesh
         self._binaries = binaries
-        self._model = model
+        # The tier list: (path, sha256) of every --model, in the order given.
+        self._models = tuple(models)
+        self.model = self._models[0][0]  # the tier in service (or last planned)
         self._ctx_size = ctx_size
         self._serve_port = serve_port
         self._min_peers = min_peers
@@ -174,14 +179,15 @@ class ServingSupervisor:
 
     # --- planning ------------------------------------------------------------------
 
-    def compute_plan(self) -> Plan:
+    def compute_plan(self) -> tuple[int, Plan]:
+        """The index in the tier list of the model to serve now, and its plan."""
         own = self._own_capacity()
         if self._draft_model is not None:
             # The draft runs on this node's CPU, beside its share of the big model.
             draft = cached_estimate(self._draft_model, self._ctx_size)
             own = dataclasses.replace(own, usable_bytes=max(0, own.usable_bytes - draft.total_bytes))
-        return plan_over_mesh(self._mesh, self._identity, self._name, own,
-                              cached_estimate(self._model, self._ctx_size))
+        tiers = [(path, cached_estimate(path, self._ctx_size)) for path, _ in self._models]
+        return plan_over_mesh(self._mesh, self._identity, self._name, own, tiers)
 
     def _choose_speculation(self, plan: Plan) -> Speculation:
         remote = {n.node_id for n in plan.nodes if n.node_id != self._identity.node_id}
@@ -205,7 +211,8 @@ class ServingSupervisor:
                 f"Cannot listen on port {self._serve_port} ({exc.strerror}). "
                 "Stop the program holding it or choose another with --serve PORT."
             ) from exc
-        await estimate_off_loop(self._model, self._ctx_size)
+        for path, _ in self._models:
+            await estimate_off_loop(path, self._ctx_size)
         if self._draft_model is not None:
             self._draft_sha256 = await asyncio.to_thread(model_sha256, self._draft_model, lambda *_: None)
         await self._wait_for_peers()
@@ -244,20 +251,27 @@ class ServingSupervisor:
     async def _apply_plan(self) -> None:
         """Start llama-server on a fresh plan, or make the proxy refuse with the reason."""
         try:
-            self.plan = self.compute_plan()
+            tier, self.plan = self.compute_plan()
         except PlanError as exc:
             self.plan, self.refusal = None, str(exc)
             self._say(f"Cannot load the model: {exc}")
             self._proxy.refuse(str(exc))
             return
         self.refusal = None
-        self._say(PlanAnnouncement(self.plan.to_json(), title=f"Plan for {self._model.name}"))
+        path, sha256 = self._models[tier]
+        if path != self.model:
+            self._say(f"Switching model: {self.model.name} -> {path.name} (the largest tier that fits now)")
+            self.model = path
+        if sha256 != self._mesh.model_sha256:
+            # Members compare their file with the one in service (weights_mismatch), and may fetch it.
+            self._mesh.holds_model(sha256, path)
+        self._say(PlanAnnouncement(self.plan.to_json(), title=f"Plan for {path.name}"))
         self.speculation = self._choose_speculation(self.plan)
         if self.speculation.kind != "none":
             self._say(f"Speculative decoding: {self.speculation.reason}")
         self.llama_port = free_tcp_port()
         argv = llama_server_argv(
-            self._binaries, self._model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
+            self._binaries, self.model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
             tensor_split=self.plan.tensor_split(), api_key_file=self._upstream_key_file,
             extra=["--ctx-size", str(self._ctx_size), *self.speculation.llama_server_args()],
         )
@@ -313,11 +327,13 @@ class ServingSupervisor:
             if lost:
                 return f"{', '.join(f'{n.name} ({short_id(n.node_id)})' for n in lost)} left the plan", True
         try:
-            candidate = self.compute_plan()
+            tier, candidate = self.compute_plan()
         except PlanError:
             return None if self.plan is None else ("The mesh can no longer hold the model", True)
         if self.plan is None:
             return "The mesh can hold the model now", False
+        if (path := self._models[tier][0]) != self.model:
+            return f"Members changed and {path.name} is the largest model that fits now", False
         if _layout(candidate) != _layout(self.plan):
             return "Members changed and the layers can be spread better", False
         return None
@@ -336,7 +352,7 @@ class ServingSupervisor:
             "request": {"path": generation.path, "body": generation.request},
             "served_by": {"id": self._identity.node_id.hex(), "name": self._name},
             "plan": [{"id": n.node_id.hex(), "name": n.name, "layers": [n.start, n.end]} for n in self.plan.nodes],
-            "model": {"name": self._model.name, "sha256": self._mesh.model_sha256},
+            "model": {"name": self.model.name, "sha256": self._mesh.model_sha256},
             "draft": ({"name": self._draft_model.name, "sha256": self._draft_sha256}
                       if self._draft_model is not None else None),
             "speculation": self.speculation.to_json() if self.speculation else None,
@@ -360,6 +376,7 @@ class ServingSupervisor:
         return {
             "api": {"port": self._serve_port, "url": f"http://localhost:{self._serve_port}/v1",
                     "requires_key": self._access.api_key is not None},
+            "model": str(self.model),  # the tier in service, or the last one planned
             "plan": self.plan.to_json() if self.plan else None,
             "refusal": self.refusal,
             "speculation": self.speculation.to_json() if self.speculation else None,
