@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from mesh_sidecar.mesh.runtime import Mesh
 from mesh_sidecar.mesh.saved import SavedMesh
 from mesh_sidecar.mesh.status import peers_json
 from mesh_sidecar.wire.ticket import PeerAddress, Ticket
+from tests.waiting import wait_until_async
 
 HANG_S = 15.0  # a wait that only fails if something hangs
 
@@ -42,9 +42,5 @@ def row(mesh: Mesh, peer: Mesh) -> dict:
 
 
 async def wait_for(predicate, what: str, timeout_s: float = HANG_S) -> None:
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout_s} s: {what}") from None
+    """``waiting.wait_until_async`` with the bound these tests use when only a hang should fail them."""
+    await wait_until_async(predicate, timeout_s, what)

@@ -34,7 +34,7 @@ from ..errors import SetupError
 from ..wire.gguf_header import read_header
 from ..home import cache_root
 from ..units import MIB
-from .build import ProgressCallback
+from ..progress import ProgressCallback
 
 log = logging.getLogger(__name__)
 

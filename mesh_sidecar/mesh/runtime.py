@@ -35,7 +35,7 @@ from .. import __version__
 from ..errors import MeshError, PortInUseError, UsageError
 from ..home import NodeHome
 from ..identity import NodeIdentity, short_id
-from ..llama.build import ProgressCallback
+from ..progress import ProgressCallback
 from ..llama.capacity import MAX_HELD_ENTRIES, Capacity, held_key
 from ..net.addresses import reachable_addresses
 from ..net.discovery import LanRecord, mesh_id

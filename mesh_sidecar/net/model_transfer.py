@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..errors import MalformedMessageError, ModelError, ProtocolVersionError
-from ..llama.build import ProgressCallback
+from ..progress import ProgressCallback
 from ..llama.model import file_sha256
 from .connection import PeerConnection
 from .streams import MeshStreamReader, MeshStreamWriter
