@@ -99,7 +99,13 @@ BENCH_1GB = SyntheticSpec(
     name="bench-1gb", n_layers=8, n_embd=2304, n_ff=6144, n_head=18, n_head_kv=18,
     attn_dtype="F16", ffn_dtype="F16", embd_dtype="F16",
 )
-PRESETS = {spec.name: spec for spec in (CACHE_TEST, BENCH_1GB)}
+# A bigger model tier for tests: 8 layers, ~330 MB, SmolLM2-135M's embedding width, so its
+# layers (not its 56 MB embeddings) are what spreads it over several capped nodes.
+TIER_TEST = SyntheticSpec(
+    name="tier-test", n_layers=8, n_embd=576, n_ff=8192, n_head=9, n_head_kv=3,
+    attn_dtype="F16", ffn_dtype="F16", embd_dtype="F16",
+)
+PRESETS = {spec.name: spec for spec in (CACHE_TEST, BENCH_1GB, TIER_TEST)}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mesh_sidecar.llama.build import LlamaBinaries, ensure_binaries
 from mesh_sidecar.llama.model import ensure_model
@@ -217,3 +218,22 @@ def start_node(tmp_path: Path, binaries: LlamaBinaries, model_path: Path) -> Ite
     yield start
     for node in started:
         node.stop_with_children()
+
+
+def metrics(port: int) -> dict[str, float]:
+    """Every sample of /metrics, as 'name{labels}' -> value (also checks it parses)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def kill_worker(node) -> None:
+    """SIGKILL a worker's sidecar and its rpc-server, as a machine that loses power."""
+    rpc_pid = next(p["pid"] for p in node.status()["processes"] if p["name"] == "ggml-rpc-server")
+    node.proc.send_signal(signal.SIGKILL)
+    os.kill(rpc_pid, signal.SIGKILL)
+    node.proc.wait()

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import api_healthy
+from tests.conftest import api_healthy, kill_worker, metrics
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -19,17 +16,6 @@ pytestmark = pytest.mark.slow
 LONG = {"prompt": "Write a long story about a lighthouse keeper and a storm.", "max_tokens": 400,
         "temperature": 0, "top_k": 1, "seed": 7, "ignore_eos": True}
 FAILOVER_TIMEOUT_S = 180.0
-
-
-def metrics(port: int) -> dict[str, float]:
-    """Every sample of /metrics, as 'name{labels}' -> value (also checks it parses)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
 
 
 def stream_text(port: int, on_text=None) -> str:
@@ -62,14 +48,6 @@ def three_nodes(start_node):
     c = start_node("c", "--join", a.ticket(), "--min-peers", "2", serve=True)
     assert len(c.status()["serving"]["plan"]["nodes"]) == 3
     return a, b, c
-
-
-def kill_worker(node) -> None:
-    """SIGKILL a worker's sidecar and its rpc-server, as a machine that loses power."""
-    rpc_pid = next(p["pid"] for p in node.status()["processes"] if p["name"] == "ggml-rpc-server")
-    node.proc.send_signal(signal.SIGKILL)
-    os.kill(rpc_pid, signal.SIGKILL)
-    node.proc.wait()
 
 
 def test_stream_survives_a_worker_dying_mid_stream(three_nodes):

@@ -50,6 +50,7 @@ from ..ports import LOOPBACK, check_tcp_port_free
 from ..progress import PlainProgress, ProgressCallback
 from ..serve.proxy import ApiAccess
 from ..serve.supervisor import PlanAnnouncement
+from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
 from ..units import MIB, format_gib, parse_size
 from ..wire.ticket import decode_ticket
 from .views import plan_table
@@ -212,6 +213,13 @@ def run_node(
     join: Annotated[Optional[str], typer.Option("--join", help="Join the mesh of the node that printed this ticket.")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
     min_peers: Annotated[int, typer.Option("--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
+    step_up_after_s: Annotated[float, typer.Option(
+        "--step-up-after-s", min=0,
+        help="With several --model: switch to a bigger tier only once it has fitted the mesh this many seconds "
+             "without a break (smaller ones are switched to at once).")] = STEP_UP_AFTER_S,
+    step_up_interval_s: Annotated[float, typer.Option(
+        "--step-up-interval-s", min=0,
+        help="With several --model: at least this many seconds between a model switch and a step up.")] = STEP_UP_INTERVAL_S,
     max_memory: Annotated[Optional[str], typer.Option(
         "--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G (G means GiB).")] = None,
     ctx_size: CtxOption = DEFAULT_CTX_SIZE,
@@ -279,7 +287,8 @@ def run_node(
     options = NodeOptions(home=node_home, name=node_name, model=model_path,
                           binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
                           min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                          api_access=api_access, model_sha256=sha256, more_models=more_models, weight_cache=cache,
+                          api_access=api_access, model_sha256=sha256, more_models=more_models,
+                          step_up=StepUpRules(step_up_after_s, step_up_interval_s), weight_cache=cache,
                           weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
                           receipts=receipt.expanduser().resolve() if receipt else None,
                           speculate=speculation_mode == "auto", mdns=not no_mdns,
@@ -368,6 +377,8 @@ def _status_view(snapshot: dict) -> Group:
             parts.append(plan_table(serving["plan"], title="Current plan"))
         elif serving["refusal"]:
             parts.append(Text(f"Not serving: {serving['refusal']}", style="bold red"))
+        if step_up := serving.get("step_up"):
+            parts.append(Text(f"stepping up to {step_up['model']} in {step_up['in_s']:.0f} s if it keeps fitting"))
         if serving.get("speculation"):
             parts.append(Text(f"speculation: {serving['speculation']['reason']}"))
     processes = Table("process", "pid", "state", "port", "log")

@@ -35,6 +35,7 @@ from ..ports import LOOPBACK, free_tcp_port
 from ..progress import PlainProgress, ProgressCallback, ignore_progress
 from ..serve.proxy import OPEN_ACCESS, ApiAccess
 from ..serve.supervisor import ServingSupervisor, estimate_off_loop, plan_over_mesh
+from ..serve.tiers import StepUpRules
 from ..wire.ticket import Ticket
 from ..llama import weight_cache
 from ..llama.model import model_by_sha256
@@ -68,6 +69,8 @@ class NodeOptions:
     model_sha256: str = ""
     # With serve_port: the other --model files (path, sha256), tiers to step between by what fits.
     more_models: tuple[tuple[Path, str], ...] = ()
+    # With more_models: when a bigger tier may replace the one in service.
+    step_up: StepUpRules = StepUpRules()
     # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
     weight_cache: WeightCache | None = None
     weight_cache_tool: Path | None = None
@@ -235,6 +238,7 @@ class Node:
             draft_model=self.options.draft_model, receipts=self.options.receipts,
             speculate=self.options.speculate,
             load_progress=self._plain_progress if self.options.plain_progress else None,
+            step_up=self.options.step_up,
         )
 
     async def _watch_rpc_server(self) -> None:
@@ -294,6 +298,8 @@ class Node:
             children.append((self.serving.llama_server, self.serving.llama_port))
         processes = [{"name": child.name, "pid": child.pid, "running": child.running, "port": port,
                       "log": str(child.log_path)} for child, port in children if child is not None]
+        # With model tiers, the one in service (or last planned).
+        model = self.serving.model if self.serving is not None else self.options.model
         return {
             "node": {
                 "id": self.identity.node_id.hex(),
@@ -304,8 +310,7 @@ class Node:
                 "uptime_s": round(time.time() - self._started_at, 1),
                 "capacity": self.capacity().__dict__ if self.rpc_server else None,
             },
-            "model": {"path": str(self.options.model), "bytes": self.options.model.stat().st_size,
-                      "ctx_size": self.options.ctx_size},
+            "model": {"path": str(model), "bytes": model.stat().st_size, "ctx_size": self.options.ctx_size},
             "processes": processes,
             "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
                         if self.serving and self.options.serve_port else None),

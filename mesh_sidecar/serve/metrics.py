@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -62,6 +62,9 @@ class Metrics:
                                      buckets=FIRST_TOKEN_BUCKETS_S, registry=self.registry)
         self.tokens_per_second = Histogram(PREFIX + "tokens_per_second", "Decode speed per request",
                                            buckets=TOKENS_PER_SECOND_BUCKETS, registry=self.registry)
+        self.model_switches = Counter(PREFIX + "model_switches", "Switches between model tiers (--model given "
+                                      "several times)", ["direction"], registry=self.registry)
+        self.model = Info(PREFIX + "model", "The model in service: id, file and sha256", registry=self.registry)
         self.registry.register(_MeshCollector(peer_views))
 
     def exposition(self) -> bytes:

@@ -89,9 +89,10 @@ class TierFit:
     model: str  # the file's name
     needs_bytes: int  # the whole model on one device: weights, KV cache, one compute margin
     fits: bool
+    why: str = ""  # when it does not fit: the planner's reason, with the shortfall in GiB
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "needs_bytes": self.needs_bytes, "fits": self.fits}
+        return {"model": self.model, "needs_bytes": self.needs_bytes, "fits": self.fits, "why": self.why}
 
 
 @dataclass(frozen=True)
@@ -173,38 +174,62 @@ def tier_needs_bytes(estimate: ModelEstimate) -> int:
     return estimate.total_bytes + estimate.compute_margin_bytes
 
 
-def choose_tier(
-    tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[NodeCapacity]
-) -> tuple[int, Plan]:
-    """The index in ``tiers`` of the largest model ``members`` can hold, and its plan.
+@dataclass(frozen=True)
+class TierAssessment:
+    """Every tier of a tier list against one set of members."""
+
+    order: tuple[int, ...]  # indices into the tier list, largest needs first
+    plans: dict[int, Plan]  # the plan of each tier that fits
+    fits: tuple[TierFit, ...]  # in ``order``
+    errors: dict[int, PlanError]  # why each other tier does not fit
+
+
+def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[NodeCapacity]) -> TierAssessment:
+    """Plan every tier over ``members``.
 
     ``tiers`` are (file name, estimate) pairs in any order; ``members`` end with
     the serving host, whose ``usable_bytes`` still include what each model's
-    input embeddings take there (``host_bytes``, taken off per tier). Raises
-    the smallest tier's PlanError when no tier fits.
+    input embeddings take there (``host_bytes``, taken off per tier).
     """
     if not tiers:
-        raise ValueError("choose_tier needs at least one tier")
-    order = sorted(range(len(tiers)), key=lambda i: tier_needs_bytes(tiers[i][1]), reverse=True)
+        raise ValueError("assess_tiers needs at least one tier")
+    order = tuple(sorted(range(len(tiers)), key=lambda i: tier_needs_bytes(tiers[i][1]), reverse=True))
     plans: dict[int, Plan] = {}
-    error: PlanError | None = None
+    errors: dict[int, PlanError] = {}
+    *peers, host = members
     for i in order:
-        estimate = tiers[i][1]
-        *peers, host = members
+        name, estimate = tiers[i]
         own = NodeCapacity(host.node_id, host.name, max(0, host.usable_bytes - estimate.host_bytes))
         try:
-            plans[i] = plan_layers([*peers, own], estimate)
+            plans[i] = dataclasses.replace(plan_layers([*peers, own], estimate), model=name)
         except PlanError as exc:
-            error = exc
-    fits = tuple(TierFit(tiers[i][0], tier_needs_bytes(tiers[i][1]), i in plans) for i in order)
-    chosen = next((i for i in order if i in plans), None)
-    if chosen is None:
-        assert error is not None
+            errors[i] = exc
+    fits = tuple(TierFit(tiers[i][0], tier_needs_bytes(tiers[i][1]), i in plans, str(errors.get(i, "")))
+                 for i in order)
+    return TierAssessment(order, plans, fits, errors)
+
+
+def choose_tier(
+    tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[NodeCapacity], *, at_most_bytes: int | None = None
+) -> tuple[int, Plan]:
+    """The index in ``tiers`` of the largest model ``members`` can hold, and its plan.
+
+    See ``assess_tiers`` for the arguments. ``at_most_bytes``: prefer tiers that
+    need no more than this (a step up not allowed yet); a bigger one is chosen
+    only when none of those fits. Raises the smallest tier's PlanError when no
+    tier fits.
+    """
+    assessed = assess_tiers(tiers, members)
+    fitting = [i for i in assessed.order if i in assessed.plans]
+    if not fitting:
+        smallest = assessed.order[-1]
         if len(tiers) == 1:
-            raise error
+            raise assessed.errors[smallest]
         raise PlanError(f"None of the {len(tiers)} models given with --model fits the mesh now. "
-                        f"The smallest, {tiers[order[-1]][0]}: {error}")
-    return chosen, dataclasses.replace(plans[chosen], model=tiers[chosen][0], tiers=fits)
+                        f"The smallest, {tiers[smallest][0]}: {assessed.errors[smallest]}")
+    allowed = [i for i in fitting if at_most_bytes is None or tier_needs_bytes(tiers[i][1]) <= at_most_bytes]
+    chosen = (allowed or fitting)[0]
+    return chosen, dataclasses.replace(assessed.plans[chosen], tiers=assessed.fits)
 
 
 def _largest_layers_prefix_sums(estimate: ModelEstimate) -> list[int]:

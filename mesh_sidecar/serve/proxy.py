@@ -19,6 +19,13 @@ replay.py), so when llama-server dies under a request (a member was lost), the
 proxy waits for the next llama-server and asks again: a request whose answer
 had not started is retried whole; a stream that had started is replayed and
 continues on the same connection with exactly the text that was still missing.
+When the next llama-server runs another model (a smaller tier, tiers.py), a
+stream that already sent text cannot continue: it ends with an error event
+saying so, while a plain request is answered whole by the new model.
+
+With a model catalog (the serving node's tiers) the proxy answers
+``/v1/models`` itself, and a generation request naming a tier that is not in
+service gets an OpenAI-style 503 saying which one is and why.
 
 aiohttp serves (it embeds in our event loop without taking over signals and
 streams responses); httpx is the client to the internal llama-server.
@@ -41,7 +48,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -54,6 +61,7 @@ from .metrics import Metrics
 from ..ports import LOOPBACK
 from .receipt import OutputTap, ask_for_token_ids
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
+from .tiers import TierView, models_list, refusal_for
 from ..units import MIB
 
 log = logging.getLogger(__name__)
@@ -85,6 +93,7 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
 MODEL_LOADING_MESSAGE = "The model is still being loaded on the mesh; retry in a moment."
 MODEL_LOADING_CODE = "model_loading"
+MODELS_PATH = "/v1/models"
 
 
 def openai_error(status: int, message: str, error_type: str, code: str,
@@ -128,9 +137,30 @@ class Generation:
     path: str
     request: dict
     output: OutputTap
+    model: str  # the id of the model that answered
 
 
 GenerationHook = Callable[[Generation], None]
+ModelCatalog = Callable[[], Sequence[TierView]]  # every tier, the one in service first
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One llama-server as the proxy knows it."""
+
+    url: str
+    epoch: int  # bumped on every serve/refuse, so a retry can wait for a newer one
+    model: str  # the id of the model it serves
+
+
+def _requested_model(body: bytes) -> str:
+    """The ``model`` a generation request names ("" for none, or a body we cannot read)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return ""
+    model = request.get("model") if isinstance(request, dict) else None
+    return model if isinstance(model, str) else ""
 
 
 def _tapped(body: bytes, path: str) -> tuple[bytes, dict | None, OutputTap | None]:
@@ -156,8 +186,10 @@ class ApiProxy:
 
     def __init__(self, metrics: Metrics, on_stall: Callable[[str], None],
                  stall_timeout_s: float = STALL_TIMEOUT_S, access: ApiAccess = OPEN_ACCESS,
-                 upstream_key: str | None = None, on_generation: GenerationHook | None = None) -> None:
+                 upstream_key: str | None = None, on_generation: GenerationHook | None = None,
+                 catalog: ModelCatalog | None = None) -> None:
         self.metrics = metrics
+        self._catalog = catalog
         self._access = access
         self._on_generation = on_generation
         self._on_stall = on_stall
@@ -167,6 +199,7 @@ class ApiProxy:
             headers={"Authorization": f"Bearer {upstream_key}"} if upstream_key else None)
         self._runner: web.AppRunner | None = None
         self._upstream: str | None = None
+        self._model = ""  # the id of the model self._upstream serves
         self._refusal: str | None = None
         # Bumped on every serve/refuse: "a new llama-server" even on the same port, so a request
         # that saw one fail waits for a later one.
@@ -185,7 +218,9 @@ class ApiProxy:
 
     # --- states, driven by the serving loop -----------------------------------------
 
-    def serve(self, upstream_url: str) -> None:
+    def serve(self, upstream_url: str, model: str = "") -> None:
+        """Send requests to ``upstream_url``, a llama-server serving the model ``model`` (its id)."""
+        self._model = model
         self._set(upstream_url, None)
 
     def refuse(self, reason: str) -> None:
@@ -225,8 +260,8 @@ class ApiProxy:
 
     # --- choosing an upstream ---------------------------------------------------------
 
-    async def _upstream_for(self, failed: int | None) -> tuple[str, int]:
-        """A llama-server URL and its epoch, newer than the ``failed`` epoch; waits while holding."""
+    async def _upstream_for(self, failed: int | None) -> Upstream:
+        """A llama-server newer than the ``failed`` epoch; waits while holding."""
         deadline = time.monotonic() + HOLD_TIMEOUT_S
         async with self._changed:
             while not self._settled.is_set() or self._upstream_epoch == failed:
@@ -239,7 +274,7 @@ class ApiProxy:
                     pass
         if self._upstream is None:
             raise ServiceUnavailableError(self._refusal or "No llama-server is running.", "insufficient_capacity")
-        return self._upstream, self._upstream_epoch
+        return Upstream(self._upstream, self._upstream_epoch, self._model)
 
     # --- access: key, CORS, body size -------------------------------------------------
 
@@ -296,11 +331,15 @@ class ApiProxy:
         if request.path == "/health" and not self._settled.is_set():
             # Health checks want an answer now, not a held request.
             return self._count(request, openai_error(503, MODEL_LOADING_MESSAGE, "unavailable", MODEL_LOADING_CODE))
+        if request.path == MODELS_PATH and request.method == "GET" and self._catalog is not None:
+            return self._count(request, web.json_response(models_list(self._catalog(), int(time.time()))))
         body = await request.read()
         streaming = False
         tap: OutputTap | None = None
         sent: dict | None = None
         if request.method == "POST" and request.path in GENERATION_PATHS:
+            if self._catalog is not None and (why := refusal_for(_requested_model(body), self._catalog())):
+                return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
             body, streaming = pin_seed(body)
             if self._on_generation is not None:
                 body, sent, tap = _tapped(body, request.path)
@@ -313,9 +352,9 @@ class ApiProxy:
         self._in_flight += 1
         self._idle.clear()
         try:
-            response = await self._exchange(request, upstream, headers, body, streaming, tap)
+            response, answered_by = await self._exchange(request, upstream, headers, body, streaming, tap)
             if tap is not None and sent is not None and response.status == 200:
-                self._report(Generation(request.path, sent, tap))
+                self._report(Generation(request.path, sent, tap, answered_by.model))
             return self._count(request, response)
         finally:
             self._in_flight -= 1
@@ -333,20 +372,22 @@ class ApiProxy:
         except Exception:  # a receipt must never cost the client its answer
             log.exception("could not record the generation for %s", generation.path)
 
-    async def _exchange(self, request: web.Request, upstream_at: tuple[str, int], headers: dict[str, str],
-                        body: bytes, streaming: bool, tap: OutputTap | None = None) -> web.StreamResponse:
-        """Send to llama-server; on its failure wait for the next one and retry or replay."""
+    async def _exchange(self, request: web.Request, at: Upstream, headers: dict[str, str], body: bytes,
+                        streaming: bool, tap: OutputTap | None = None) -> tuple[web.StreamResponse, Upstream]:
+        """Send to llama-server; on its failure wait for the next one and retry or replay.
+
+        Also returns the llama-server that answered last.
+        """
         started = time.monotonic()
         first_text_seen = False
         response: web.StreamResponse | None = None
         ledger = StreamLedger()
         replay: Replay | None = None
         failovers = 0
-        base, epoch = upstream_at
         while True:
             try:
                 upstream = await self._client.send(self._client.build_request(
-                    request.method, base + request.rel_url.path_qs, headers=headers, content=body), stream=True)
+                    request.method, at.url + request.rel_url.path_qs, headers=headers, content=body), stream=True)
                 try:
                     if not streaming:
                         # Read it all before answering: a failure then can still be retried whole.
@@ -354,7 +395,8 @@ class ApiProxy:
                         self._observe_timings(content)
                         if tap is not None and upstream.status_code == 200:
                             content = tap.content(content)
-                        return web.Response(status=upstream.status_code, body=content, headers=self._headers(upstream))
+                        return web.Response(status=upstream.status_code, body=content,
+                                            headers=self._headers(upstream)), at
                     if response is None:
                         response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
                         await response.prepare(request)
@@ -373,27 +415,33 @@ class ApiProxy:
                             await response.write(tap.event(out) if tap is not None else out)
                             self.token_rate.streamed(out, time.monotonic())
                     await response.write_eof()
-                    return response
+                    return response, at
                 finally:
                     await upstream.aclose()
             except httpx.TransportError as exc:
                 failovers += 1
                 if failovers > MAX_FAILOVERS_PER_REQUEST:
-                    return await self._give_up(response, f"llama-server failed again ({exc!r})")
+                    return await self._give_up(response, f"llama-server failed again ({exc!r})"), at
                 log.warning("llama-server failed under %s (%r); waiting for the next one", request.path, exc)
                 self.metrics.retries.inc()
                 try:
-                    base, epoch = await self._wait_elsewhere(epoch)
+                    next_at = await self._wait_elsewhere(at.epoch)
                 except ServiceUnavailableError as unavailable:
-                    return await self._give_up(response, str(unavailable), unavailable.code)
+                    return await self._give_up(response, str(unavailable), unavailable.code), at
+                if ledger.delivered and next_at.model != at.model:
+                    return await self._give_up(response, (
+                        f"The mesh lost capacity and now serves {next_at.model!r} instead of {at.model!r}; "
+                        "a stream cannot continue on another model. Send the request again."),
+                        "model_switched"), at
+                at = next_at
                 if response is not None:
                     replay = Replay(ledger)
             except MeshError as exc:  # ReplayMismatchError, an oversized event
-                return await self._give_up(response, str(exc))
+                return await self._give_up(response, str(exc)), at
             except ConnectionResetError:
                 # The client went away (often right after [DONE]): nothing left to deliver.
                 assert response is not None
-                return response
+                return response, at
 
     async def _unless_stalled(self, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
         """The chunks, until one takes longer than the stall timeout: then ask for a restart."""
@@ -406,7 +454,7 @@ class ApiProxy:
                 self._on_stall(f"No progress on a {path} stream for {self._stall_timeout_s:.0f} s")
                 raise httpx.ReadTimeout("llama-server stalled") from None
 
-    async def _wait_elsewhere(self, failed: int) -> tuple[str, int]:
+    async def _wait_elsewhere(self, failed: int) -> Upstream:
         """The next llama-server; while waiting this request does not count as in flight,
         so it cannot hold up the very replan it waits for."""
         self._in_flight -= 1

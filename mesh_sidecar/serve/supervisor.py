@@ -5,11 +5,13 @@ The serving node's loop::
     proxy up (holding) -> wait for --min-peers
     loop:
         plan the largest tier (--model, given once or more) the connected members hold
+        (a bigger one than in service only once the step-up rules allow, tiers.py)
                                      --PlanError (no tier fits)-->  proxy refuses with the shortfall
         start llama-server on that tier with the plan's --rpc order and --tensor-split
         proxy serves
         wait for trouble: llama-server exited | a member of the plan is lost
                           | membership changed and the plan (or the tier) would change
+                          | a bigger tier has fitted long enough
         drain (bounded), stop llama-server
 
 llama.cpp aborts on any RPC transport error and an idle llama-server only
@@ -45,13 +47,14 @@ from ..llama.build import LlamaBinaries
 from ..mesh.runtime import WEIGHTS_MISMATCH, Mesh, holds_other_weights
 from ..mesh.status import rtt_ms
 from .metrics import Metrics
-from .planner import NodeCapacity, Plan, choose_tier
+from .planner import NodeCapacity, Plan, TierAssessment, assess_tiers, choose_tier, tier_needs_bytes
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
 from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy, Generation
 from . import receipt
 from ..llama.model import model_sha256
 from .speculation import Speculation, choose
+from .tiers import StepUpGate, StepUpRules, TierView, model_id, tier_views
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +90,9 @@ class PlanAnnouncement:
         return f"{self.title}: {self.plan_json['n_layers']} layers over {nodes}"
 
 
-def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
-                   tiers: Sequence[tuple[Path, ModelEstimate]]) -> tuple[int, Plan]:
-    """The index of the largest tier the members connected now can hold, and its plan.
-
-    PlanError if they cannot hold any of ``tiers``.
+def planning_members(mesh: Mesh, identity: NodeIdentity, name: str,
+                     own: Capacity) -> tuple[list[NodeCapacity], tuple[tuple[NodeCapacity, str], ...]]:
+    """The members to plan over, and those refused with the reason.
 
     Peers come first (by id) and this node last: llama.cpp puts the output
     layer on the last device, so the logits (vocabulary x 4 bytes a token)
@@ -106,10 +107,21 @@ def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
             refused.append((member, WEIGHTS_MISMATCH))
         else:
             members.append(member)
-    # choose_tier takes each tier's input embeddings off this node's share.
+    # The tier planning takes each tier's input embeddings off this node's share.
     members.append(NodeCapacity(identity.node_id, name, max(0, own.usable_bytes - mesh.held_for_peers_bytes())))
-    index, plan = choose_tier([(path.name, estimate) for path, estimate in tiers], members)
-    return index, dataclasses.replace(plan, refused=tuple(refused))
+    return members, tuple(refused)
+
+
+def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
+                   tiers: Sequence[tuple[Path, ModelEstimate]], at_most_bytes: int | None = None) -> tuple[int, Plan]:
+    """The index of the largest tier the members connected now can hold, and its plan.
+
+    PlanError if they cannot hold any of ``tiers``. ``at_most_bytes``: see ``choose_tier``.
+    """
+    members, refused = planning_members(mesh, identity, name, own)
+    index, plan = choose_tier([(path.name, estimate) for path, estimate in tiers], members,
+                              at_most_bytes=at_most_bytes)
+    return index, dataclasses.replace(plan, refused=refused)
 
 
 class ServingSupervisor:
@@ -137,6 +149,7 @@ class ServingSupervisor:
         receipts: Path | None = None,
         speculate: bool = True,
         load_progress: Callable[[], ProgressCallback] | None = None,
+        step_up: StepUpRules = StepUpRules(),
     ) -> None:
         self._identity = identity
         # A fresh reporter per llama-server start, told its load stages; None: loads are silent.
@@ -147,6 +160,10 @@ class ServingSupervisor:
         # The tier list: (path, sha256) of every --model, in the order given.
         self._models = tuple(models)
         self.model = self._models[0][0]  # the tier in service (or last planned)
+        self._in_service: Path | None = None  # the tier llama-server was last started on
+        self._step_up = StepUpGate(step_up)
+        self._recheck_at: float | None = None  # loop time to look again at a step up that must wait
+        self.step_up_pending: tuple[str, float] | None = None  # (file name, loop time it may happen)
         self._ctx_size = ctx_size
         self._serve_port = serve_port
         self._min_peers = min_peers
@@ -166,7 +183,8 @@ class ServingSupervisor:
         self._upstream_key_file = logs.parent / UPSTREAM_KEY_FILE
         write_private_file(self._upstream_key_file, upstream_key + "\n")
         self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key,
-                               on_generation=self._write_receipt if receipts is not None else None)
+                               on_generation=self._write_receipt if receipts is not None else None,
+                               catalog=self.tier_views)
         dashboard.add_routes(self._proxy.app, node_status, mesh.peer_views)
         self._restart_reason: str | None = None
         self._wakeup = asyncio.Event()
@@ -179,15 +197,49 @@ class ServingSupervisor:
 
     # --- planning ------------------------------------------------------------------
 
-    def compute_plan(self) -> tuple[int, Plan]:
-        """The index in the tier list of the model to serve now, and its plan."""
+    def compute_plan(self, at_most_bytes: int | None = None) -> tuple[int, Plan]:
+        """The index in the tier list of the model to serve now, and its plan; ``at_most_bytes``: see choose_tier."""
+        return plan_over_mesh(self._mesh, self._identity, self._name, self._own_for_planning(),
+                              self._tier_estimates(), at_most_bytes)
+
+    def _own_for_planning(self) -> Capacity:
         own = self._own_capacity()
         if self._draft_model is not None:
             # The draft runs on this node's CPU, beside its share of the big model.
             draft = cached_estimate(self._draft_model, self._ctx_size)
             own = dataclasses.replace(own, usable_bytes=max(0, own.usable_bytes - draft.total_bytes))
-        tiers = [(path, cached_estimate(path, self._ctx_size)) for path, _ in self._models]
-        return plan_over_mesh(self._mesh, self._identity, self._name, own, tiers)
+        return own
+
+    def _tier_estimates(self) -> list[tuple[Path, ModelEstimate]]:
+        return [(path, cached_estimate(path, self._ctx_size)) for path, _ in self._models]
+
+    def _needs_bytes(self, model: Path) -> int:
+        return tier_needs_bytes(cached_estimate(model, self._ctx_size))
+
+    def assess_tiers(self) -> TierAssessment:
+        """Every tier against the members connected now."""
+        members, _ = planning_members(self._mesh, self._identity, self._name, self._own_for_planning())
+        return assess_tiers([(path.name, estimate) for path, estimate in self._tier_estimates()], members)
+
+    def tier_views(self) -> list[TierView]:
+        """The tiers as clients see them (``/v1/models``), the one in service first."""
+        serving = self.llama_server is not None and self.refusal is None and self._in_service is not None
+        return tier_views(self.assess_tiers().fits, self._in_service.name if serving else None)
+
+    def _step_up_allowed(self, tier: int) -> bool:
+        """Whether ``tier`` may replace the tier in service now (always, unless it is a bigger one)."""
+        if self._in_service is None or self._needs_bytes(self._models[tier][0]) <= self._needs_bytes(self._in_service):
+            self._step_up.bigger_gone()
+            self.step_up_pending = None
+            return True
+        now = asyncio.get_running_loop().time()
+        wait_s = self._step_up.bigger_fits(now)
+        if wait_s > 0:
+            self._recheck_at = now + wait_s
+            self.step_up_pending = (self._models[tier][0].name, now + wait_s)
+            return False
+        self.step_up_pending = None
+        return True
 
     def _choose_speculation(self, plan: Plan) -> Speculation:
         remote = {n.node_id for n in plan.nodes if n.node_id != self._identity.node_id}
@@ -252,6 +304,9 @@ class ServingSupervisor:
         """Start llama-server on a fresh plan, or make the proxy refuse with the reason."""
         try:
             tier, self.plan = self.compute_plan()
+            if not self._step_up_allowed(tier):
+                assert self._in_service is not None
+                tier, self.plan = self.compute_plan(at_most_bytes=self._needs_bytes(self._in_service))
         except PlanError as exc:
             self.plan, self.refusal = None, str(exc)
             self._say(f"Cannot load the model: {exc}")
@@ -259,9 +314,14 @@ class ServingSupervisor:
             return
         self.refusal = None
         path, sha256 = self._models[tier]
-        if path != self.model:
-            self._say(f"Switching model: {self.model.name} -> {path.name} (the largest tier that fits now)")
-            self.model = path
+        if self._in_service is not None and path != self._in_service:
+            direction = "up" if self._needs_bytes(path) > self._needs_bytes(self._in_service) else "down"
+            self._say(f"Switching model {direction}: {self._in_service.name} -> {path.name} "
+                      f"(the largest tier that {'has fitted long enough' if direction == 'up' else 'fits now'})")
+            self._metrics.model_switches.labels(direction).inc()
+            self._step_up.switched(asyncio.get_running_loop().time())
+        self.model = self._in_service = path
+        self._metrics.model.info({"id": model_id(path.name), "file": path.name, "sha256": sha256})
         if sha256 != self._mesh.model_sha256:
             # Members compare their file with the one in service (weights_mismatch), and may fetch it.
             self._mesh.holds_model(sha256, path)
@@ -287,7 +347,7 @@ class ServingSupervisor:
             self._proxy.refuse(self.refusal)
             return
         self._start_failures = 0
-        self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}")
+        self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}", model_id(path.name))
         self._say(f"OpenAI-compatible API ready on http://localhost:{self._serve_port}/v1"
                   + (" (requires the API key: Authorization: Bearer KEY)" if self._access.api_key is not None else ""))
 
@@ -306,8 +366,10 @@ class ServingSupervisor:
                 self._mesh.changed.clear()
                 self._wakeup.clear()
                 woken = {asyncio.ensure_future(self._mesh.changed.wait()), asyncio.ensure_future(self._wakeup.wait())}
+                # A pending step up is looked at again when its wait is over.
+                wake_at = min((t for t in (retry_at, self._recheck_at) if t is not None), default=None)
                 await asyncio.wait(woken | ({exited} if exited else set()), return_when=asyncio.FIRST_COMPLETED,
-                                   timeout=None if retry_at is None else max(0.0, retry_at - loop.time()))
+                                   timeout=None if wake_at is None else max(0.0, wake_at - loop.time()))
                 for task in woken:
                     task.cancel()
             assert self.llama_server is not None
@@ -318,6 +380,7 @@ class ServingSupervisor:
 
     def _replan_reason(self) -> tuple[str, bool] | None:
         """Why the current state should be replaced (and if that is a failover), or None."""
+        self._recheck_at = None
         if self._restart_reason is not None:
             reason, self._restart_reason = self._restart_reason, None
             return reason, True
@@ -333,7 +396,12 @@ class ServingSupervisor:
         if self.plan is None:
             return "The mesh can hold the model now", False
         if (path := self._models[tier][0]) != self.model:
+            if not self._step_up_allowed(tier):
+                return None  # the tier in service goes on as it is until the step up may happen
+            if self._needs_bytes(path) > self._needs_bytes(self.model):
+                return f"{path.name} has fitted the mesh for {self._step_up.rules.after_s:g} s; stepping up", False
             return f"Members changed and {path.name} is the largest model that fits now", False
+        self._step_up_allowed(tier)  # nothing bigger fits: a later step up waits afresh
         if _layout(candidate) != _layout(self.plan):
             return "Members changed and the layers can be spread better", False
         return None
@@ -352,7 +420,7 @@ class ServingSupervisor:
             "request": {"path": generation.path, "body": generation.request},
             "served_by": {"id": self._identity.node_id.hex(), "name": self._name},
             "plan": [{"id": n.node_id.hex(), "name": n.name, "layers": [n.start, n.end]} for n in self.plan.nodes],
-            "model": {"name": self.model.name, "sha256": self._mesh.model_sha256},
+            "model": self._model_json(generation.model),
             "draft": ({"name": self._draft_model.name, "sha256": self._draft_sha256}
                       if self._draft_model is not None else None),
             "speculation": self.speculation.to_json() if self.speculation else None,
@@ -372,11 +440,20 @@ class ServingSupervisor:
         # Receipts hold the prompt: readable by this user only.
         write_private_file(path, json.dumps(receipt.sign(body, self._identity), indent=2))
 
+    def _model_json(self, answered_by: str) -> dict[str, str]:
+        """The receipt's ``model``: the tier whose id answered (the one in service if unknown)."""
+        path, sha256 = next(((path, sha256) for path, sha256 in self._models if model_id(path.name) == answered_by),
+                            next((path, sha256) for path, sha256 in self._models if path == self.model))
+        return {"name": path.name, "id": model_id(path.name), "sha256": sha256}
+
     def status(self) -> dict[str, Any]:
         return {
             "api": {"port": self._serve_port, "url": f"http://localhost:{self._serve_port}/v1",
                     "requires_key": self._access.api_key is not None},
             "model": str(self.model),  # the tier in service, or the last one planned
+            "step_up": ({"model": self.step_up_pending[0],
+                         "in_s": round(max(0.0, self.step_up_pending[1] - asyncio.get_running_loop().time()), 1)}
+                        if self.step_up_pending else None),
             "plan": self.plan.to_json() if self.plan else None,
             "refusal": self.refusal,
             "speculation": self.speculation.to_json() if self.speculation else None,

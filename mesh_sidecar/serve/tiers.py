@@ -1,0 +1,127 @@
+"""Model tiers over time: when a bigger tier may replace the one in service, and what clients are told.
+
+A step down is never delayed: the model in service no longer fits, and
+waiting only lengthens the outage. A step up costs every client a pause (the
+new model loads over the mesh), so it waits until the bigger tier has fitted
+for ``after_s`` without a break, and comes at most once per ``interval_s``
+after any switch: a member that joins and leaves every few seconds never
+moves the API off the tier it can rely on.
+
+Clients name models by their file's stem (what llama-server's ``--alias``
+makes it answer with). A request naming a tier that is not in service gets an
+error saying which one is and why the other is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from ..units import format_gib
+from .planner import TierFit
+
+STEP_UP_AFTER_S = 20.0
+STEP_UP_INTERVAL_S = 60.0
+# What OpenAI clients send when they mean "whatever this server runs".
+DEFAULT_MODEL_NAMES = frozenset({"", "default"})
+OWNER = "mesh-inference"
+
+
+@dataclass(frozen=True)
+class StepUpRules:
+    """Hysteresis for switching to a bigger tier (``--step-up-after``, ``--step-up-interval``)."""
+
+    after_s: float = STEP_UP_AFTER_S  # a bigger tier must have fitted this long without a break
+    interval_s: float = STEP_UP_INTERVAL_S  # and the last switch be this long ago
+
+
+class StepUpGate:
+    """Decides when a bigger tier that fits now may replace the one in service; pure over times."""
+
+    def __init__(self, rules: StepUpRules) -> None:
+        self.rules = rules
+        self._fits_since: float | None = None
+        self._last_switch: float | None = None
+
+    def bigger_fits(self, now: float) -> float:
+        """Note that a bigger tier fits at ``now``; the seconds until it may be switched to (0: now)."""
+        if self._fits_since is None:
+            self._fits_since = now
+        ready_at = self._fits_since + self.rules.after_s
+        if self._last_switch is not None:
+            ready_at = max(ready_at, self._last_switch + self.rules.interval_s)
+        return max(0.0, ready_at - now)
+
+    def bigger_gone(self) -> None:
+        """No bigger tier fits (a member left): the wait starts again next time."""
+        self._fits_since = None
+
+    def switched(self, now: float) -> None:
+        """A switch happened, either way."""
+        self._last_switch = now
+        self._fits_since = None
+
+
+def model_id(file_name: str) -> str:
+    """The name clients see and send for a model file: its stem, as llama-server's --alias."""
+    return PurePath(file_name).stem
+
+
+@dataclass(frozen=True)
+class TierView:
+    """One tier as clients see it (``/v1/models``)."""
+
+    file_name: str
+    needs_bytes: int
+    state: str  # IN_SERVICE, FITS or TOO_LARGE
+    why: str = ""  # for TOO_LARGE: the planner's reason, with the shortfall
+
+    @property
+    def id(self) -> str:
+        return model_id(self.file_name)
+
+
+IN_SERVICE = "in_service"
+FITS = "fits"  # fits now but is not the one in service (waiting to step up, or a smaller tier)
+TOO_LARGE = "too_large"
+
+
+def tier_views(fits: Sequence[TierFit], in_service: str | None) -> list[TierView]:
+    """Every tier, the one in service first, then the others largest first."""
+    views = [TierView(fit.model, fit.needs_bytes,
+                      IN_SERVICE if fit.model == in_service else FITS if fit.fits else TOO_LARGE, fit.why)
+             for fit in fits]
+    return sorted(views, key=lambda view: view.state != IN_SERVICE)
+
+
+def models_list(views: Sequence[TierView], created: int) -> dict[str, Any]:
+    """The ``/v1/models`` body: OpenAI's list, each entry with its tier state."""
+    return {"object": "list", "data": [
+        {"id": view.id, "object": "model", "created": created, "owned_by": OWNER, "file": view.file_name,
+         "state": view.state, "needs_bytes": view.needs_bytes, **({"why": view.why} if view.why else {})}
+        for view in views]}
+
+
+def refusal_for(requested: str, views: Sequence[TierView]) -> str | None:
+    """Why a request naming ``requested`` cannot be served now, or None when it goes to the model in service.
+
+    Names that are not tiers go to the model in service too: many clients send a fixed name.
+    """
+    if requested in DEFAULT_MODEL_NAMES:
+        return None
+    named = next((view for view in views if requested in (view.id, view.file_name)), None)
+    if named is None or named.state == IN_SERVICE:
+        return None
+    serving = next((view for view in views if view.state == IN_SERVICE), None)
+    now = (f"The model in service is {serving.id!r}; send that name, 'default' or none."
+           if serving else "No model is in service now.")
+    if named.state == TOO_LARGE:
+        because = named.why or f"it needs {format_gib(named.needs_bytes)} GiB"
+        return f"Model {named.id!r} is not loaded: the mesh cannot hold it now. {because} {now}"
+    if serving is not None and named.needs_bytes > serving.needs_bytes:
+        reason = "it fits the mesh now, and the node switches to it once it has fitted for a while"
+    else:
+        reason = "the node serves the largest model that fits the mesh"
+    return f"Model {named.id!r} is not loaded: {reason}. {now}"
