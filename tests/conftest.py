@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh_sidecar.llama.build import LlamaBinaries, ensure_binaries
@@ -237,3 +239,25 @@ def kill_worker(node) -> None:
     node.proc.send_signal(signal.SIGKILL)
     os.kill(rpc_pid, signal.SIGKILL)
     node.proc.wait()
+
+
+async def start_stand_in(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` (a stand-in llama-server) on a free loopback port: its runner (to clean up) and URL."""
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_tcp_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def stream_events(request: web.Request, events: Sequence[bytes], stall_after: int | None) -> web.StreamResponse:
+    """A stand-in's server-sent ``events``, then ``[DONE]``; with ``stall_after``, it stops sending after
+    that many (the fault a dead worker causes)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for i, event in enumerate(events):
+        if i == stall_after:
+            await asyncio.sleep(3600)
+        await response.write(event)
+    await response.write(b"data: [DONE]\n\n")
+    return response

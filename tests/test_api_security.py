@@ -15,7 +15,7 @@ from mesh_sidecar.errors import UsageError
 from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.serve.proxy import MAX_REQUEST_BODY_BYTES, ApiAccess, ApiProxy
-from tests.conftest import GREEDY, cli
+from tests.conftest import GREEDY, cli, start_stand_in
 
 KEY = "s3cret-key-0123456789"
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -36,11 +36,8 @@ async def upstream():
 
     app = web.Application(client_max_size=4 * MAX_REQUEST_BODY_BYTES)
     app.router.add_route("*", "/{tail:.*}", anything)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-    await runner.setup()
-    port = free_tcp_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", seen
+    runner, url = await start_stand_in(app)
+    yield url, seen
     await runner.cleanup()
 
 

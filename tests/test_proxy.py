@@ -16,6 +16,7 @@ from aiohttp import web
 from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.serve.proxy import ApiProxy
+from tests.conftest import start_stand_in, stream_events
 
 PIECES = ["The", " keeper", " lit", " the", " lamp", "."]
 
@@ -29,22 +30,11 @@ async def upstream(stall_after: int | None, id_: str, seeds: list[int]) -> tuple
 
     async def completions(request: web.Request) -> web.StreamResponse:
         seeds.append((await request.json())["seed"])
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for i, piece in enumerate(PIECES):
-            if stall_after is not None and i == stall_after:
-                await asyncio.sleep(3600)
-            await response.write(event(piece, id_))
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        return await stream_events(request, [event(piece, id_) for piece in PIECES], stall_after)
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-    await runner.setup()
-    port = free_tcp_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await start_stand_in(app)
 
 
 @pytest.fixture

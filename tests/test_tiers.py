@@ -25,7 +25,7 @@ from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.serve.planner import NodeCapacity, TierFit, choose_tier, plan_layers, tier_needs_bytes
 from mesh_sidecar.serve.proxy import ApiProxy
 from mesh_sidecar.serve.tiers import StepUpGate, StepUpRules, models_list, refusal_for, tier_views
-from tests.conftest import api_healthy, cli, kill_worker, metrics
+from tests.conftest import api_healthy, cli, kill_worker, metrics, start_stand_in, stream_events
 from tests.waiting import wait_until, wait_until_async
 
 N_CTX = 4096
@@ -192,23 +192,13 @@ async def stand_in(model: str, pieces: list[str], stall_after: int | None = None
             if stall_after is not None:
                 await asyncio.sleep(3600)
             return web.json_response({"model": model, "choices": [{"message": {"content": "".join(pieces)}}]})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for i, piece in enumerate(pieces):
-            if i == stall_after:
-                await asyncio.sleep(3600)
-            chunk = {"model": model, "choices": [{"index": 0, "delta": {"content": piece}}]}
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        chunks = [{"model": model, "choices": [{"index": 0, "delta": {"content": piece}}]} for piece in pieces]
+        return await stream_events(request, [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks],
+                                   stall_after)
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-    await runner.setup()
-    port = free_tcp_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await start_stand_in(app)
 
 
 @pytest.fixture
