@@ -40,6 +40,7 @@ SAMPLES: tuple[gossip.GossipMessage, ...] = (
     gossip.Ping(7, 1.5),
     gossip.Pong(7, 1.5),
     gossip.Rekey(epoch=2, secret=b"\x5a" * 32, removed=(_B,), by=_A),
+    gossip.Observed("203.0.113.5:47470"),
 )
 
 

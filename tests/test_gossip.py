@@ -40,6 +40,7 @@ from mesh_sidecar.wire.gossip import (
     MemberList,
     Ping,
     Pong,
+    Observed,
     Rekey,
     RpcOrder,
     decode_message,
@@ -88,6 +89,7 @@ messages = st.one_of(
     st.builds(Pong, st.integers(0, MAX_NONCE), times),
     st.builds(Rekey, st.integers(0, MAX_EPOCH), st.binary(min_size=32, max_size=32),
               st.lists(node_ids, max_size=4, unique=True).map(tuple), node_ids),
+    st.builds(Observed, addresses),
 )
 
 
@@ -141,9 +143,10 @@ def test_every_message_round_trips(msg: object) -> None:
 def test_known_frame_bytes() -> None:
     # Pins the layout, so a change to it fails here and not only between two releases.
     data = encode_message(Ping(nonce=7, sent_at=1.5))
-    assert data == b"\x03\x04" + b'{"nonce":7,"sent_at":1.5}'
-    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x03\x04"  # the transport's length, then ours
-    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x03\x02"
+    assert data == b"\x04\x04" + b'{"nonce":7,"sent_at":1.5}'
+    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x04\x04"  # the transport's length, then ours
+    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x04\x02"
+    assert encode_message(Observed("203.0.113.5:47470")) == b"\x04\x07" + b'{"address":"203.0.113.5:47470"}'
 
 
 def test_node_ids_travel_as_lowercase_hex() -> None:
@@ -225,7 +228,7 @@ def test_each_frame_decodes_on_its_own() -> None:
 
 
 def test_other_wire_versions_are_refused() -> None:
-    for version in (0, 1, 2, 4, 255):
+    for version in (v for v in (0, 1, 2, 3, 4, 5, 255) if v != GOSSIP_WIRE_VERSION):
         with pytest.raises(ProtocolVersionError, match="wire version"):
             decode_message(body_frame(4, '{"nonce":1,"sent_at":2}', version=version))
 

@@ -398,7 +398,7 @@ def _status_view(snapshot: dict) -> Group:
         parts.append(Text(f"LAN discovery (mDNS): on; {sum(r['this_mesh'] for r in lan)} member(s) and "
                           f"{len(others)} other mesh(es) seen (`mesh-inference --lan` lists them)"))
     if snapshot["peers"]:
-        peers = Table("peer", "id", "address", "state", "health", "rtt ms (p50/p95)", "datagram B", "tunnel port",
+        peers = Table("peer", "id", "address", "path", "state", "health", "rtt ms (p50/p95)", "datagram B", "tunnel port",
                       "rpc-server", "offers GiB", "MiB to/from")
         for peer in snapshot["peers"]:
             offers = peer["capacity"].get("usable_bytes")
@@ -406,7 +406,10 @@ def _status_view(snapshot: dict) -> Group:
             if peer.get("rtt_p50_ms") is not None:
                 rtt += f" ({peer['rtt_p50_ms']:.1f}/{peer['rtt_p95_ms']:.1f})"
             state = peer["state"] + (f" ({peer['refused']})" if peer.get("refused") else "")
-            peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), state,
+            path = peer.get("path") or "-"
+            if peer.get("via"):
+                path += f" via {peer['via']}"
+            peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), path, state,
                           str(peer.get("health", "-")), rtt, str(peer.get("datagram_bytes") or "-"),
                           str(peer["tunnel_port"] or "-"),
                           "up" if peer["rpc_server_up"] else "down",

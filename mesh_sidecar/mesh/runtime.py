@@ -41,18 +41,19 @@ from ..net.addresses import reachable_addresses
 from ..net.discovery import LanRecord, mesh_id
 from ..net.model_transfer import fetch_model_over, serve_model_file
 from ..net.connection import PeerConnection
+from ..net.endpoint import format_address
 from ..net.transport import MeshTransport
 from ..net.tunnel import StreamKind, TunnelCounters, TunnelListener, serve_inbound_stream, serve_peer_stream
 from ..ports import LOOPBACK
 from ..wire.auth import MESH_SECRET_BYTES
-from ..wire.gossip import MAX_ADDRESSES, MemberInfo, decode_message, encode_message
-from ..wire.ticket import PeerAddress, Ticket, encode_ticket
+from ..wire.gossip import MAX_ADDRESSES, MemberInfo, Observed, decode_message, encode_message
+from ..wire.ticket import MAX_TICKET_ADDRESSES, PeerAddress, Ticket, encode_ticket
 from . import events
 from .health import HealthState, health_message, lost_reason
 from .lan import LanDialer
 from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
 from .saved import SavedMesh
-from .status import MeshView, PeerView
+from .status import PATH_DIRECT, MeshView, PeerView
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class _Peer:
     tunnel: TunnelListener
     # Connections to it replaced by a simultaneous one, still finishing their streams.
     retired: set[PeerConnection] = field(default_factory=set)
+    told_address: str | None = None  # the address we last told it we see it at (Observed)
 
     def close(self, reason: str) -> None:
         for connection in (self.connection, *self.retired):
@@ -159,6 +161,8 @@ class Mesh:
         self._leaving = False
         self._weights_warned: set[tuple[bytes, str]] = set()
         self.port: int | None = None
+        # What address each peer says it sees us at (gossip Observed): behind a NAT, our public mapping.
+        self._seen_at: dict[bytes, PeerAddress] = {}
         self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
         # mDNS (lan.py): advertise this node, dial members whose records show up.
         self._lan = LanDialer(
@@ -181,7 +185,7 @@ class Mesh:
 
     def ticket(self) -> str:
         assert self.port is not None
-        return encode_ticket(Ticket(self.identity.node_id, self._saved.secret, reachable_addresses(self.port)))
+        return encode_ticket(Ticket(self.identity.node_id, self._saved.secret, self._own_addresses(MAX_TICKET_ADDRESSES)))
 
     def rotate_secret(self, remove: tuple[bytes, ...] = ()) -> str:
         """A new secret for every member except ``remove``; returns the new ticket."""
@@ -214,6 +218,7 @@ class Mesh:
         while True:
             now = time.monotonic()
             self._membership.heartbeat(now)
+            self._tell_observed_addresses()
             if now - last_refresh >= CAPACITY_REFRESH_S:
                 self._membership.update_self(self._self_info())
                 if self._lan is not None:
@@ -301,6 +306,7 @@ class Mesh:
             node_id=info.node_id, name=info.name, state=state,
             address=(str(PeerAddress(*peer.connection.remote_address)) if peer is not None
                      else (info.addresses or [None])[0]),
+            path=PATH_DIRECT if peer is not None else None,
             health=(health.state if health is not None
                     else HealthState.LOST if state is MemberState.LOST else None),
             rtt_last_s=health.rtt_last_s if health else None,
@@ -319,12 +325,48 @@ class Mesh:
 
     # --- internals ---------------------------------------------------------------
 
+    def _own_addresses(self, limit: int) -> tuple[PeerAddress, ...]:
+        """Where members can dial this node: its interfaces', then those members see it at
+        (behind a NAT, its public mappings), then loopback, at most ``limit``."""
+        assert self.port is not None
+        *interfaces, loopback = reachable_addresses(self.port)
+        seen = [address for address in dict.fromkeys(self._seen_at.values())
+                if address not in interfaces and address != loopback]
+        # Loopback (last) is kept: it is how nodes on one machine meet.
+        return (*(interfaces + seen)[: limit - 1], loopback)
+
+    def _tell_observed_addresses(self) -> None:
+        """Tell each peer the address its datagrams come from, once and again after it changes (a NAT
+        rebinding, a migration)."""
+        for peer in self._peers.values():
+            if peer.connection.closed:
+                continue
+            address = format_address(peer.connection.remote_address)
+            if address != peer.told_address:
+                peer.told_address = address
+                peer.connection.send_control(encode_message(Observed(address)))
+
+    def _on_observed(self, node_id: bytes, address: str) -> None:
+        """A peer says where it sees us: a new public address goes into gossip and the ticket."""
+        try:
+            parsed = PeerAddress.parse(address)
+        except ValueError:
+            return
+        if parsed.host == LOOPBACK:
+            return
+        known = set(self._own_addresses(MAX_TICKET_ADDRESSES))
+        self._seen_at[node_id] = parsed
+        if parsed in known:
+            return
+        self._say(f"{self.name_of(node_id)} sees this node at {address}: members elsewhere can dial it there "
+                  "(it is in this node's gossip and `mesh-inference ticket` now).")
+        assert self._membership is not None
+        self._membership.update_self(self._self_info())
+        self._process()
+
     def _self_info(self) -> MemberInfo:
         assert self.port is not None
-        addresses = tuple(str(a) for a in reachable_addresses(self.port))
-        # Loopback (last in the list) is kept: it is how nodes on one machine meet.
-        if len(addresses) > MAX_ADDRESSES:
-            addresses = addresses[: MAX_ADDRESSES - 1] + addresses[-1:]
+        addresses = tuple(str(a) for a in self._own_addresses(MAX_ADDRESSES))
         return MemberInfo(
             node_id=self.identity.node_id,
             name=self._name,
@@ -536,6 +578,9 @@ class Mesh:
                 self._process()
             while True:
                 msg = decode_message(await connection.receive_control())
+                if isinstance(msg, Observed):
+                    self._on_observed(node_id, msg.address)
+                    continue
                 membership.receive(node_id, msg, time.monotonic())
                 self._process()
         except MeshError as exc:

@@ -26,6 +26,9 @@ def rtt_ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
+PATH_DIRECT = "direct"
+
+
 @dataclass(frozen=True)
 class PeerView:
     """One member this node knows of, as it stands now. Connection figures are None (counters
@@ -35,6 +38,7 @@ class PeerView:
     name: str
     state: MemberState
     address: str | None  # the connection's remote address, else the first the member announced
+    path: str | None  # PATH_DIRECT while this node holds a connection to it, else None
     health: HealthState | None  # from heartbeats; LOST for a lost member without a connection
     rtt_last_s: float | None  # the last heartbeat's round trip
     rtt_p50_s: float | None
@@ -80,6 +84,10 @@ def peer_json(view: PeerView) -> dict[str, Any]:
         "name": view.name,
         "state": view.state.value,
         "address": view.address,
+        # How our packets reach it: "direct" (our own QUIC connection) and where, or None when not connected.
+        "path": view.path,
+        "via": None,
+        "addr": view.address if view.path is not None else None,
         "health": None if view.health is None else view.health.value,
         "rtt_ms": rtt_ms(view.rtt_last_s),
         "rtt_p50_ms": rtt_ms(view.rtt_p50_s),

@@ -53,6 +53,7 @@ from .quic import QuicConnection, opens_connection, parse_header, quic_configura
 logger = logging.getLogger(__name__)
 
 DIAL_TIMEOUT_S = 3.0  # per address, TLS and admission included
+DIAL_STAGGER_S = 0.25  # the next address is dialed this long after the last, while none has answered
 MAX_UNAUTHENTICATED_PEERS = 32
 # Datagrams that are not QUIC for us (scans, floods) are dropped; one log line per interval says so.
 IGNORED_DATAGRAMS_LOG_INTERVAL_S = 60.0
@@ -112,19 +113,39 @@ class MeshTransport:
         return bound_port
 
     async def connect(self, addresses: Sequence[Address], expected_id: bytes) -> PeerConnection:
-        """Dial ``expected_id`` at each address in turn; the first admitted connection wins."""
+        """Dial ``expected_id`` at its addresses; the first admitted connection wins.
+
+        A dial starts every DIAL_STAGGER_S while none has answered (happy eyeballs, RFC 8305),
+        so an unreachable first address (a home LAN's, seen from another home) costs a stagger,
+        not a whole dial timeout, and a member behind a NAT is dialed at its public mapping at
+        about the moment it dials ours: both routers open the mapping (hole punching).
+        """
         if self._closed or not self._endpoint.bound:
             raise TransportStoppedError("the transport is not running")
-        failures: list[MeshError] = []
-        for host, port in addresses:
-            try:
-                return await self._dial(host, port, expected_id)
-            except MeshError as exc:
-                failures.append(exc)
+        failures: dict[int, MeshError] = {}
+        waiting = list(enumerate(addresses))
+        running: dict[asyncio.Task[PeerConnection], int] = {}
+        try:
+            while waiting or running:
+                if waiting:
+                    index, (host, port) = waiting.pop(0)
+                    running[asyncio.ensure_future(self._dial(host, port, expected_id))] = index
+                done, _ = await asyncio.wait(running, timeout=DIAL_STAGGER_S if waiting else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = running.pop(task)
+                    try:
+                        return task.result()
+                    except MeshError as exc:
+                        failures[index] = exc
+        finally:
+            # A second connection admitted in the same instant is kept or retired like a simultaneous dial.
+            for task in running:
+                task.cancel()
         if len(failures) == 1:
-            raise failures[0]
-        kind = AuthError if any(isinstance(f, AuthError) for f in failures) else PeerConnectionError
-        tried = "; ".join(str(f) for f in failures) or "no addresses given"
+            raise next(iter(failures.values()))
+        kind = AuthError if any(isinstance(f, AuthError) for f in failures.values()) else PeerConnectionError
+        tried = "; ".join(str(failures[i]) for i in sorted(failures)) or "no addresses given"
         raise kind(f"could not connect to {short_id(expected_id)}: {tried}")
 
     async def close(self) -> None:

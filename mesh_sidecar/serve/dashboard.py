@@ -126,6 +126,7 @@ class Member:
     state: str  # "self", or the membership state: connected, lost, left...
     health: str | None  # connected / degraded / lost, from heartbeats; None for this node
     address: str | None
+    path: str | None  # "direct" for a peer this node holds a connection to; None for itself or a lost one
     rtt_ms: float | None  # the last heartbeat's
     rtt_p50_ms: float | None
     capacity_bytes: int  # what it offers the planner
@@ -148,10 +149,10 @@ def state_from(snapshot: dict[str, Any], peer_views: Sequence[PeerView]) -> dict
     no paths, pids or secrets."""
     node, serving = snapshot["node"], snapshot["serving"] or {}
     this = Member(id=node["id"], short_id=node["short_id"], name=node["name"], state="self", health=None,
-                  address=f"udp :{snapshot['mesh']['quic_port']}", rtt_ms=None, rtt_p50_ms=None,
+                  address=f"udp :{snapshot['mesh']['quic_port']}", path=None, rtt_ms=None, rtt_p50_ms=None,
                   capacity_bytes=(node["capacity"] or {}).get(USABLE_KEY, 0), serving=bool(serving))
     peers = [Member(id=p.node_id.hex(), short_id=short_id(p.node_id), name=p.name, state=p.state.value,
-                    health=None if p.health is None else p.health.value, address=p.address,
+                    health=None if p.health is None else p.health.value, address=p.address, path=p.path,
                     rtt_ms=rtt_ms(p.rtt_last_s), rtt_p50_ms=rtt_ms(p.rtt_p50_s),
                     capacity_bytes=p.capacity.get(USABLE_KEY, 0), serving=p.serving)
              for p in peer_views]

@@ -13,7 +13,7 @@ receives with :func:`decode_message`)::
     length   counts version + type + body; at most MAX_CONTROL_MESSAGE_BYTES
     version  GOSSIP_WIRE_VERSION; anything else is ProtocolVersionError
     type     a key of MESSAGE_TYPES (1 MemberList, 2 Leave, 3 RpcOrder,
-             4 Ping, 5 Pong, 6 Rekey)
+             4 Ping, 5 Pong, 6 Rekey, 7 Observed)
     body     one UTF-8 JSON object with exactly the keys its type names;
              node ids are lowercase hex of all 32 bytes
 
@@ -38,9 +38,10 @@ from ..identity import NODE_ID_BYTES, short_id
 from .auth import MESH_SECRET_BYTES
 from .frames import MAX_CONTROL_MESSAGE_BYTES
 
+# 4: Observed;
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
-GOSSIP_WIRE_VERSION = 3
+GOSSIP_WIRE_VERSION = 4
 MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
@@ -379,11 +380,27 @@ class Rekey:
         )
 
 
-GossipMessage: TypeAlias = MemberList | Leave | RpcOrder | Ping | Pong | Rekey
+@dataclass(frozen=True)
+class Observed:
+    """The address the sender sees this connection's datagrams come from: behind a NAT, the
+    receiver's public mapping, which other members can dial (and punch through)."""
+
+    TYPE: ClassVar[int] = 7
+    address: str  # host:port
+
+    def to_body(self) -> dict[str, Any]:
+        return {"address": self.address}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Observed:
+        return cls(_address(_object(body, "observed", ("address",))["address"], "observed.address"))
+
+
+GossipMessage: TypeAlias = MemberList | Leave | RpcOrder | Ping | Pong | Rekey | Observed
 
 
 MESSAGE_TYPES: dict[int, type[GossipMessage]] = {
-    cls.TYPE: cls for cls in (MemberList, Leave, RpcOrder, Ping, Pong, Rekey)
+    cls.TYPE: cls for cls in (MemberList, Leave, RpcOrder, Ping, Pong, Rekey, Observed)
 }
 
 # --- codec ------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ function drawMembers(members) {
     row.append(
       name,
       el("td", stateText, tone),
-      el("td", m.address ?? "–", "addr"),
+      el("td", (m.address ?? "–") + (m.path ? ` (${m.path})` : ""), "addr"),
       el("td", fixed(m.rtt_ms, 1), "num"),
       el("td", fixed(m.rtt_p50_ms, 1), "num"),
       el("td", gib(m.capacity_bytes), "num"),
