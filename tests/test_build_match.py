@@ -192,4 +192,7 @@ def test_a_member_of_another_rpc_version_is_left_out_and_told_why(start_node, ot
     assert own["node"]["llama_build"].startswith("RPC 6.0.0")
     row = next(p for p in own["peers"] if p["name"] == "c")
     assert row["refused"] == LLAMA_BUILD_MISMATCH and all(part in row["refused_detail"] for part in both_versions)
+    shown = cli("status", "--home", str(other.home))
+    assert shown.returncode == 0 and "llama.cpp: RPC 6.0.0" in shown.stdout, shown.stdout
+    assert f"c: {LLAMA_BUILD_MISMATCH}: b's rpc-server" in shown.stdout, shown.stdout
     assert good.proc.poll() is None and LLAMA_BUILD_MISMATCH not in good.text()
