@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from mesh_sidecar.wire.frames import MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from mesh_sidecar.wire import gossip
+from mesh_sidecar.wire.rpc_hello import RpcVersion
 
 from .fuzzing import Input, chunks, run
 
@@ -32,6 +33,7 @@ SAMPLES: tuple[gossip.GossipMessage, ...] = (
                 capacity=(("free_ram_bytes", 8 << 30), ("free_vram_bytes", 0)),
                 serving=False,
                 rpc_ready=True,
+                llama_build=gossip.LlamaBuild(RpcVersion(7, 0, 1), True, "llama-cpp-python 0.3.36 b2b"),
             ),
         )
     ),

@@ -11,10 +11,14 @@ from mesh_sidecar.identity import generate_identity
 from mesh_sidecar.mesh.runtime import Mesh
 from mesh_sidecar.mesh.saved import SavedMesh
 from mesh_sidecar.mesh.status import peers_json
+from mesh_sidecar.wire.gossip import LlamaBuild
+from mesh_sidecar.wire.rpc_hello import RpcVersion
 from mesh_sidecar.wire.ticket import PeerAddress, Ticket
 from tests.waiting import wait_until_async
 
 HANG_S = 15.0  # a wait that only fails if something hangs
+# What a node of the pinned stock build announces.
+PINNED_BUILD = LlamaBuild(RpcVersion(7, 0, 0), False, "llama-cpp-python 0.3.36 stock")
 
 
 def tiny_capacity() -> Capacity:
@@ -28,7 +32,8 @@ def make_mesh(root: Path, name: str, secret: bytes, say: Callable[[str], None] =
     home.create()
     saved = SavedMesh(secret)
     saved.save(home)
-    return Mesh(generate_identity(), name, home, rpc_port, tiny_capacity, say, saved=saved, **options)
+    return Mesh(generate_identity(), name, home, rpc_port, tiny_capacity, say, saved=saved,
+                **{"build": PINNED_BUILD, **options})
 
 
 def ticket_of(mesh: Mesh, secret: bytes) -> Ticket:

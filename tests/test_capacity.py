@@ -7,6 +7,7 @@ import pytest
 from mesh_sidecar.llama.capacity import MAX_HELD_ENTRIES, Capacity, Device, held_key, measure, parse_device_listing
 from mesh_sidecar.errors import UsageError
 from mesh_sidecar.wire.gossip import MemberInfo
+from tests.meshes import PINNED_BUILD
 from mesh_sidecar.llama.launch import start_rpc_server
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.units import GIB, MIB, format_gib, parse_size
@@ -94,7 +95,7 @@ def test_memory_held_for_other_serving_nodes_is_not_offered_again() -> None:
     offer = Capacity(10 * GIB, 4 * GIB, 10 * GIB, 0, held=((held_key(a), 3 * GIB), (held_key(b), 2 * GIB)))
     back = Capacity.from_gossip(dict(MemberInfo(
         node_id=b"\x01" * 32, name="w", addresses=(), version="0", capacity=offer.to_gossip(),
-        serving=False, rpc_ready=True).capacity))
+        serving=False, rpc_ready=True, llama_build=PINNED_BUILD).capacity))
     assert back == offer
     assert back.usable_for(a) == 8 * GIB  # a may reuse what w holds for a, not what it holds for b
     assert back.usable_for(b) == 7 * GIB

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mesh_sidecar.errors import PlanError, SetupError
 from mesh_sidecar.llama.estimate import ModelEstimate, assign_layers
+from mesh_sidecar.mesh.refusal import Refusal
 from mesh_sidecar.serve.planner import NodeCapacity, Plan, plan_layers
 from mesh_sidecar.units import GIB
 
@@ -336,7 +337,7 @@ def test_tensor_split_reproduces_the_planned_ranges_in_llama_cpp(mesh):
 def test_to_json():
     members = nodes(2000, 1000)
     plan = plan_layers([*members, node(9, 1)], estimate(3, 100, margin=10, output=5, kv=20))
-    plan = dataclasses.replace(plan, refused=((node(7, 50), "weights_mismatch"),))
+    plan = dataclasses.replace(plan, refused=((node(7, 50), Refusal("weights_mismatch", "host7 holds another file", "")),))
     assert plan.to_json() == {
         "nodes": [
             {"id": members[0].node_id.hex(), "name": "host0", "layers": [0, 2], "weights_bytes": 200,
@@ -346,7 +347,7 @@ def test_to_json():
         ],
         "left_out": [{"id": (bytes([9]) * 32).hex(), "name": "host9", "free_bytes": 1}],
         "refused": [{"id": (bytes([7]) * 32).hex(), "name": "host7", "free_bytes": 50,
-                     "reason": "weights_mismatch"}],
+                     "reason": "weights_mismatch", "detail": "host7 holds another file"}],
         "n_layers": 3,
         "tensor_split": [2, 2],
         "model": "",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh_sidecar.mesh.runtime import WEIGHTS_MISMATCH
+from mesh_sidecar.mesh.refusal import WEIGHTS_MISMATCH
 from tests.conftest import cli
 from tests.netns import (API_PORT, MDNS_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names,
                          ns_python, start_in, ticket_of)

@@ -368,6 +368,8 @@ def _status_view(snapshot: dict) -> Group:
     parts.append(Text(f"model: {snapshot['model']['path']} (context {snapshot['model']['ctx_size']})"))
     if node["capacity"]:
         parts.append(Text(f"offers: {format_gib(node['capacity']['usable_bytes'])} GiB"))
+    if node.get("llama_build"):
+        parts.append(Text(f"llama.cpp: {node['llama_build']}"))
     serving = snapshot["serving"]
     if serving:
         c = serving["counters"]
@@ -416,6 +418,8 @@ def _status_view(snapshot: dict) -> Group:
                           "-" if offers is None else format_gib(offers),
                           f"{peer['bytes_to_peer'] / MIB:.1f}/{peer['bytes_from_peer'] / MIB:.1f}")
         parts.append(peers)
+        parts.extend(Text(f"{peer['name']}: {peer['refused']}: {peer['refused_detail']}.", style="bold red")
+                     for peer in snapshot["peers"] if peer.get("refused"))
     return Group(*parts)
 
 

@@ -27,6 +27,9 @@ def plan_table(plan: dict[str, Any], title: str = "Plan") -> Table:
     for node in plan.get("refused", []):
         table.add_row(node["name"], node["id"][:8], f"refused: {node['reason']}", "-", "-", "-",
                       format_gib(node["free_bytes"]))
+    refusals = [f"{node['name']} refused: {node['detail']}." for node in plan.get("refused", [])]
+    if refusals:
+        table.caption = "\n".join(filter(None, [table.caption, *refusals]))
     return table
 
 

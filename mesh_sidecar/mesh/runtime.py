@@ -46,12 +46,13 @@ from ..net.transport import MeshTransport
 from ..net.tunnel import StreamKind, TunnelCounters, TunnelListener, serve_inbound_stream, serve_peer_stream
 from ..ports import LOOPBACK
 from ..wire.auth import MESH_SECRET_BYTES
-from ..wire.gossip import MAX_ADDRESSES, MemberInfo, Observed, decode_message, encode_message
+from ..wire.gossip import MAX_ADDRESSES, LlamaBuild, MemberInfo, Observed, decode_message, encode_message
 from ..wire.ticket import MAX_TICKET_ADDRESSES, PeerAddress, Ticket, encode_ticket
 from . import events
 from .health import HealthState, health_message, lost_reason
 from .lan import LanDialer
 from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
+from .refusal import Refusal, refusal
 from .saved import SavedMesh
 from .status import PATH_DIRECT, MeshView, PeerView
 
@@ -75,13 +76,6 @@ RETIRE_POLL_S = 1.0
 REPLACED_REASON = "replaced by a simultaneous connection"
 STOPPED_REASON = "node stopped"
 LEFT_FOR_GOOD_REASON = "left the mesh for good"  # `mesh-inference leave`: members forget it
-# Why a serving node leaves a member out: it holds a different model file.
-WEIGHTS_MISMATCH = "weights_mismatch"
-
-
-def holds_other_weights(own_sha256: str, info: MemberInfo) -> bool:
-    """True when both sides name a model file and the files differ."""
-    return bool(own_sha256 and info.model_sha256 and own_sha256 != info.model_sha256)
 
 
 def _peer_addresses(texts: tuple[str, ...]) -> list[PeerAddress]:
@@ -138,6 +132,7 @@ class Mesh:
         say: Callable[[str], None],
         *,
         saved: SavedMesh,
+        build: LlamaBuild,
         serving: bool = False,
         model_sha256: str = "",
         model_file: Path | None = None,
@@ -150,6 +145,7 @@ class Mesh:
         self._capacity = capacity
         self._say = say
         self._serving = serving
+        self.build = build  # announced; members and the serving node compare it (refusal.py)
         self.model_sha256 = model_sha256
         self.model_file = model_file  # offered to members that fetch it by its sha256
         self._saved = saved
@@ -159,7 +155,7 @@ class Mesh:
         self._membership: Membership | None = None
         self._tasks: set[asyncio.Task] = set()  # dials and deferred closes
         self._leaving = False
-        self._weights_warned: set[tuple[bytes, str]] = set()
+        self._refusals_said: set[tuple[bytes, Refusal]] = set()
         self.port: int | None = None
         # What address each peer says it sees us at (gossip Observed): behind a NAT, our public mapping.
         self._seen_at: dict[bytes, PeerAddress] = {}
@@ -275,6 +271,19 @@ class Mesh:
                        if m.state is MemberState.CONNECTED and m.info.node_id in self._peers),
                       key=lambda info: info.node_id)
 
+    @property
+    def self_info(self) -> MemberInfo:
+        """What this node announces about itself now."""
+        assert self._membership is not None
+        return self._membership.self_info
+
+    def refusal(self, info: MemberInfo) -> Refusal | None:
+        """Why this node, serving, leaves member ``info`` out; or why ``info``, serving, leaves this node out."""
+        own = self.self_info
+        if own.serving:
+            return refusal(info, own)
+        return refusal(own, info) if info.serving else None
+
     def tunnel_endpoint(self, node_id: bytes) -> str:
         port = self._peers[node_id].tunnel.port
         return f"{LOOPBACK}:{port}"
@@ -318,7 +327,7 @@ class Mesh:
             tunnel_port=peer.tunnel.port if peer else None,
             rpc_server_up=info.rpc_ready, serving=info.serving, capacity=dict(info.capacity),
             model_sha256=info.model_sha256, secret_epoch=info.secret_epoch,
-            refused=WEIGHTS_MISMATCH if holds_other_weights(self.model_sha256, info) else None,
+            refused=self.refusal(info),
             learned_via=learned_via,
             tunnel=TunnelCounters() if counters is None else dataclasses.replace(counters),
         )
@@ -375,6 +384,7 @@ class Mesh:
             capacity=dataclasses.replace(self._capacity(), held=self._held_for_peers()).to_gossip(),
             serving=self._serving,
             rpc_ready=True,
+            llama_build=self.build,
             model_sha256=self.model_sha256,
             secret_epoch=self._saved.epoch,
         )
@@ -440,7 +450,7 @@ class Mesh:
             case events.MemberJoined(info=info, learned_via=via):
                 how = f" (learned via gossip from {self.name_of(via)})" if via else ""
                 self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
-                self._check_weights(info)
+                self._say_refusal(info)
                 self._remember(info.node_id, info.addresses)
                 self.changed.set()
             case events.MemberLost(node_id=node_id, reason=reason):
@@ -463,7 +473,7 @@ class Mesh:
                 self._say(f"The mesh secret was rotated by {self.name_of(rekey.by)}: tickets printed "
                           f"before now admit no one. New ticket: {self.ticket()}")
             case events.MemberUpdated(info=info):
-                self._check_weights(info)
+                self._say_refusal(info)
                 self._remember(info.node_id, info.addresses)
             case events.PeerDegraded() | events.PeerRecovered():
                 message = health_message(event, self.name_of(event.node_id))
@@ -486,16 +496,14 @@ class Mesh:
             self._saved = saved
             saved.save(self._home)
 
-    def _check_weights(self, info: MemberInfo) -> None:
-        """Tell the person at a member with other weights than the serving node, once per pair."""
-        if not info.serving or not holds_other_weights(self.model_sha256, info):
+    def _say_refusal(self, info: MemberInfo) -> None:
+        """Tell the person at a member that serving node ``info`` leaves it out, and why; once per refusal."""
+        if not info.serving or (found := refusal(self.self_info, info)) is None:
             return
-        if (info.node_id, info.model_sha256) in self._weights_warned:
+        if (info.node_id, found) in self._refusals_said:
             return
-        self._weights_warned.add((info.node_id, info.model_sha256))
-        message = (f"{WEIGHTS_MISMATCH}: this node's model (sha256 {self.model_sha256[:12]}...) is not the "
-                   f"one {info.name} serves (sha256 {info.model_sha256[:12]}...), so no layers will be "
-                   "placed here. Start this node without --model, or with the same GGUF file.")
+        self._refusals_said.add((info.node_id, found))
+        message = found.message(self._name)
         log.error("%s", message)
         self._say(message)
 

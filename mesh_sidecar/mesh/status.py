@@ -19,6 +19,7 @@ from ..net.discovery import LanRecord, lan_record_json
 from ..net.tunnel import TunnelCounters
 from .health import HealthState
 from .membership import MemberState
+from .refusal import Refusal
 
 
 def rtt_ms(seconds: float | None) -> float | None:
@@ -52,7 +53,7 @@ class PeerView:
     capacity: dict[str, int]
     model_sha256: str  # "" when it holds no model file
     secret_epoch: int
-    refused: str | None  # why the serving node leaves it out (WEIGHTS_MISMATCH), if it does
+    refused: Refusal | None  # why the serving node (this one, or it) leaves it (or this one) out
     learned_via: bytes | None
     # Bytes and RPC commands through its tunnels both ways, as of this view (a copy).
     tunnel: TunnelCounters = field(default_factory=TunnelCounters)
@@ -101,7 +102,8 @@ def peer_json(view: PeerView) -> dict[str, Any]:
         "capacity": dict(view.capacity),
         "model_sha256": view.model_sha256 or None,
         "secret_epoch": view.secret_epoch,
-        "refused": view.refused,
+        "refused": None if view.refused is None else view.refused.reason,
+        "refused_detail": None if view.refused is None else view.refused.detail,
         "learned_via": short_id(view.learned_via) if view.learned_via else None,
         # Our tunnel to its rpc-server...
         "bytes_to_peer": view.tunnel.bytes_to_peer,

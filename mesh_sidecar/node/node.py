@@ -26,6 +26,8 @@ from ..home import NodeHome
 from ..identity import NodeIdentity
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.build import LlamaBinaries
+from ..llama.rpc_build import local_build
+from ..mesh.refusal import LLAMA_BUILD_MISMATCH, SAME_BUILD_REMEDY
 from ..mesh.runtime import Mesh
 from ..mesh.saved import SavedMesh
 from ..mesh.status import PeerView, mesh_json, peers_json
@@ -36,6 +38,7 @@ from ..progress import PlainProgress, ProgressCallback, ignore_progress
 from ..serve.proxy import OPEN_ACCESS, ApiAccess
 from ..serve.supervisor import ServingSupervisor, estimate_off_loop, plan_over_mesh
 from ..serve.tiers import StepUpRules
+from ..wire.gossip import LlamaBuild
 from ..wire.ticket import Ticket
 from ..llama import weight_cache
 from ..llama.model import model_by_sha256
@@ -106,6 +109,7 @@ class Node:
         self._started_at = time.time()
         self.rpc_server: ChildProcess | None = None
         self.rpc_port: int | None = None
+        self.build: LlamaBuild | None = None  # asked of our rpc-server before anyone else connects
         self.mesh: Mesh | None = None
         self.serving: ServingSupervisor | None = None
         self.metrics = Metrics(self.peer_views)
@@ -180,8 +184,12 @@ class Node:
                 continue
             self.rpc_port = port
             self._devices = parse_device_listing(self.rpc_server.log_path.read_text(errors="replace"))
-            self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only); offering "
+            self.build = await local_build(self.options.binaries, port)
+            self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only; {self.build}); offering "
                       f"{format_gib(self.capacity().usable_bytes)} GiB")
+            if self.build.rpc is None:
+                self._say(f"{self.options.binaries.rpc_server} answered no RPC HELLO this release reads, so a "
+                          f"serving node will leave this node out ({LLAMA_BUILD_MISMATCH}). {SAME_BUILD_REMEDY}")
             return
 
     def capacity(self) -> Capacity:
@@ -190,9 +198,9 @@ class Node:
         return measure(self._devices, self.rpc_server.pid, self.options.max_memory_bytes)
 
     async def _start_mesh(self) -> None:
-        assert self.rpc_port is not None
+        assert self.rpc_port is not None and self.build is not None
         self.mesh = Mesh(self.identity, self.options.name, self.options.home, self.rpc_port, self.capacity,
-                         self._say, saved=SavedMesh.load(self.options.home, self.options.join),
+                         self._say, saved=SavedMesh.load(self.options.home, self.options.join), build=self.build,
                          serving=self.options.serve_port is not None, model_sha256=self.options.model_sha256,
                          model_file=self.options.model if self.options.model_sha256 else None,
                          lan=self.options.mdns)
@@ -306,6 +314,7 @@ class Node:
                 "short_id": self.identity.short_id,
                 "name": self.options.name,
                 "version": __version__,
+                "llama_build": None if self.build is None else str(self.build),
                 "home": str(self.options.home.root),
                 "uptime_s": round(time.time() - self._started_at, 1),
                 "capacity": self.capacity().__dict__ if self.rpc_server else None,

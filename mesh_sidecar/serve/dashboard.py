@@ -167,7 +167,7 @@ def state_from(snapshot: dict[str, Any], peer_views: Sequence[PeerView]) -> dict
             "segments": [asdict(Segment(n["id"], n["name"], *n["layers"], bool(n["output_bytes"])))
                          for n in plan["nodes"]],
             "left_out": [n["name"] for n in plan["left_out"]],
-            "refused": [{"name": n["name"], "reason": n["reason"]} for n in plan["refused"]],
+            "refused": [{"name": n["name"], "reason": n["reason"], "detail": n["detail"]} for n in plan["refused"]],
         },
         "refusal": serving.get("refusal"),
         "live": serving.get("live"),

@@ -52,6 +52,7 @@ from ..units import format_gib
 if TYPE_CHECKING:
     # Only its interface is used here, so planning needs no GGUF reading.
     from ..llama.estimate import ModelEstimate
+    from ..mesh.refusal import Refusal
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,8 @@ class Plan:
     nodes: tuple[PlannedNode, ...]
     left_out: tuple[NodeCapacity, ...]  # in member order
     n_layers: int
-    # Members not offered to the planner at all, with the reason (e.g. "weights_mismatch").
-    refused: tuple[tuple[NodeCapacity, str], ...] = ()
+    # Members not offered to the planner at all, and why (mesh/refusal.py).
+    refused: tuple[tuple[NodeCapacity, Refusal], ...] = ()
     model: str = ""  # the planned model's file name; "" when planned without a name
     tiers: tuple[TierFit, ...] = ()  # every tier considered, largest first
 
@@ -144,8 +145,8 @@ class Plan:
             ],
             "refused": [
                 {"id": member.node_id.hex(), "name": member.name, "free_bytes": member.usable_bytes,
-                 "reason": reason}
-                for member, reason in self.refused
+                 "reason": refusal.reason, "detail": refusal.detail}
+                for member, refusal in self.refused
             ],
             "n_layers": self.n_layers,
             "tensor_split": list(self.tensor_split()),

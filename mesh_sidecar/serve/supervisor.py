@@ -44,7 +44,8 @@ from ..llama.estimate import ModelEstimate, estimate_model
 from ..identity import NodeIdentity, short_id
 from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
 from ..llama.build import LlamaBinaries
-from ..mesh.runtime import WEIGHTS_MISMATCH, Mesh, holds_other_weights
+from ..mesh.refusal import Refusal, refusal
+from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
 from .metrics import Metrics
 from .planner import NodeCapacity, Plan, TierAssessment, assess_tiers, choose_tier, tier_needs_bytes
@@ -91,7 +92,7 @@ class PlanAnnouncement:
 
 
 def planning_members(mesh: Mesh, identity: NodeIdentity, name: str,
-                     own: Capacity) -> tuple[list[NodeCapacity], tuple[tuple[NodeCapacity, str], ...]]:
+                     own: Capacity) -> tuple[list[NodeCapacity], tuple[tuple[NodeCapacity, Refusal], ...]]:
     """The members to plan over, and those refused with the reason.
 
     Peers come first (by id) and this node last: llama.cpp puts the output
@@ -103,8 +104,9 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str,
         # Less what the member's rpc-server holds for other serving nodes (they run their own models).
         member = NodeCapacity(info.node_id, info.name,
                               Capacity.from_gossip(dict(info.capacity)).usable_for(identity.node_id))
-        if holds_other_weights(mesh.model_sha256, info):
-            refused.append((member, WEIGHTS_MISMATCH))
+        # As if this node served, so `plan` on any node shows what serving there would leave out.
+        if (why := refusal(info, mesh.self_info)) is not None:
+            refused.append((member, why))
         else:
             members.append(member)
     # The tier planning takes each tier's input embeddings off this node's share.

@@ -37,8 +37,10 @@ from ..errors import FrameTooLargeError, MalformedMessageError, ProtocolVersionE
 from ..identity import NODE_ID_BYTES, short_id
 from .auth import MESH_SECRET_BYTES
 from .frames import MAX_CONTROL_MESSAGE_BYTES
+from .rpc_hello import RpcVersion
 
-# 4: Observed;
+# 4: MemberInfo.llama_build; Observed. Version 3 is not decoded: a version-3 node closes the
+# connection on our first version-4 frame, so reading its frames would keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
 GOSSIP_WIRE_VERSION = 4
@@ -46,13 +48,14 @@ MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
 MAX_VERSION_CHARS = 32
+MAX_BUILD_LABEL_CHARS = 64
 MAX_ADDRESSES = 8
 MAX_ADDRESS_CHARS = 259  # a 253-char DNS name, ":" and a 5-digit port
 MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
 # The largest mesh gossip can describe: 256 members at every field's limit take about
-# 820 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
+# 850 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
 MAX_MEMBERS_PER_LIST = 256
 MAX_RPC_ORDER_ENTRIES = 256
 MAX_REASON_CHARS = 256
@@ -64,6 +67,7 @@ _NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
 _ADDRESS_RE = re.compile(r"(?:\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _CAPACITY_KEY_RE = re.compile(f"[a-z][a-z0-9_]{{0,{MAX_CAPACITY_KEY_CHARS - 1}}}")
 _VERSION_RE = re.compile(f"[!-~]{{1,{MAX_VERSION_CHARS}}}")  # printable ASCII, no spaces
+_BUILD_LABEL_RE = re.compile(f"[ -~]{{1,{MAX_BUILD_LABEL_CHARS}}}")  # printable ASCII
 _SHA256_RE = re.compile("(?:[0-9a-f]{64})?")  # empty: the node holds no model file
 _SECRET_RE = re.compile(f"[0-9a-f]{{{2 * MESH_SECRET_BYTES}}}")
 _MAX_PORT = 65535
@@ -143,6 +147,15 @@ def _node_ids(value: Any, what: str, max_items: int) -> tuple[bytes, ...]:
     return ids
 
 
+def _rpc_version(value: Any, what: str) -> RpcVersion | None:
+    if value is None:
+        return None
+    try:
+        return RpcVersion.parse(value if isinstance(value, str) else "")
+    except ValueError:
+        raise _bad(what, "major.minor.patch (each 0 to 255) or null") from None
+
+
 def _address(value: Any, what: str) -> str:
     match = (
         _ADDRESS_RE.fullmatch(value)
@@ -155,6 +168,36 @@ def _address(value: Any, what: str) -> str:
 
 
 # --- messages ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaBuild:
+    """The llama.cpp a node runs, as far as RPC goes. Travels inside MemberInfo.
+
+    ``rpc`` is what the node's own rpc-server answered HELLO with; a serving node's
+    llama-server speaks the same version (one build directory, one ggml-rpc.h).
+    """
+
+    rpc: RpcVersion | None  # None: the rpc-server answered no HELLO this release reads
+    b2b: bool  # the HELLO reply carried our b2b patch's flag
+    llama_cpp: str  # which llama.cpp, for people: the pin and variant, or a build's own version line
+
+    def __str__(self) -> str:
+        return f"RPC {self.rpc or 'unknown'}{' b2b' if self.b2b else ''}, {self.llama_cpp}"
+
+    def to_body(self) -> dict[str, Any]:
+        return {"rpc_version": None if self.rpc is None else str(self.rpc), "b2b": self.b2b,
+                "llama_cpp": self.llama_cpp}
+
+    @classmethod
+    def from_body(cls, body: Any, what: str = "llama_build") -> LlamaBuild:
+        fields = _object(body, what, ("rpc_version", "b2b", "llama_cpp"))
+        return cls(
+            rpc=_rpc_version(fields["rpc_version"], f"{what}.rpc_version"),
+            b2b=_bool(fields["b2b"], f"{what}.b2b"),
+            llama_cpp=_matching(fields["llama_cpp"], f"{what}.llama_cpp", _BUILD_LABEL_RE,
+                                f"1 to {MAX_BUILD_LABEL_CHARS} printable ASCII characters"),
+        )
 
 
 @dataclass(frozen=True)
@@ -174,6 +217,7 @@ class MemberInfo:
     capacity: tuple[tuple[str, int], ...]
     serving: bool
     rpc_ready: bool
+    llama_build: LlamaBuild
     # sha256 (hex) of the GGUF this node serves or holds; "" when it holds none.
     model_sha256: str = ""
     # How many times the mesh secret this node holds has been rotated (see Rekey).
@@ -194,6 +238,7 @@ class MemberInfo:
             "capacity": dict(self.capacity),
             "serving": self.serving,
             "rpc_ready": self.rpc_ready,
+            "llama_build": self.llama_build.to_body(),
             "model_sha256": self.model_sha256,
             "secret_epoch": self.secret_epoch,
         }
@@ -204,7 +249,7 @@ class MemberInfo:
             body,
             what,
             ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready",
-             "model_sha256", "secret_epoch"),
+             "llama_build", "model_sha256", "secret_epoch"),
         )
         capacity = fields["capacity"]
         if not isinstance(capacity, dict) or len(capacity) > MAX_CAPACITY_ENTRIES:
@@ -238,6 +283,7 @@ class MemberInfo:
             ),
             serving=_bool(fields["serving"], f"{what}.serving"),
             rpc_ready=_bool(fields["rpc_ready"], f"{what}.rpc_ready"),
+            llama_build=LlamaBuild.from_body(fields["llama_build"], f"{what}.llama_build"),
             model_sha256=_matching(fields["model_sha256"], f"{what}.model_sha256", _SHA256_RE,
                                    "64 lowercase hex digits or nothing"),
             secret_epoch=_int(fields["secret_epoch"], f"{what}.secret_epoch", MAX_EPOCH),

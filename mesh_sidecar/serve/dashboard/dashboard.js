@@ -149,7 +149,7 @@ function drawLayerMap(state) {
   map.replaceChildren(bar, axis);
   const notes = [];
   if (plan.left_out.length) notes.push(`Left out (too small): ${plan.left_out.join(", ")}.`);
-  for (const r of plan.refused) notes.push(`Refused: ${r.name} (${r.reason}).`);
+  for (const r of plan.refused) notes.push(`Refused: ${r.name} (${r.reason}: ${r.detail}).`);
   $("plan-notes").textContent = notes.join(" ");
 }
 

@@ -1,0 +1,74 @@
+"""Why a serving node leaves a member out of its plan: other weights, or an RPC build it cannot talk to.
+
+Pure: both sides decide from the MemberInfo gossip carries, so the serving node
+(plan, status) and the member left out (its own output and status) name the
+same reason with the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..wire.gossip import LlamaBuild, MemberInfo
+from ..wire.rpc_hello import accepts
+
+# Why a serving node leaves a member out: it holds a different model file...
+WEIGHTS_MISMATCH = "weights_mismatch"
+# ...or its rpc-server speaks an RPC version the serving node's llama-server refuses (and would abort on).
+LLAMA_BUILD_MISMATCH = "llama_build_mismatch"
+SHA256_SHOWN_CHARS = 12
+SAME_BUILD_REMEDY = ("Run one llama.cpp build on every machine: ./scripts/bootstrap.sh (the pinned build; leave "
+                     "--llama-bin unset), or --llama-bin pointing at builds of the same llama.cpp commit.")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A member the serving node gives no layers, and why."""
+
+    reason: str
+    """WEIGHTS_MISMATCH or LLAMA_BUILD_MISMATCH: what scripts and tests match on."""
+    detail: str
+    """What differs, naming both sides."""
+    remedy: str
+    """What the person at the member can do about it."""
+
+    def message(self, member: str) -> str:
+        """The line the member left out says to its user."""
+        return f"{self.reason}: {self.detail}, so no layers will be placed on {member}. {self.remedy}"
+
+
+def holds_other_weights(own_sha256: str, info: MemberInfo) -> bool:
+    """True when both sides name a model file and the files differ."""
+    return bool(own_sha256 and info.model_sha256 and own_sha256 != info.model_sha256)
+
+
+def build_mismatch(client: LlamaBuild, server: LlamaBuild) -> bool:
+    """Whether a llama-server of build ``client`` refuses an rpc-server of build ``server``.
+
+    A client whose own version is unknown judges nobody: there is nothing to compare with.
+    """
+    if client.rpc is None:
+        return False
+    return server.rpc is None or not accepts(client.rpc, server.rpc)
+
+
+def refusal(member: MemberInfo, serving: MemberInfo) -> Refusal | None:
+    """Why ``serving`` (as the serving node) leaves ``member`` out of its plan, or None."""
+    if holds_other_weights(serving.model_sha256, member):
+        return Refusal(
+            WEIGHTS_MISMATCH,
+            f"{member.name}'s model (sha256 {member.model_sha256[:SHA256_SHOWN_CHARS]}...) is not the one "
+            f"{serving.name} serves (sha256 {serving.model_sha256[:SHA256_SHOWN_CHARS]}...)",
+            f"Start {member.name} without --model, or with the same GGUF file.")
+    client, server = serving.llama_build, member.llama_build
+    if build_mismatch(client, server):
+        own = client.rpc
+        assert own is not None
+        spoken = f"speaks RPC {server.rpc}" if server.rpc is not None else "answers no RPC HELLO this release reads"
+        taken = f"{own.major}.0.x" if own.minor == 0 else f"{own.major}.0 to {own.major}.{own.minor}"
+        return Refusal(
+            LLAMA_BUILD_MISMATCH,
+            f"{member.name}'s rpc-server {spoken} ({server.llama_cpp}), but {serving.name}'s llama-server "
+            f"speaks RPC {own} ({client.llama_cpp}) and accepts only RPC {taken}",
+            SAME_BUILD_REMEDY)
+    return None
