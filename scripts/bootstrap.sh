@@ -49,6 +49,11 @@ missing_packages() {
   command -v ip >/dev/null 2>&1 || echo iproute2
   command -v curl >/dev/null 2>&1 || echo curl
   command -v git >/dev/null 2>&1 || echo git
+  if [ "$(id -u)" = 0 ]; then
+    # The NAT lab of the tests (root only: network namespaces): home routers and their mappings.
+    command -v nft >/dev/null 2>&1 || echo nftables
+    command -v conntrack >/dev/null 2>&1 || echo conntrack
+  fi
   if ! "$PY" -c "import ensurepip, venv" >/dev/null 2>&1; then
     # Debian and Ubuntu split ensurepip out of the interpreter's package: python3.X-venv
     # (python3-venv is the same for the distribution's default python3).

@@ -304,8 +304,10 @@ class Membership:
             record.last_change = now
             self._events.append(MemberUpdated(info))
             return True
-        elif not direct and record.state is MemberState.LOST:
-            # `via` holds a live connection to it, so its copy is worth a redial.
+        elif not direct and (record.state is MemberState.LOST or (
+                record.state is MemberState.KNOWN and info.addresses != record.info.addresses)):
+            # `via` holds a live connection to it, so its copy is worth a redial; so are new addresses
+            # while a dial is out (a public one it just learned: the dial in flight may not reach it).
             record.info = info
             record.learned_via = via
             self._set_state(record, MemberState.KNOWN, now)

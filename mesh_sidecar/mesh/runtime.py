@@ -400,7 +400,10 @@ class Mesh:
         return tuple(sorted(held[:MAX_HELD_ENTRIES]))
 
     async def _dial(self, node_id: bytes, addresses: list[PeerAddress] | tuple[PeerAddress, ...]) -> None:
-        await self._transport.connect([(a.host, a.port) for a in addresses], node_id)
+        # A member's loopback (or LAN) address with our own port is this node: machines in different
+        # homes all listen on the default port.
+        own = set(reachable_addresses(self.port)) if self.port is not None else set()
+        await self._transport.connect([(a.host, a.port) for a in addresses if a not in own], node_id)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
