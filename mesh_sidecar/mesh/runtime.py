@@ -63,8 +63,10 @@ LISTEN_HOST = "0.0.0.0"
 HEARTBEAT_INTERVAL_S = 1.0
 CAPACITY_REFRESH_S = 5.0
 # When two members learn of each other at once, the lower id dials; the higher
-# one dials only if no connection came in this long (a lost or blocked dial).
-HIGHER_ID_DIAL_DELAY_S = 3.0
+# one dials only if no connection came in this long (a lost or blocked dial). Behind
+# NATs the lower's packets are dropped by the higher's router but open its own; the
+# higher's dial then passes through that opening (the punch), so this is kept short.
+HIGHER_ID_DIAL_DELAY_S = 1.0
 # A graceful leave: the leaver waits this long for its peers to close, and a peer
 # closes once nothing runs through its tunnel to the leaver (the serving node first
 # drains its requests and moves its layers off). Longer than serving's drain.
@@ -422,6 +424,8 @@ class Mesh:
             try:
                 await self._dial(node_id, addresses)
             except MeshError as exc:
+                if node_id in self._peers:
+                    return  # it reached us meanwhile (its dial, or one of ours with newer addresses)
                 log.warning("could not reach %s: %s", short_id(node_id), exc)
                 assert self._membership is not None
                 self._membership.peer_disconnected(node_id, time.monotonic(), str(exc))
