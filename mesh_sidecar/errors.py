@@ -30,7 +30,8 @@ turn it into a message or a close with a reason.
     │   ├── AddressUnresolvedError    a peer's host name does not resolve
     │   ├── DialTimeoutError          no answer from an address in time
     │   ├── ConnectionClosedError     used after it closed, or closed before admission
-    │   └── TransportStoppedError     the node's QUIC endpoint is not running
+    │   ├── TransportStoppedError     the node's QUIC endpoint is not running
+    │   └── RelayRefusedError         a member would not relay towards a peer (and said why)
     ├── ServingError            a request could not be served as asked
     │   ├── ServiceUnavailableError   no llama-server to take it (the API answers 503)
     │   └── ReplayMismatchError       a failover's replay gave other text than was sent
@@ -142,6 +143,10 @@ class ConnectionClosedError(PeerConnectionError):
 
 class TransportStoppedError(PeerConnectionError):
     """The node's QUIC endpoint is not running (not started yet, or stopped)."""
+
+
+class RelayRefusedError(PeerConnectionError):
+    """A member would not relay towards a peer (not a member it reaches, or itself), and said why."""
 
 
 class ServingError(MeshError):

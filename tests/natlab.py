@@ -51,8 +51,11 @@ class Home:
 class NatLab:
     """Public hosts and homes on one internet bridge; ``close()`` removes exactly what was made."""
 
+    made = 0  # labs made by this process: each gets its own names
+
     def __init__(self) -> None:
-        self.tag = f"mn{os.getpid() % 100000}"
+        NatLab.made += 1
+        self.tag = f"mn{os.getpid() % 100000}{NatLab.made % 10}"
         self.bridge = f"{self.tag}net"
         self.run_octet = os.getpid() % 250 + 1
         self.namespaces: list[str] = []

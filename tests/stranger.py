@@ -4,6 +4,7 @@
     python -m tests.stranger wrong-secret HOST PORT NODE_ID_HEX
     python -m tests.stranger impostor HOST PORT NODE_ID_HEX CLAIMED_ID_HEX SECRET_HEX
     python -m tests.stranger flood HOST PORT COUNT
+    python -m tests.stranger relay HOST PORT TARGET_ID_HEX
 
 Each mode prints one line saying how it was turned away (or "ADMITTED", which
 a test treats as a failure); exit status 0 unless the tool itself broke.
@@ -22,13 +23,15 @@ from dataclasses import dataclass
 
 from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, QuicEvent
+from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived
 
 from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import MeshError
 from mesh_sidecar.identity import NodeIdentity, generate_identity
 from mesh_sidecar.net.quic import ALPN
 from mesh_sidecar.net.transport import MeshTransport
+from mesh_sidecar.net.tunnel import StreamKind
+from mesh_sidecar.wire.relay import encode_packet
 
 SILENT_WAIT_S = auth.AUTH_TIMEOUT_S + 5
 
@@ -46,10 +49,13 @@ class Impostor(NodeIdentity):
 
 class _Watcher(QuicConnectionProtocol):
     closed_with: str | None = None
+    answered: bytes = b""  # what came back on our streams
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ConnectionTerminated):
             self.closed_with = f"code {event.error_code}: {event.reason_phrase}"
+        elif isinstance(event, StreamDataReceived) and event.stream_id != 0:
+            self.answered += event.data
 
 
 async def silent(host: str, port: int) -> str:
@@ -62,6 +68,26 @@ async def silent(host: str, port: int) -> str:
         except TimeoutError:
             return "ADMITTED (never closed)"
         return f"closed by the node, {client.closed_with}"
+
+
+async def relay(host: str, port: int, target_id: bytes) -> str:
+    """Ask the node to relay our packets to a member, without ever being admitted."""
+    configuration = QuicConfiguration(alpn_protocols=[ALPN], is_client=True, verify_mode=ssl.CERT_NONE)
+    async with connect(host, port, configuration=configuration, create_protocol=_Watcher,
+                       wait_connected=True) as client:
+        # Stream 0 is the control stream (opened, silent); the next is a RELAY_REQUEST with a packet after it.
+        client._quic.send_stream_data(client._quic.get_next_available_stream_id(), b"")
+        stream_id = client._quic.get_next_available_stream_id()
+        client._quic.send_stream_data(stream_id, bytes((StreamKind.RELAY_REQUEST,)) + target_id
+                                      + encode_packet(os.urandom(1200)))
+        client.transmit()
+        try:
+            await asyncio.wait_for(client.wait_closed(), SILENT_WAIT_S)
+        except TimeoutError:
+            return "RELAYED? the node kept the connection open"
+        if client.answered:
+            return f"RELAYED: the node answered {client.answered[:16].hex()}"
+        return f"no relay, closed by the node, {client.closed_with}"
 
 
 async def dial(identity: NodeIdentity, secret: bytes, host: str, port: int, node_id: bytes) -> str:
@@ -111,6 +137,8 @@ def main(argv: list[str]) -> None:
                                       bytes.fromhex(args[2])))
         case "flood":
             result = flood(args[0], int(args[1]), int(args[2]))
+        case "relay":
+            result = asyncio.run(relay(args[0], int(args[1]), bytes.fromhex(args[2])))
         case _:
             raise SystemExit(f"unknown mode {mode}")
     print(result, flush=True)

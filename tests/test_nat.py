@@ -7,14 +7,17 @@ maps every destination to a new port leaves them ``relayed`` through the public 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+import subprocess
+import sys
 
 import pytest
 
 from tests.conftest import NodeProcess
 from tests.natlab import Home, NatLab, can_make_nat_lab
-from tests.netns import API_PORT, Host, ns_complete, start_in, ticket_of
+from tests.netns import API_PORT, QUIC_PORT, Host, ns_complete, start_in, ticket_of
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -46,39 +49,69 @@ def event_time(node: NodeProcess, starting: str) -> float:
     return next(e["time"] for e in node.status()["events"] if e["message"].startswith(starting))
 
 
-def nat_mesh(tmp_path_factory, *, random_ports: bool) -> Iterator[NatMesh]:
-    root = tmp_path_factory.mktemp("nat")
+def start_nat_mesh(root: Path, *, random_ports: bool) -> NatMesh:
+    """A public member and two homes; the second home's router maps per destination with ``random_ports``."""
     lab = NatLab()
     nodes: dict[str, NodeProcess] = {}
+    mesh = NatMesh(lab, lab.add_public("p"), [], nodes, 0.0)
     try:
-        public = lab.add_public("p")
-        homes = [lab.add_home("r1", "h1"), lab.add_home("r2", "h2", random_ports=random_ports)]
-        nodes["p"] = start_in(public, root / "p", "--no-mdns")
+        mesh.homes = [lab.add_home("r1", "h1"), lab.add_home("r2", "h2", random_ports=random_ports)]
+        nodes["p"] = start_in(mesh.public, root / "p", "--no-mdns")
         ticket = ticket_of(nodes["p"])
-        nodes["h1"] = start_in(homes[0].host, root / "h1", "--no-mdns", "--join", ticket)
-        nodes["h2"] = start_in(homes[1].host, root / "h2", "--no-mdns", "--join", ticket,
+        nodes["h1"] = start_in(mesh.homes[0].host, root / "h1", "--no-mdns", "--join", ticket)
+        nodes["h2"] = start_in(mesh.homes[1].host, root / "h2", "--no-mdns", "--join", ticket,
                                "--serve", str(API_PORT), "--min-peers", "2")
+        wait_until(lambda: all((root / n / "control.json").exists() for n in ("h1", "h2")), MESH_TIMEOUT_S,
+                   "both home nodes up")
         wait_until(lambda: peer(nodes["h1"], "h2").get("path") and peer(nodes["h2"], "h1").get("path"),
                    MESH_TIMEOUT_S, "h1 and h2 see each other")
         # From the nodes' own clocks: both joined the public member -> both connected to each other.
         joined = max(event_time(nodes[n], "Connected to peer p ") for n in ("h1", "h2"))
         met = max(event_time(nodes["h1"], "Connected to peer h2 "), event_time(nodes["h2"], "Connected to peer h1 "))
-        joined_to_path_s = met - joined
+        mesh.joined_to_path_s = met - joined
         wait_until(lambda: "API ready" in nodes["h2"].text() or nodes["h2"].proc.poll() is not None,
                    LOAD_TIMEOUT_S, "h2 loads the model over the three")
         assert nodes["h2"].proc.poll() is None, nodes["h2"].text()
         for node in nodes.values():
             node.extra_pids = node.child_pids()
-        yield NatMesh(lab, public, homes, nodes, joined_to_path_s)
-    finally:
-        for node in nodes.values():
-            node.stop_with_children()
-        lab.close()
+    except BaseException:
+        stop_nat_mesh(mesh)
+        raise
+    return mesh
+
+
+def stop_nat_mesh(mesh: NatMesh) -> None:
+    for node in mesh.nodes.values():
+        node.stop_with_children()
+    mesh.lab.close()
 
 
 @pytest.fixture(scope="module")
-def punched(tmp_path_factory):
-    yield from nat_mesh(tmp_path_factory, random_ports=False)
+def nat_meshes(tmp_path_factory):
+    """``nat_meshes(random_ports)``: the lab mesh of that kind; one at a time (two cores), made on first use."""
+    running: dict[bool, NatMesh] = {}
+
+    def get(random_ports: bool) -> NatMesh:
+        if random_ports not in running:
+            for other in running.values():
+                stop_nat_mesh(other)
+            running.clear()
+            running[random_ports] = start_nat_mesh(tmp_path_factory.mktemp("nat"), random_ports=random_ports)
+        return running[random_ports]
+
+    yield get
+    for mesh in running.values():
+        stop_nat_mesh(mesh)
+
+
+@pytest.fixture
+def punched(nat_meshes) -> NatMesh:
+    return nat_meshes(False)
+
+
+@pytest.fixture
+def relayed(nat_meshes) -> NatMesh:
+    return nat_meshes(True)
 
 
 def test_homes_behind_masquerade_go_direct_and_split_the_model(punched, reference_text):
@@ -95,3 +128,32 @@ def test_homes_behind_masquerade_go_direct_and_split_the_model(punched, referenc
     plan = h2.status()["serving"]["plan"]
     assert {n["name"] for n in plan["nodes"]} == {"p", "h1", "h2"}
     assert ns_complete(punched.homes[1].host) == reference_text
+
+
+def test_a_stranger_on_the_internet_cannot_use_a_member_as_a_relay(punched, tmp_path):
+    p = punched.nodes["p"]
+    stranger = punched.lab.add_public("s")
+    before = p.status()["mesh"]
+    h1_id = peer(p, "h1")["id"]
+    result = subprocess.run(stranger.exec_argv(sys.executable, "-m", "tests.stranger", "relay", punched.public.ip,
+                                               str(QUIC_PORT), h1_id), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("no relay, closed by the node"), result.stdout
+    after = p.status()["mesh"]
+    # Refused at admission and its relay request never served, both counted; nothing reached h1.
+    assert after["refused_connections"] == before["refused_connections"] + 1
+    assert after["unadmitted_streams"] == before["unadmitted_streams"] + 1
+    assert after["relay"] == before["relay"]
+
+
+def test_a_router_with_a_port_per_destination_leaves_the_homes_relayed(relayed, reference_text):
+    h1, h2, p = relayed.nodes["h1"], relayed.nodes["h2"], relayed.nodes["p"]
+    print(f"\nboth home nodes up -> relayed on both sides: {relayed.joined_to_path_s:.1f} s")
+    assert relayed.joined_to_path_s <= PATH_DEADLINE_S
+    for node, other in ((h1, "h2"), (h2, "h1")):
+        row = peer(node, other)
+        assert row["path"] == "relayed" and row["via"] == "p", row
+        assert row["addr"].startswith(relayed.public.ip + ":"), row
+    assert ns_complete(relayed.homes[1].host) == reference_text
+    relay = p.status()["mesh"]["relay"]
+    assert relay["circuits_served"] >= 1 and relay["relayed_bytes"] > 100_000, relay

@@ -42,6 +42,8 @@ from ..net.discovery import LanRecord, mesh_id
 from ..net.model_transfer import fetch_model_over, serve_model_file
 from ..net.connection import PeerConnection
 from ..net.endpoint import format_address
+from ..net.relay import RelayCounters, serve_relay_request
+from ..net.streams import MeshStreamReader, MeshStreamWriter
 from ..net.transport import MeshTransport
 from ..net.tunnel import StreamKind, TunnelCounters, TunnelListener, serve_inbound_stream, serve_peer_stream
 from ..ports import LOOPBACK
@@ -54,7 +56,7 @@ from .lan import LanDialer
 from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
 from .refusal import Refusal, refusal
 from .saved import SavedMesh
-from .status import PATH_DIRECT, MeshView, PeerView
+from .status import PATH_DIRECT, PATH_RELAYED, MeshView, PeerView, PunchCounters
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,9 @@ CAPACITY_REFRESH_S = 5.0
 # NATs the lower's packets are dropped by the higher's router but open its own; the
 # higher's dial then passes through that opening (the punch), so this is kept short.
 HIGHER_ID_DIAL_DELAY_S = 1.0
+# A relayed peer is dialed directly again after this, doubling up to the maximum (a punch may work later).
+PUNCH_RETRY_FIRST_S = 5.0
+PUNCH_RETRY_MAX_S = 60.0
 # A graceful leave: the leaver waits this long for its peers to close, and a peer
 # closes once nothing runs through its tunnel to the leaver (the serving node first
 # drains its requests and moves its layers off). Longer than serving's drain.
@@ -159,6 +164,8 @@ class Mesh:
         self._leaving = False
         self._refusals_said: set[tuple[bytes, Refusal]] = set()
         self.port: int | None = None
+        self.relay_counters = RelayCounters()
+        self.punch_counters = PunchCounters()
         # What address each peer says it sees us at (gossip Observed): behind a NAT, our public mapping.
         self._seen_at: dict[bytes, PeerAddress] = {}
         self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
@@ -209,6 +216,7 @@ class Mesh:
             if self._lan is not None:
                 tg.create_task(self._lan.run())
             tg.create_task(self._heartbeats())
+            tg.create_task(self._punch_again())
 
     async def _heartbeats(self) -> None:
         assert self._membership is not None
@@ -298,7 +306,9 @@ class Mesh:
     def mesh_view(self) -> MeshView:
         """This node's side of the mesh, for `mesh-inference status` (status.py)."""
         return MeshView(self.port, self._saved.epoch, tuple(sorted(self._saved.removed)),
-                        self._transport.ignored_datagrams, self.model_sha256, mesh_id(self._saved.secret),
+                        self._transport.ignored_datagrams, self._transport.refused_connections,
+                        self._transport.unadmitted_streams, self.model_sha256, mesh_id(self._saved.secret),
+                        self.relay_counters, self.punch_counters,
                         None if self._lan is None else tuple(self._lan.records()))
 
     def peer_views(self) -> tuple[PeerView, ...]:
@@ -306,6 +316,16 @@ class Mesh:
         assert self._membership is not None
         return tuple(self._peer_view(member.info, member.state, member.learned_via)
                      for member in self._membership.members())
+
+    def _address_in_use(self, peer: _Peer) -> str:
+        """Where our packets to ``peer`` go: its address, or for a relayed path the relay's."""
+        relay = self._peers.get(self._transport.relay_of(peer.connection) or b"")
+        connection = relay.connection if relay is not None else peer.connection
+        return str(PeerAddress(*connection.remote_address))
+
+    def _relay_name(self, peer: _Peer | None) -> str | None:
+        relay_id = self._transport.relay_of(peer.connection) if peer is not None else None
+        return self.name_of(relay_id) if relay_id is not None else None
 
     def _peer_view(self, info: MemberInfo, state: MemberState, learned_via: bytes | None) -> PeerView:
         assert self._membership is not None
@@ -315,9 +335,9 @@ class Mesh:
         counters = peer.tunnel.counters if peer is not None else None
         return PeerView(
             node_id=info.node_id, name=info.name, state=state,
-            address=(str(PeerAddress(*peer.connection.remote_address)) if peer is not None
-                     else (info.addresses or [None])[0]),
-            path=PATH_DIRECT if peer is not None else None,
+            address=self._address_in_use(peer) if peer is not None else (info.addresses or [None])[0],
+            path=None if peer is None else PATH_RELAYED if peer.connection.relayed else PATH_DIRECT,
+            via=self._relay_name(peer),
             health=(health.state if health is not None
                     else HealthState.LOST if state is MemberState.LOST else None),
             rtt_last_s=health.rtt_last_s if health else None,
@@ -350,8 +370,8 @@ class Mesh:
         """Tell each peer the address its datagrams come from, once and again after it changes (a NAT
         rebinding, a migration)."""
         for peer in self._peers.values():
-            if peer.connection.closed:
-                continue
+            if peer.connection.closed or peer.connection.relayed:
+                continue  # a relayed path's address is a stand-in (net/relay.py), not where it sees us
             address = format_address(peer.connection.remote_address)
             if address != peer.told_address:
                 peer.told_address = address
@@ -421,17 +441,67 @@ class Mesh:
                 await asyncio.sleep(HIGHER_ID_DIAL_DELAY_S)
                 if node_id in self._peers:
                     return
+            # Learned through a member, it may be behind a NAT: a dial to it is a punch.
+            self.punch_counters.attempts += 1
             try:
                 await self._dial(node_id, addresses)
+                self.punch_counters.successes += 1
+                return
             except MeshError as exc:
                 if node_id in self._peers:
                     return  # it reached us meanwhile (its dial, or one of ours with newer addresses)
+                if await self._dial_through(action.learned_via, node_id, exc):
+                    return
                 log.warning("could not reach %s: %s", short_id(node_id), exc)
                 assert self._membership is not None
                 self._membership.peer_disconnected(node_id, time.monotonic(), str(exc))
                 self._process()
 
         self._spawn(dial())
+
+    async def _dial_through(self, relay_id: bytes, node_id: bytes, direct_failure: MeshError) -> bool:
+        """After a failed direct dial: reach ``node_id`` relayed by ``relay_id``; whether that worked."""
+        relay = self._peers.get(relay_id)
+        if relay is None or relay.connection.closed or relay.connection.relayed or node_id in self._peers:
+            return node_id in self._peers
+        try:
+            await self._transport.connect_via(relay.connection, node_id)
+        except MeshError as exc:
+            if node_id in self._peers:
+                return True
+            log.info("could not reach %s through %s either: %s", short_id(node_id), self.name_of(relay_id), exc)
+            return False
+        log.info("reaching %s through %s (direct: %s)", short_id(node_id), self.name_of(relay_id), direct_failure)
+        return True
+
+    async def _punch_again(self) -> None:
+        """Relayed peers: dial their own addresses now and then (backing off), to move to a direct path."""
+        next_try: dict[bytes, tuple[float, float]] = {}  # node id -> (when, backoff)
+        while True:
+            now = time.monotonic()
+            relayed = {node_id: peer for node_id, peer in self._peers.items() if peer.connection.relayed}
+            for node_id in set(next_try) - set(relayed):
+                del next_try[node_id]
+            for node_id in relayed:
+                when, backoff = next_try.setdefault(node_id, (now + PUNCH_RETRY_FIRST_S, PUNCH_RETRY_FIRST_S))
+                if now >= when:
+                    backoff = min(PUNCH_RETRY_MAX_S, backoff * 2)
+                    next_try[node_id] = (now + backoff, backoff)
+                    self._spawn(self._punch(node_id))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _punch(self, node_id: bytes) -> None:
+        assert self._membership is not None
+        member = next((m for m in self._membership.members() if m.info.node_id == node_id), None)
+        if member is None:
+            return
+        self.punch_counters.attempts += 1
+        try:
+            await self._dial(node_id, _peer_addresses(member.info.addresses))
+        except MeshError as exc:
+            log.info("%s is still out of direct reach: %s", short_id(node_id), exc)
+            return
+        self.punch_counters.successes += 1
 
     def _process(self) -> None:
         """Carry out what membership asks for, and act on what happened."""
@@ -577,8 +647,12 @@ class Mesh:
             await tunnel.start()
             peer = _Peer(connection, tunnel)
             self._peers[node_id] = peer
-        elif connection.preferred:  # both ends move to this one; the tunnel port stays
-            log.info("peer %s dialed us as we dialed it: keeping the new connection", short_id(node_id))
+        elif (peer.connection.relayed and not connection.relayed) or (
+                connection.preferred and not (connection.relayed and not peer.connection.relayed)):
+            # Both ends move to this one (a direct path beats a relayed one, else the lower id's
+            # dial wins); the tunnel port stays.
+            log.info("peer %s: keeping the new %s connection", short_id(node_id),
+                     "relayed" if connection.relayed else "direct")
             self._retire(peer, peer.connection)
             peer.connection = connection
             peer.tunnel.use(connection)
@@ -620,8 +694,25 @@ class Mesh:
             # Only the file we announce, and only while we announce it.
             StreamKind.MODEL_FILE: lambda reader, writer: serve_model_file(
                 reader, writer, lambda sha256: self.model_file if sha256 == self.model_sha256 else None, name),
+            StreamKind.RELAY_REQUEST: lambda reader, writer: serve_relay_request(
+                reader, writer, connection.peer_id, self._open_relay_leg, self.relay_counters),
+            StreamKind.RELAY_DELIVERY: lambda reader, writer: self._transport.serve_circuit(
+                reader, writer, connection.peer_id),
         }
         connection.set_stream_handler(lambda reader, writer: serve_peer_stream(reader, writer, servers, name))
+
+    async def _open_relay_leg(self, source_id: bytes, target_id: bytes) -> tuple[MeshStreamReader, MeshStreamWriter] | str:
+        """For a member asking us to relay: a stream to ``target_id``, or why not (relay.py)."""
+        if target_id == source_id or target_id == self.identity.node_id:
+            return "a relay carries packets between two other members"
+        peer = self._peers.get(target_id)
+        if peer is None or peer.connection.closed:
+            return f"{short_id(target_id)} is not a member this node is connected to"
+        if peer.connection.relayed:
+            return f"this node reaches {short_id(target_id)} only through a relay itself"
+        reader, writer = await peer.connection.open_stream()
+        writer.write(bytes((StreamKind.RELAY_DELIVERY,)) + source_id)
+        return reader, writer
 
     def _retire(self, peer: _Peer, connection: PeerConnection) -> None:
         """No new streams on ``connection``; close it once its streams have ended."""

@@ -10,12 +10,14 @@ JSON names them so.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..identity import short_id
 from ..net.discovery import LanRecord, lan_record_json
+from ..net.relay import RelayCounters
 from ..net.tunnel import TunnelCounters
 from .health import HealthState
 from .membership import MemberState
@@ -28,6 +30,7 @@ def rtt_ms(seconds: float | None) -> float | None:
 
 
 PATH_DIRECT = "direct"
+PATH_RELAYED = "relayed"  # through a member both reach (net/relay.py)
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ class PeerView:
     name: str
     state: MemberState
     address: str | None  # the connection's remote address, else the first the member announced
-    path: str | None  # PATH_DIRECT while this node holds a connection to it, else None
+    path: str | None  # PATH_DIRECT or PATH_RELAYED while this node holds a connection to it, else None
+    via: str | None  # with PATH_RELAYED: the relaying member's name
     health: HealthState | None  # from heartbeats; LOST for a lost member without a connection
     rtt_last_s: float | None  # the last heartbeat's round trip
     rtt_p50_s: float | None
@@ -64,6 +68,14 @@ class PeerView:
         return self.rtt_p50_s if self.rtt_p50_s is not None else self.rtt_last_s
 
 
+@dataclass
+class PunchCounters:
+    """Direct dials to members learned through others (hole punching), and how many got through."""
+
+    attempts: int = 0
+    successes: int = 0
+
+
 @dataclass(frozen=True)
 class MeshView:
     """This node's side of the mesh."""
@@ -72,8 +84,12 @@ class MeshView:
     secret_epoch: int
     removed: tuple[bytes, ...]  # node keys this node refuses, sorted
     ignored_datagrams: int
+    refused_connections: int
+    unadmitted_streams: int
     model_sha256: str
     mesh_id: str
+    relay: RelayCounters  # as a relay for others
+    punch: PunchCounters
     lan: tuple[LanRecord, ...] | None  # records seen on the LAN; None without --lan
 
 
@@ -87,7 +103,7 @@ def peer_json(view: PeerView) -> dict[str, Any]:
         "address": view.address,
         # How our packets reach it: "direct" (our own QUIC connection) and where, or None when not connected.
         "path": view.path,
-        "via": None,
+        "via": view.via,
         "addr": view.address if view.path is not None else None,
         "health": None if view.health is None else view.health.value,
         "rtt_ms": rtt_ms(view.rtt_last_s),
@@ -128,7 +144,11 @@ def mesh_json(view: MeshView) -> dict[str, Any]:
     return {"quic_port": view.quic_port, "secret_epoch": view.secret_epoch,
             "removed": [short_id(n) for n in view.removed],
             "ignored_datagrams": view.ignored_datagrams,
+            "refused_connections": view.refused_connections,
+            "unadmitted_streams": view.unadmitted_streams,
             "model_sha256": view.model_sha256 or None,
             "mesh_id": view.mesh_id,
+            "relay": dataclasses.asdict(view.relay),
+            "punch": dataclasses.asdict(view.punch),
             "lan": None if view.lan is None else [
                 {**lan_record_json(r), "this_mesh": r.mesh_id == view.mesh_id} for r in view.lan]}

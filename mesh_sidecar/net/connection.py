@@ -57,6 +57,7 @@ from ..wire import auth
 from ..wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from . import path_mtu
 from .endpoint import Address, format_address
+from .relay import is_virtual
 from .quic import QuicConnection, events
 from .streams import MeshStreamReader, MeshStreamWriter, StreamCode
 
@@ -92,7 +93,7 @@ class PeerConnection:
         initiator: bool,
     ) -> None:
         self._transport = transport
-        self._endpoint = transport._endpoint
+        self._send_datagrams = transport.send_datagrams  # the UDP socket, or a relay circuit
         self._loop = transport._loop
         self._quic = quic
         self._handshake = handshake
@@ -127,6 +128,11 @@ class PeerConnection:
         address = self._quic.get_peer_address()
         assert address is not None
         return address[0], address[1]
+
+    @property
+    def relayed(self) -> bool:
+        """Whether this connection runs over a relay circuit (relay.py), not straight over UDP."""
+        return is_virtual(self._quic.get_peer_address())
 
     @property
     def rtt(self) -> float | None:
@@ -213,7 +219,7 @@ class PeerConnection:
         datagrams = self._quic.datagrams_to_send(now=self._loop.time())
         if self._size_probe_due:
             datagrams += self._size_probe()
-        self._endpoint.send(datagrams)
+        self._send_datagrams(datagrams)
         when = self._quic.get_timer()
         # Compared with the deadline we asked for: uvloop hands back a plain Handle for one already due.
         if self._timer is not None and when != self._timer_at:
@@ -305,7 +311,8 @@ class PeerConnection:
         self._quic.admit()
         self._settled.set()
         logger.info("admitted %s (%s)", self._name(), "outbound" if self.initiator else "inbound")
-        if self._quic.probes_datagram_size:
+        # A relayed path's datagrams ride inside a stream: no size to probe, and no route to read it from.
+        if self._quic.probes_datagram_size and not self.relayed:
             self._size_search = path_mtu.DatagramSizeSearch(self._size_candidates())
             self._size_probe_due = True
         self._spawn(self._keepalive())
@@ -318,6 +325,7 @@ class PeerConnection:
 
     def _refuse(self, error: MeshError) -> None:
         logger.warning("refused %s: %s", self._name(), error)
+        self._transport.refused_connections += not self.initiator
         self._failure = error
         self._quic.close(error_code=CloseCode.AUTH_REFUSED, reason_phrase=str(error))
         self._shutdown(str(error))
@@ -502,6 +510,9 @@ class PeerConnection:
             reader._fail(ConnectionResetError(f"connection to {self._name()} closed: {reason}"))
             writer._fail(ConnectionResetError(f"connection to {self._name()} closed: {reason}"))
         self._streams.clear()
+        if not self._admitted and not self.initiator:
+            # Never served: a stranger's tunnel or relay request goes nowhere, but is counted.
+            self._transport.unadmitted_streams += len(self._unclaimed)
         self._unclaimed.clear()
         self._blocked_writers.clear()
         self._control_ready.set()
@@ -522,6 +533,7 @@ class PeerConnection:
             if self._transport._routes.get(connection_id) is self:
                 del self._transport._routes[connection_id]
         self._transport._connections.discard(self)
+        self._transport._connection_finished(self)
         self._terminated.set()
 
     def _discard(self, reason: str) -> None:

@@ -125,6 +125,10 @@ class MeshStreamWriter:
         self.peak_buffered = max(self.peak_buffered, quic.unsent_bytes(self.stream_id))
         self._connection._transmit_soon()
 
+    def unsent_bytes(self) -> int:
+        """Written and not yet sent: what a writer that would rather drop than wait looks at (relay.py)."""
+        return 0 if self._error is not None else self._connection._quic.unsent_bytes(self.stream_id)
+
     async def drain(self) -> None:
         """Wait while too much is written and unsent; raises if the stream failed."""
         if self._error is not None:

@@ -46,8 +46,12 @@ from ..errors import (
 )
 from ..identity import NodeIdentity, short_id
 from ..wire import auth
+from ..identity import NODE_ID_BYTES
 from .connection import PeerConnection
 from .endpoint import Address, Datagram, UdpEndpoint, format_address
+from .relay import RelayCircuit, request_circuit, virtual_address
+from .streams import MeshStreamReader, MeshStreamWriter
+from .tunnel import StreamKind
 from .quic import QuicConnection, opens_connection, parse_header, quic_configuration
 
 logger = logging.getLogger(__name__)
@@ -76,9 +80,14 @@ class MeshTransport:
         self._routes: dict[bytes, PeerConnection] = {}
         self._connections: set[PeerConnection] = set()
         self.ignored_datagrams = 0
+        self.refused_connections = 0  # inbound ones that failed admission (wrong secret, key, silence)
+        self.unadmitted_streams = 0  # streams opened by peers never admitted: not served, counted
         self._ignored_since_log = 0
         self._ignored_logged_at: float | None = None
         self._endpoint = UdpEndpoint(self._datagrams_received)
+        # Relayed paths (relay.py): a virtual address per circuit, for its QUIC connection.
+        self._circuits: dict[Address, RelayCircuit] = {}
+        self._circuits_made = 0
         self._tasks: asyncio.TaskGroup | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -111,6 +120,71 @@ class MeshTransport:
         self._supervisor = asyncio.create_task(self._supervise(started), name="mesh-transport")
         await started
         return bound_port
+
+    def send_datagrams(self, datagrams: list[Datagram]) -> None:
+        """Send a connection's datagrams: over UDP, or into the relay circuit of their virtual address."""
+        if not self._circuits:
+            self._endpoint.send(datagrams)
+            return
+        direct = []
+        for datagram in datagrams:
+            if (circuit := self._circuits.get(datagram[1])) is not None:
+                circuit.send([datagram])
+            else:
+                direct.append(datagram)
+        self._endpoint.send(direct)
+
+    def relay_of(self, connection: PeerConnection) -> bytes | None:
+        """The node id of the member relaying ``connection``, or None for a direct one."""
+        circuit = self._circuits.get(connection.remote_address) if connection.relayed else None
+        return circuit.relay_id if circuit is not None else None
+
+    async def connect_via(self, relay: PeerConnection, expected_id: bytes) -> PeerConnection:
+        """Dial ``expected_id`` through ``relay``, a member connected to both (RelayRefusedError if it will not)."""
+        reader, writer = await relay.open_stream()
+        writer.write(bytes((StreamKind.RELAY_REQUEST,)))
+        await request_circuit(reader, writer, expected_id)
+        circuit = self._open_circuit(relay.peer_id, expected_id, reader, writer)
+        self._spawn(self._run_circuit(circuit))
+        host, port = circuit.address
+        try:
+            return await self._dial(host, port, expected_id)
+        except BaseException:
+            circuit.close()
+            raise
+
+    async def serve_circuit(self, reader: MeshStreamReader, writer: MeshStreamWriter, relay_id: bytes) -> None:
+        """A RELAY_DELIVERY stream (kind byte read) from ``relay_id``: a member reaching us through it."""
+        try:
+            source_id = await reader.readexactly(NODE_ID_BYTES)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.abort()
+            return
+        await self._run_circuit(self._open_circuit(relay_id, source_id, reader, writer))
+
+    def _open_circuit(self, relay_id: bytes, peer_id: bytes, reader: MeshStreamReader,
+                      writer: MeshStreamWriter) -> RelayCircuit:
+        self._circuits_made += 1
+        circuit = RelayCircuit(virtual_address(self._circuits_made), relay_id, peer_id, reader, writer,
+                               self._datagrams_received)
+        self._circuits[circuit.address] = circuit
+        return circuit
+
+    async def _run_circuit(self, circuit: RelayCircuit) -> None:
+        """Carry the circuit's packets; when its stream ends (the relay left), so does its connection."""
+        try:
+            await circuit.run()
+        finally:
+            self._circuits.pop(circuit.address, None)
+            for connection in list(self._connections):
+                if connection._quic.get_peer_address() == circuit.address:
+                    connection.close("the relay's path ended")
+
+    def _connection_finished(self, connection: PeerConnection) -> None:
+        """A connection is gone: the relay circuit it ran over goes too."""
+        address = connection._quic.get_peer_address()
+        if address is not None and (circuit := self._circuits.pop(tuple(address)[:2], None)) is not None:
+            circuit.close()
 
     async def connect(self, addresses: Sequence[Address], expected_id: bytes) -> PeerConnection:
         """Dial ``expected_id`` at its addresses; the first admitted connection wins.

@@ -51,6 +51,8 @@ class StreamKind(enum.IntEnum):
 
     RPC = 1  # a tunnel to our rpc-server
     MODEL_FILE = 2  # a model file request (model_transfer.py)
+    RELAY_REQUEST = 3  # relay my packets to a member you reach (relay.py)
+    RELAY_DELIVERY = 4  # packets relayed to you from a member (relay.py)
 
 
 async def serve_peer_stream(reader: MeshStreamReader, writer: MeshStreamWriter,
