@@ -114,13 +114,16 @@ class NatLab:
 
     @staticmethod
     def _masquerade(router: Host, random_ports: bool, ports: str | None = None) -> None:
-        to = ["to", f":{ports}"] if ports else []
         wan = router.device
+        random = "random" if random_ports else ""
+        # nft maps to a port range only for a protocol with ports: UDP (the mesh) gets it, the rest plain.
+        remap = f"    oifname \"{wan}\" meta l4proto udp masquerade to :{ports} {random}\n" if ports else ""
         rules = (f"flush ruleset\n"
                  f"table ip nat {{\n"
                  f"  chain postrouting {{\n"
                  f"    type nat hook postrouting priority srcnat;\n"
-                 f"    oifname \"{wan}\" masquerade {' '.join(to)} {'random' if random_ports else ''}\n"
+                 f"{remap}"
+                 f"    oifname \"{wan}\" masquerade {random}\n"
                  f"  }}\n"
                  f"}}\n"
                  f"table ip filter {{\n"

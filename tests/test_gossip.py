@@ -576,6 +576,22 @@ def test_a_lost_member_is_redialed_when_a_peer_lists_it() -> None:
     mesh.assert_full_mesh()
 
 
+def test_a_member_remapped_by_its_router_is_dialed_at_its_new_address_once_lost() -> None:
+    mesh, a, b, c = chain_of_three()
+    c_view = mesh.nodes[c]
+    while c_view.next_action() is not None:
+        pass
+    # A's router remapped it: C's packets no longer reach it and A's own word no longer reaches C,
+    # but B lists A at its new address. C keeps its connection's view, and goes there once A is lost.
+    moved = info(a, "a", addresses=("203.0.113.9:50961",))
+    c_view.receive(b, MemberList((info(b, "b"), moved)), 1.0)
+    assert next(m for m in c_view.members() if m.info.node_id == a).info == info(a, "a")
+    assert not [x for x in iter(c_view.next_action, None) if isinstance(x, Dial)]
+    c_view.peer_disconnected(a, 6.0, "no heartbeat answer for 5.0 s")
+    dials = [x for x in iter(c_view.next_action, None) if isinstance(x, Dial)]
+    assert [(d.member.addresses, d.learned_via) for d in dials] == [(moved.addresses, b)]
+
+
 def test_a_graceful_leave_is_member_left_and_never_redialed() -> None:
     mesh, a, b, c = chain_of_three()
     dials_before = {n: list(d) for n, d in mesh.dials.items()}

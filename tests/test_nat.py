@@ -12,6 +12,8 @@ from pathlib import Path
 
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -29,6 +31,7 @@ pytestmark = [
 PATH_DEADLINE_S = 10.0  # the issue's bound from both having joined to seeing each other on a path
 MESH_TIMEOUT_S = 60.0  # only a hang breaks it
 LOAD_TIMEOUT_S = 180.0
+REBIND_DEADLINE_S = 10.0  # the issue's bound for recovering from a router that forgot its mappings
 
 
 @dataclass
@@ -157,3 +160,24 @@ def test_a_router_with_a_port_per_destination_leaves_the_homes_relayed(relayed, 
     assert ns_complete(relayed.homes[1].host) == reference_text
     relay = p.status()["mesh"]["relay"]
     assert relay["circuits_served"] >= 1 and relay["relayed_bytes"] > 100_000, relay
+
+
+def test_a_router_forgetting_its_mappings_mid_request_costs_no_request(punched, reference_text):
+    """Its conntrack flushed and new ports for every mapping: h1's public address changes under a request."""
+    h1, h2 = punched.nodes["h1"], punched.nodes["h2"]
+    home1 = punched.homes[0]
+    before = peer(h2, "h1")["addr"]
+    answer: dict[str, str] = {}
+    asker = threading.Thread(target=lambda: answer.update(text=ns_complete(punched.homes[1].host)))
+    sent = peer(h2, "h1")["bytes_to_peer"]
+    asker.start()
+    wait_until(lambda: peer(h2, "h1")["bytes_to_peer"] > sent + 100_000, 60, "the request reaches h1")
+    punched.lab.flush_mappings(home1, new_ports=True)
+    flushed_at = time.monotonic()
+    wait_until(lambda: (row := peer(h2, "h1")).get("path") and row["addr"] != before, REBIND_DEADLINE_S,
+               "h2 reaches h1 at its new mapping")
+    recovered_s = time.monotonic() - flushed_at
+    asker.join(LOAD_TIMEOUT_S)
+    print(f"\nmappings flushed: h1 reached at {peer(h2, 'h1')['addr']} (was {before}) after {recovered_s:.1f} s")
+    assert answer.get("text") == reference_text
+    assert peer(h1, "p")["path"] == "direct"

@@ -99,6 +99,9 @@ class _Record:
     state: MemberState
     learned_via: bytes | None
     last_change: float
+    # While connected: other addresses a third party announced for it (a NAT that remapped it),
+    # and who said so. Not taken over its own word, but dialed at once if its connection is lost.
+    moved_to: tuple[MemberInfo, bytes] | None = None
 
 
 class Membership:
@@ -192,6 +195,11 @@ class Membership:
             self._set_state(record, MemberState.LOST, now)
             self._events.append(MemberLost(node_id, reason))
             self._broadcast_view(except_id=None)
+            if record.moved_to is not None:
+                # Its router gave it a new address while we were connected: go there now.
+                (record.info, record.learned_via), record.moved_to = record.moved_to, None
+                self._set_state(record, MemberState.KNOWN, now)
+                self._actions.append(Dial(record.info, record.learned_via))
         elif record.state is MemberState.KNOWN:  # its Dial failed
             self._set_state(record, MemberState.LOST, now)
 
@@ -301,9 +309,12 @@ class Membership:
         elif direct and record.info != info:
             # Only a member speaks for itself: a third party's copy may be stale.
             record.info = info
+            record.moved_to = None
             record.last_change = now
             self._events.append(MemberUpdated(info))
             return True
+        elif not direct and record.state is MemberState.CONNECTED and info.addresses != record.info.addresses:
+            record.moved_to = (info, via)
         elif not direct and (record.state is MemberState.LOST or (
                 record.state is MemberState.KNOWN and info.addresses != record.info.addresses)):
             # `via` holds a live connection to it, so its copy is worth a redial; so are new addresses
