@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import json
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ import pytest
 
 from tests.conftest import NodeProcess
 from tests.natlab import Home, NatLab, can_make_nat_lab
-from tests.netns import API_PORT, QUIC_PORT, Host, ns_complete, start_in, ticket_of
+from tests.netns import API_PORT, QUIC_PORT, Host, ns_complete, ns_python, start_in, ticket_of
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -45,6 +46,12 @@ class NatMesh:
 
 def peer(node: NodeProcess, name: str) -> dict:
     return next((p for p in node.status()["peers"] if p["name"] == name), {})
+
+
+def metrics_in(host: Host) -> dict[str, float]:
+    """``conftest.metrics`` of the API on ``host``, read from inside its namespace."""
+    code = f"import json, tests.conftest as c; print(json.dumps(c.metrics({API_PORT})))"
+    return json.loads(ns_python(host, code))
 
 
 def event_time(node: NodeProcess, starting: str) -> float:
@@ -160,6 +167,10 @@ def test_a_router_with_a_port_per_destination_leaves_the_homes_relayed(relayed, 
     assert ns_complete(relayed.homes[1].host) == reference_text
     relay = p.status()["mesh"]["relay"]
     assert relay["circuits_served"] >= 1 and relay["relayed_bytes"] > 100_000, relay
+    # The serving node's /metrics: its punches (tried, none through) and what it relayed (nothing).
+    samples = metrics_in(relayed.homes[1].host)
+    assert samples["mesh_punch_attempts_total{}"] >= 1 and samples["mesh_punch_successes_total{}"] == 0
+    assert samples["mesh_relayed_bytes_total{}"] == 0
 
 
 def test_a_router_forgetting_its_mappings_mid_request_costs_no_request(punched, reference_text):

@@ -112,7 +112,7 @@ class Node:
         self.build: LlamaBuild | None = None  # asked of our rpc-server before anyone else connects
         self.mesh: Mesh | None = None
         self.serving: ServingSupervisor | None = None
-        self.metrics = Metrics(self.peer_views)
+        self.metrics = Metrics(self.peer_views, lambda: self.mesh.mesh_view() if self.mesh else None)
         self._force = False
         self._for_good = False
         self._closing: asyncio.Task | None = None

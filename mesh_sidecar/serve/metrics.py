@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..mesh.membership import MemberState
-from ..mesh.status import PeerView
+from ..mesh.status import MeshView, PeerView
 
 PREFIX = "mesh_"
 FIRST_TOKEN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -24,8 +24,10 @@ TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 
 
 class _MeshCollector(Collector):
-    def __init__(self, peer_views: Callable[[], Sequence[PeerView]]) -> None:
+    def __init__(self, peer_views: Callable[[], Sequence[PeerView]],
+                 mesh_view: Callable[[], MeshView | None]) -> None:
         self._peer_views = peer_views
+        self._mesh_view = mesh_view
 
     def collect(self) -> Iterator[Any]:
         peers = self._peer_views()
@@ -42,13 +44,28 @@ class _MeshCollector(Collector):
             sent.add_metric([peer.name, "from_peer"], peer.tunnel.bytes_from_peer)
         yield rtt
         yield sent
+        mesh = self._mesh_view()
+        if mesh is None:
+            return
+        for name, help_text, value in (
+            ("relayed_bytes", "Bytes this node relayed between two other members", mesh.relay.relayed_bytes),
+            ("relay_refused", "Relay requests refused (not towards a member this node reaches)", mesh.relay.refused),
+            ("punch_attempts", "Direct dials to members learned through others (hole punching)",
+             mesh.punch.attempts),
+            ("punch_successes", "Of those, the ones that got through", mesh.punch.successes),
+        ):
+            family = CounterMetricFamily(PREFIX + name, help_text)
+            family.add_metric([], value)
+            yield family
 
 
 class Metrics:
     """One node's registry."""
 
-    def __init__(self, peer_views: Callable[[], Sequence[PeerView]]) -> None:
-        """``peer_views``: the mesh's ``peer_views()`` (none before the mesh starts)."""
+    def __init__(self, peer_views: Callable[[], Sequence[PeerView]],
+                 mesh_view: Callable[[], MeshView | None] = lambda: None) -> None:
+        """``peer_views``: the mesh's ``peer_views()`` (none before the mesh starts); ``mesh_view``:
+        its ``mesh_view()`` (None before it starts)."""
         self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "API requests by path and HTTP status",
                                 ["path", "status"], registry=self.registry)
@@ -65,7 +82,7 @@ class Metrics:
         self.model_switches = Counter(PREFIX + "model_switches", "Switches between model tiers (--model given "
                                       "several times)", ["direction"], registry=self.registry)
         self.model = Info(PREFIX + "model", "The model in service: id, file and sha256", registry=self.registry)
-        self.registry.register(_MeshCollector(peer_views))
+        self.registry.register(_MeshCollector(peer_views, mesh_view))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
