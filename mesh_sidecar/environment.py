@@ -5,6 +5,7 @@
     MESH_LLAMA_BIN   a llama.cpp build's bin/ to use instead of the pinned one (``--llama-bin`` wins)
     MESH_API_KEY     the API key (``--api-key`` wins; typer reads it for that option)
     MESH_QUIC        the QUIC library: aioquic (default) or qh3 1.x
+    MESH_OUTPUT_CHECK  0: the serving node does not check its workers' layer outputs (to measure its cost)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ LLAMA_BIN_ENV = "MESH_LLAMA_BIN"
 API_KEY_ENV = "MESH_API_KEY"
 QUIC_LIBRARY_ENV = "MESH_QUIC"
 DEFAULT_QUIC_LIBRARY = "aioquic"
+OUTPUT_CHECK_ENV = "MESH_OUTPUT_CHECK"
 
 
 def _path(name: str) -> Path | None:
@@ -39,3 +41,8 @@ def llama_bin_dir() -> Path | None:
 
 def quic_library() -> str:
     return os.environ.get(QUIC_LIBRARY_ENV, DEFAULT_QUIC_LIBRARY)
+
+
+def output_check() -> bool:
+    """Whether the serving node checks the layer outputs its workers return (on unless set to 0)."""
+    return os.environ.get(OUTPUT_CHECK_ENV, "1") != "0"

@@ -30,6 +30,10 @@ from mesh_sidecar.wire.gossip import (
     MAX_CAPACITY_KEY_CHARS,
     MAX_CAPACITY_VALUE,
     MAX_MEMBERS_PER_LIST,
+    MAX_CORRUPT_OUTPUTS,
+    MAX_FAULT_CHARS,
+    MAX_RUN_ID,
+    CorruptOutput,
     MAX_NAME_CHARS,
     MAX_EPOCH,
     MAX_NONCE,
@@ -391,6 +395,10 @@ def test_the_largest_member_list_fits_in_one_frame() -> None:
         serving=False,
         rpc_ready=False,
         llama_build=LlamaBuild(RpcVersion(255, 255, 255), True, '"' * MAX_BUILD_LABEL_CHARS),  # JSON escapes it
+        model_sha256="f" * 64,
+        secret_epoch=MAX_EPOCH,
+        run_id=MAX_RUN_ID,
+        corrupt_outputs=(CorruptOutput(b"\x00" * 32, MAX_RUN_ID, "z" * MAX_FAULT_CHARS),) * MAX_CORRUPT_OUTPUTS,
     )
     members = tuple(
         replace(widest, node_id=i.to_bytes(32, "big")) for i in range(MAX_MEMBERS_PER_LIST)

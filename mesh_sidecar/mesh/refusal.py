@@ -1,8 +1,11 @@
-"""Why a serving node leaves a member out of its plan: other weights, or an RPC build it cannot talk to.
+"""Why a serving node leaves a member out of its plan: other weights, an RPC build it cannot talk to,
+or corrupt layer outputs.
 
 Pure: both sides decide from the MemberInfo gossip carries, so the serving node
 (plan, status) and the member left out (its own output and status) name the
-same reason with the same words.
+same reason with the same words. Corrupt output is found at run time by the
+serving node (serve/output_guard.py), which lists the member in its own gossip
+(``corrupt_outputs``) with the member's run id: a restart clears it.
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ from dataclasses import dataclass
 
 from ..wire.gossip import LlamaBuild, MemberInfo
 from ..wire.rpc_hello import accepts
+from ..wire.rpc_outputs import NON_FINITE, NORM_OUTLIER
 
 # Why a serving node leaves a member out: it holds a different model file...
 WEIGHTS_MISMATCH = "weights_mismatch"
 # ...or its rpc-server speaks an RPC version the serving node's llama-server refuses (and would abort on).
 LLAMA_BUILD_MISMATCH = "llama_build_mismatch"
+# ...or its rpc-server returned layer outputs that were NaN/Inf or far off their usual scale, in this run.
+CORRUPT_OUTPUT = "corrupt_output"
+FAULT_TEXT = {NON_FINITE: "NaN or Inf values", NORM_OUTLIER: "values far outside their own recent range"}
 SHA256_SHOWN_CHARS = 12
 SAME_BUILD_REMEDY = ("Run one llama.cpp build on every machine: ./scripts/bootstrap.sh (the pinned build; leave "
                      "--llama-bin unset), or --llama-bin pointing at builds of the same llama.cpp commit.")
@@ -26,7 +33,7 @@ class Refusal:
     """A member the serving node gives no layers, and why."""
 
     reason: str
-    """WEIGHTS_MISMATCH or LLAMA_BUILD_MISMATCH: what scripts and tests match on."""
+    """WEIGHTS_MISMATCH, LLAMA_BUILD_MISMATCH or CORRUPT_OUTPUT: what scripts and tests match on."""
     detail: str
     """What differs, naming both sides."""
     remedy: str
@@ -54,6 +61,15 @@ def build_mismatch(client: LlamaBuild, server: LlamaBuild) -> bool:
 
 def refusal(member: MemberInfo, serving: MemberInfo) -> Refusal | None:
     """Why ``serving`` (as the serving node) leaves ``member`` out of its plan, or None."""
+    found = next((c for c in serving.corrupt_outputs
+                  if c.node_id == member.node_id and c.run_id == member.run_id), None)
+    if found is not None:
+        return Refusal(
+            CORRUPT_OUTPUT,
+            f"{serving.name} found {FAULT_TEXT.get(found.fault, found.fault)} in the layer outputs "
+            f"{member.name}'s rpc-server returned",
+            f"Check {member.name}'s GPU and memory (a driver reset, a memory test), then restart mesh-inference "
+            "there: a restarted member is given layers again.")
     if holds_other_weights(serving.model_sha256, member):
         return Refusal(
             WEIGHTS_MISMATCH,

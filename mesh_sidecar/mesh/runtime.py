@@ -48,7 +48,9 @@ from ..net.transport import MeshTransport
 from ..net.tunnel import StreamKind, TunnelCounters, TunnelListener, serve_inbound_stream, serve_peer_stream
 from ..ports import LOOPBACK
 from ..wire.auth import MESH_SECRET_BYTES
-from ..wire.gossip import MAX_ADDRESSES, LlamaBuild, MemberInfo, Observed, decode_message, encode_message
+from ..wire.gossip import (MAX_ADDRESSES, MAX_CORRUPT_OUTPUTS, MAX_RUN_ID, CorruptOutput, LlamaBuild, MemberInfo,
+                           Observed, decode_message, encode_message)
+from ..wire.rpc_outputs import Fault, OutputRejected, TensorMeasured
 from ..wire.ticket import MAX_TICKET_ADDRESSES, PeerAddress, Ticket, encode_ticket
 from . import events
 from .health import HealthState, health_message, lost_reason
@@ -163,6 +165,11 @@ class Mesh:
         self._tasks: set[asyncio.Task] = set()  # dials and deferred closes
         self._leaving = False
         self._refusals_said: set[tuple[bytes, Refusal]] = set()
+        self.run_id = secrets.randbelow(MAX_RUN_ID) + 1  # announced: a new one tells members this node restarted
+        # Serving: members whose layer outputs were corrupt in their current run (announced; refusal.py).
+        self._corrupt: tuple[CorruptOutput, ...] = ()
+        self._output_judge: Callable[[bytes, TensorMeasured], Fault | None] | None = None
+        self._on_rejected: Callable[[bytes, OutputRejected], None] = lambda node_id, event: None
         self.port: int | None = None
         self.relay_counters = RelayCounters()
         self.punch_counters = PunchCounters()
@@ -294,6 +301,43 @@ class Mesh:
             return refusal(info, own)
         return refusal(own, info) if info.serving else None
 
+    def check_outputs(self, judge: Callable[[bytes, TensorMeasured], Fault | None],
+                      on_rejected: Callable[[bytes, OutputRejected], None]) -> None:
+        """Serving: check the float tensors every peer's rpc-server returns through its tunnel with
+        ``judge(peer, tensor)``; a rejected reply is kept from llama-server and reported to ``on_rejected``."""
+        self._output_judge, self._on_rejected = judge, on_rejected
+        for node_id, peer in self._peers.items():
+            self._check_tunnel(node_id, peer.tunnel)
+
+    def _check_tunnel(self, node_id: bytes, tunnel: TunnelListener) -> None:
+        if (judge := self._output_judge) is None:
+            return
+        tunnel.judge = lambda tensor: judge(node_id, tensor)
+        tunnel.on_rejected = lambda event: self._on_rejected(node_id, event)
+
+    def refuse_corrupt(self, node_id: bytes, fault: str) -> None:
+        """Leave ``node_id`` out, as corrupt_output, until it restarts; announced in gossip so it hears why."""
+        assert self._membership is not None
+        info = next((m.info for m in self._membership.members() if m.info.node_id == node_id), None)
+        if info is None:
+            return
+        others = tuple(c for c in self._corrupt if c.node_id != node_id)
+        self._corrupt = (*others, CorruptOutput(node_id, info.run_id, fault))[-MAX_CORRUPT_OUTPUTS:]
+        self._membership.update_self(self._self_info())
+        self._process()
+        self.changed.set()
+
+    def _forgive_restarted(self, info: MemberInfo) -> None:
+        """A member refused as corrupt_output that restarted (a new run id) may be given layers again."""
+        if not any(c.node_id == info.node_id and c.run_id != info.run_id for c in self._corrupt):
+            return
+        self._corrupt = tuple(c for c in self._corrupt if c.node_id != info.node_id)
+        self._say(f"{info.name} restarted: it may be given layers again (it was left out as corrupt_output)")
+        assert self._membership is not None
+        self._membership.update_self(self._self_info())
+        self._process()
+        self.changed.set()
+
     def tunnel_endpoint(self, node_id: bytes) -> str:
         port = self._peers[node_id].tunnel.port
         return f"{LOOPBACK}:{port}"
@@ -409,6 +453,8 @@ class Mesh:
             llama_build=self.build,
             model_sha256=self.model_sha256,
             secret_epoch=self._saved.epoch,
+            run_id=self.run_id,
+            corrupt_outputs=self._corrupt,
         )
 
     def held_for_peers_bytes(self) -> int:
@@ -528,6 +574,7 @@ class Mesh:
                 how = f" (learned via gossip from {self.name_of(via)})" if via else ""
                 self._say(f"Connected to peer {info.name} ({short_id(info.node_id)}){how}")
                 self._say_refusal(info)
+                self._forgive_restarted(info)
                 self._remember(info.node_id, info.addresses)
                 self.changed.set()
             case events.MemberLost(node_id=node_id, reason=reason):
@@ -551,6 +598,7 @@ class Mesh:
                           f"before now admit no one. New ticket: {self.ticket()}")
             case events.MemberUpdated(info=info):
                 self._say_refusal(info)
+                self._forgive_restarted(info)
                 self._remember(info.node_id, info.addresses)
             case events.PeerDegraded() | events.PeerRecovered():
                 message = health_message(event, self.name_of(event.node_id))
@@ -644,6 +692,7 @@ class Mesh:
         joined = peer is None or peer.connection.closed
         if joined:
             tunnel = TunnelListener(connection)
+            self._check_tunnel(node_id, tunnel)
             await tunnel.start()
             peer = _Peer(connection, tunnel)
             self._peers[node_id] = peer

@@ -3,6 +3,7 @@
     serving node                                 peer P
     llama-server --TCP--> 127.0.0.1:<port for P>
                           TunnelListener  == QUIC stream ==>  serve_inbound_stream
+                          (RpcOutputCheck on the replies)
                                                               RpcStreamFilter (REGISTER_PEER rewrite)
                                                               --TCP--> 127.0.0.1:<P's rpc-server>
 
@@ -18,6 +19,11 @@ flight), so llama-server gets an error, not a hang.
 Every stream a peer opens starts with one StreamKind byte, so RPC tunnels and
 other uses (model files, model_transfer.py) share the connection;
 ``serve_peer_stream`` reads it and hands the stream on.
+
+Given a judge (the serving node's, serve/output_guard.py), a listener checks the float
+tensors P's rpc-server returns (wire/rpc_outputs.py) before llama-server reads them; on a
+fault it keeps the reply back, resets the connection (llama-server aborts rather than
+compute on garbage) and reports it through ``on_rejected``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from ..errors import MeshError, WireError
 from ..identity import short_id
 from ..ports import LOOPBACK, loopback_client_uid
 from ..wire.rpc_framing import RpcStreamFilter
+from ..wire.rpc_outputs import CheckOff, Judge, OutputRejected, RpcOutputCheck
 from .connection import PeerConnection
 from .streams import MeshStreamReader, MeshStreamWriter
 
@@ -97,10 +104,13 @@ def _nodelay(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-async def _relay(reader: Reader, writer: Writer, count: Callable[[int], None]) -> None:
-    """Copy until EOF, then half-close the other side."""
+async def _relay(reader: Reader, writer: Writer, count: Callable[[int], None],
+                 observe: Callable[[bytes], None] | None = None) -> None:
+    """Copy until EOF (showing each chunk to ``observe`` first), then half-close the other side."""
     while data := await reader.read(RELAY_CHUNK_BYTES):
         count(len(data))
+        if observe is not None:
+            observe(data)
         writer.write(data)
         await writer.drain()
     if writer.can_write_eof():
@@ -128,11 +138,39 @@ async def _run_pair(first, second, *writers: Writer) -> None:
             writer.close()
 
 
+class OutputCheckFailed(ConnectionError):
+    """A reply failed the output check; the tunnel connection is reset."""
+
+
+async def _relay_checked(reader: Reader, writer: Writer, check: RpcOutputCheck,
+                         on_rejected: Callable[[OutputRejected], None], count: Callable[[int], None]) -> None:
+    """Copy the peer's replies through the output check until EOF, then half-close the other side."""
+    while data := await reader.read(RELAY_CHUNK_BYTES):
+        count(len(data))
+        check.receive_from_server(data)
+        if out := check.data_to_client():
+            writer.write(out)
+        while (event := check.next_event()) is not None:
+            match event:
+                case OutputRejected():
+                    on_rejected(event)
+                    raise OutputCheckFailed(event.fault.detail)
+                case CheckOff(reason=reason):
+                    log.info("output check off for this tunnel connection: %s", reason)
+        await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
+
+
 class TunnelListener:
     """127.0.0.1:<port> that leads to one peer's rpc-server."""
 
     def __init__(self, peer: PeerConnection) -> None:
         self.peer = peer
+        # Set by the serving node: connections accepted from then on check the float tensors
+        # the peer returns with ``judge`` and report a rejection to ``on_rejected``.
+        self.judge: Judge | None = None
+        self.on_rejected: Callable[[OutputRejected], None] = lambda event: None
         self.counters = TunnelCounters()
         self.port: int | None = None
         self._server: asyncio.Server | None = None
@@ -186,9 +224,17 @@ class TunnelListener:
                 return
             self.counters.streams += 1
             quic_writer.write(bytes([StreamKind.RPC]))
+            if self.judge is None:
+                await _run_pair(
+                    _relay(tcp_reader, quic_writer, self._count_out),
+                    _relay(quic_reader, tcp_writer, self._count_in),
+                    quic_writer, tcp_writer,
+                )
+                return
+            check = RpcOutputCheck(self.judge)
             await _run_pair(
-                _relay(tcp_reader, quic_writer, self._count_out),
-                _relay(quic_reader, tcp_writer, self._count_in),
+                _relay(tcp_reader, quic_writer, self._count_out, check.receive_from_client),
+                _relay_checked(quic_reader, tcp_writer, check, self.on_rejected, self._count_in),
                 quic_writer, tcp_writer,
             )
         finally:

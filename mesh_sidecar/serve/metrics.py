@@ -81,6 +81,9 @@ class Metrics:
                                            buckets=TOKENS_PER_SECOND_BUCKETS, registry=self.registry)
         self.model_switches = Counter(PREFIX + "model_switches", "Switches between model tiers (--model given "
                                       "several times)", ["direction"], registry=self.registry)
+        self.corrupt_outputs = Counter(PREFIX + "corrupt_outputs", "Layer outputs a worker returned that failed the "
+                                       "check (NaN/Inf or far off its norm); the worker is left out",
+                                       registry=self.registry)
         self.model = Info(PREFIX + "model", "The model in service: id, file and sha256", registry=self.registry)
         self.registry.register(_MeshCollector(peer_views, mesh_view))
 
@@ -96,4 +99,5 @@ class Metrics:
             "failovers": get(PREFIX + "failovers_total") or 0,
             "retries": get(PREFIX + "retries_total") or 0,
             "restarts": get(PREFIX + "restarts_total") or 0,
+            "corrupt_outputs": get(PREFIX + "corrupt_outputs_total") or 0,
         }

@@ -10,6 +10,7 @@ The serving node's loop::
         start llama-server on that tier with the plan's --rpc order and --tensor-split
         proxy serves
         wait for trouble: llama-server exited | a member of the plan is lost
+                          | a worker returned a corrupt layer output (output_guard.py)
                           | membership changed and the plan (or the tier) would change
                           | a bigger tier has fitted long enough
         drain (bounded), stop llama-server
@@ -48,6 +49,9 @@ from ..mesh.refusal import Refusal, refusal
 from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
 from .metrics import Metrics
+from .output_guard import OutputGuard
+from ..environment import output_check
+from ..wire.rpc_outputs import OutputRejected
 from .planner import NodeCapacity, Plan, TierAssessment, assess_tiers, choose_tier, tier_needs_bytes
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
@@ -190,6 +194,8 @@ class ServingSupervisor:
         dashboard.add_routes(self._proxy.app, node_status, mesh.peer_views)
         self._restart_reason: str | None = None
         self._wakeup = asyncio.Event()
+        if output_check():
+            mesh.check_outputs(OutputGuard().judge, self._on_corrupt_output)
         self.llama_server: ChildProcess | None = None
         self.llama_port: int | None = None
         self.plan: Plan | None = None
@@ -288,6 +294,17 @@ class ServingSupervisor:
         """Restart llama-server at once (the proxy saw it stall)."""
         self._restart_reason = reason
         self._wakeup.set()
+
+    def _on_corrupt_output(self, node_id: bytes, event: OutputRejected) -> None:
+        """A worker's reply failed the output check (its tunnel connection is already reset)."""
+        name = self._mesh.name_of(node_id)
+        self._metrics.corrupt_outputs.inc()
+        log.error("corrupt layer output from %s (%s): %s", name, short_id(node_id), event.fault.detail)
+        self._say(f"{name} returned a corrupt layer output ({event.fault.detail}): it is left out as "
+                  "corrupt_output until it restarts")
+        self._mesh.refuse_corrupt(node_id, event.fault.kind)
+        # The request in flight is retried (or its stream replayed) by the proxy on the new plan.
+        self.request_restart(f"{name} returned a corrupt layer output")
 
     async def close(self) -> None:
         # Held requests get their answer now instead of keeping the node alive.

@@ -39,7 +39,8 @@ from .auth import MESH_SECRET_BYTES
 from .frames import MAX_CONTROL_MESSAGE_BYTES
 from .rpc_hello import RpcVersion
 
-# 4: MemberInfo.llama_build; Observed. Version 3 is not decoded: a version-3 node closes the
+# 4: MemberInfo.llama_build; Observed. Later in 4, optional (absent means none, and they are left out
+# when empty): MemberInfo.run_id and corrupt_outputs. Version 3 is not decoded: a version-3 node closes the
 # connection on our first version-4 frame, so reading its frames would keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
@@ -62,6 +63,11 @@ MAX_REASON_CHARS = 256
 MAX_NONCE = 2**64 - 1
 MAX_EPOCH = 2**63 - 1
 MAX_REMOVED_PER_REKEY = MAX_MEMBERS_PER_LIST
+MAX_RUN_ID = 2**63 - 1
+# A serving node lists the last few members it found returning corrupt output (about 130 bytes each;
+# 256 members at every limit still fit one frame).
+MAX_CORRUPT_OUTPUTS = 4
+MAX_FAULT_CHARS = 24
 
 _NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
 _ADDRESS_RE = re.compile(r"(?:\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
@@ -69,6 +75,7 @@ _CAPACITY_KEY_RE = re.compile(f"[a-z][a-z0-9_]{{0,{MAX_CAPACITY_KEY_CHARS - 1}}}
 _VERSION_RE = re.compile(f"[!-~]{{1,{MAX_VERSION_CHARS}}}")  # printable ASCII, no spaces
 _BUILD_LABEL_RE = re.compile(f"[ -~]{{1,{MAX_BUILD_LABEL_CHARS}}}")  # printable ASCII
 _SHA256_RE = re.compile("(?:[0-9a-f]{64})?")  # empty: the node holds no model file
+_FAULT_RE = re.compile(f"[a-z_]{{1,{MAX_FAULT_CHARS}}}")  # a code such as non_finite
 _SECRET_RE = re.compile(f"[0-9a-f]{{{2 * MESH_SECRET_BYTES}}}")
 _MAX_PORT = 65535
 
@@ -80,11 +87,12 @@ def _bad(what: str, expected: str) -> MalformedMessageError:
     return MalformedMessageError(f"gossip field {what}: expected {expected}")
 
 
-def _object(value: Any, what: str, keys: tuple[str, ...]) -> dict[str, Any]:
+def _object(value: Any, what: str, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _bad(what, "a JSON object")
-    if set(value) != set(keys):
-        raise _bad(what, f"exactly the keys {', '.join(keys)}; got {', '.join(sorted(value))}")
+    if not set(keys) <= set(value) <= set(keys) | set(optional):
+        also = f", and perhaps {', '.join(optional)}" if optional else ""
+        raise _bad(what, f"exactly the keys {', '.join(keys)}{also}; got {', '.join(sorted(value))}")
     return value
 
 
@@ -201,6 +209,29 @@ class LlamaBuild:
 
 
 @dataclass(frozen=True)
+class CorruptOutput:
+    """A member a serving node found returning corrupt layer outputs, in that run. Travels inside MemberInfo.
+
+    The serving node leaves it out until it restarts: a new ``run_id`` is a new start.
+    """
+
+    node_id: bytes
+    run_id: int  # the member's run_id when it was found
+    fault: str  # what was found: a code (wire/rpc_outputs.py: non_finite, norm_outlier)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"node_id": self.node_id.hex(), "run_id": self.run_id, "fault": self.fault}
+
+    @classmethod
+    def from_body(cls, body: Any, what: str) -> CorruptOutput:
+        fields = _object(body, what, ("node_id", "run_id", "fault"))
+        return cls(node_id=_node_id(fields["node_id"], f"{what}.node_id"),
+                   run_id=_int(fields["run_id"], f"{what}.run_id", MAX_RUN_ID),
+                   fault=_matching(fields["fault"], f"{what}.fault", _FAULT_RE,
+                                   f"1 to {MAX_FAULT_CHARS} lowercase letters or _"))
+
+
+@dataclass(frozen=True)
 class MemberInfo:
     """What a node says about itself. Travels inside MemberList.
 
@@ -222,6 +253,10 @@ class MemberInfo:
     model_sha256: str = ""
     # How many times the mesh secret this node holds has been rotated (see Rekey).
     secret_epoch: int = 0
+    # Random at every start of the node (0: not announced): another value means the member restarted.
+    run_id: int = 0
+    # A serving node's: members it leaves out for corrupt output until they restart (newest last).
+    corrupt_outputs: tuple[CorruptOutput, ...] = ()
 
     def __post_init__(self) -> None:
         pairs = tuple(sorted(self.capacity))
@@ -241,6 +276,9 @@ class MemberInfo:
             "llama_build": self.llama_build.to_body(),
             "model_sha256": self.model_sha256,
             "secret_epoch": self.secret_epoch,
+            # Optional within version 4: left out when unset, read as unset when absent.
+            **({"run_id": self.run_id} if self.run_id else {}),
+            **({"corrupt_outputs": [c.to_body() for c in self.corrupt_outputs]} if self.corrupt_outputs else {}),
         }
 
     @classmethod
@@ -250,6 +288,7 @@ class MemberInfo:
             what,
             ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready",
              "llama_build", "model_sha256", "secret_epoch"),
+            ("run_id", "corrupt_outputs"),
         )
         capacity = fields["capacity"]
         if not isinstance(capacity, dict) or len(capacity) > MAX_CAPACITY_ENTRIES:
@@ -287,6 +326,11 @@ class MemberInfo:
             model_sha256=_matching(fields["model_sha256"], f"{what}.model_sha256", _SHA256_RE,
                                    "64 lowercase hex digits or nothing"),
             secret_epoch=_int(fields["secret_epoch"], f"{what}.secret_epoch", MAX_EPOCH),
+            run_id=_int(fields.get("run_id", 0), f"{what}.run_id", MAX_RUN_ID),
+            corrupt_outputs=tuple(
+                CorruptOutput.from_body(c, f"{what}.corrupt_outputs[{i}]")
+                for i, c in enumerate(_list(fields.get("corrupt_outputs", []), f"{what}.corrupt_outputs",
+                                            MAX_CORRUPT_OUTPUTS))),
         )
 
 

@@ -1,0 +1,339 @@
+"""Check the layer outputs a worker's rpc-server returns, before llama-server reads them.
+
+Where it sits (serving node, one check per TCP connection through a peer's tunnel)::
+
+    llama-server --requests--> RpcOutputCheck.receive_from_client --> (forwarded by the caller)
+                 <--replies--  RpcOutputCheck.data_to_client  <--  receive_from_server <-- peer
+
+Requests are only read: every command's header, and the start of a GET_TENSOR's payload::
+
+    0        1             9                                          305         313        321
+    +--------+-------------+------------------------------------------+-----------+----------+
+    | cmd u8 | size u64 LE | rpc_tensor[296]: id u64 | type u32 | ... | offset u64| size u64 |
+    +--------+-------------+------------------------------------------+-----------+----------+
+
+Replies are ``size u64 LE | payload[size]``, one per command that has one, in the order of the
+commands (rpc-server serves one command at a time per connection), so a queue of what each
+pending command expects pairs every reply with its request. A GET_TENSOR reply of an F32 or
+F16 tensor (at most MAX_CHECKED_REPLY_BYTES) is held until it is whole, measured
+(:class:`TensorMeasured`: all values finite, root mean square) and handed to the ``judge``:
+passed on when the judge finds nothing, kept back for good when it names a fault
+(:class:`OutputRejected`; the caller closes the connection, so no corrupt value reaches
+llama-server). Every other reply passes as it arrives.
+
+Commands with no reply are upstream 7.x's (read from the pinned ``ggml-rpc.cpp``); our b2b
+build's two extra commands both answer. Any other dialect, an unknown command or a reply
+nothing asked for switches the check off for the connection (:class:`CheckOff`): bytes then
+pass untouched, as in rpc_framing.py.
+
+Sans-I/O: bytes in, bytes and events out; no sockets, no clock. Payload bytes pass as
+memoryview slices of the caller's ``bytes``; only a header, a GET_TENSOR's first 312 bytes,
+the HELLO reply and a checked reply are ever held.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .rpc_framing import (
+    DIALECTS,
+    GET_TENSOR_CMD,
+    GET_TENSOR_SIZE_OFFSET,
+    HELLO_CMD,
+    MESH_B2B_7,
+    REPLY_SIZE_BYTES,
+    RPC_HEADER_BYTES,
+    RPC_TENSOR_NAME_BYTES,
+    RPC_TENSOR_NAME_OFFSET,
+    UPSTREAM_7,
+)
+
+RPC_TENSOR_TYPE_OFFSET = 8  # rpc_tensor: id u64 | type u32 | ...
+GET_TENSOR_HEAD_BYTES = GET_TENSOR_SIZE_OFFSET + 8  # rpc_tensor | offset u64 | size u64
+# ggml_type values of the float types activations travel as.
+GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+_FLOAT_DTYPES = {GGML_TYPE_F32: np.dtype("<f4"), GGML_TYPE_F16: np.dtype("<f2")}
+# Activations are n_embd floats per token (a prompt batch: a few MiB); bigger replies are not
+# layer outputs and pass unchecked rather than be held.
+MAX_CHECKED_REPLY_BYTES = 64 * 1024 * 1024
+MAX_HELLO_REPLY_BYTES = 64  # 28 in 7.x; a bigger first reply is no HELLO reply and is not collected
+# Upstream 7.x commands that send no reply: FREE_BUFFER, BUFFER_CLEAR, SET_TENSOR, GRAPH_COMPUTE,
+# INIT_TENSOR, GRAPH_RECOMPUTE, MEMSET_TENSOR. Every other command up to the last answers.
+NO_REPLY_CMDS_7 = frozenset({4, 5, 6, 10, 12, 16, 17})
+LAST_CMD_UPSTREAM_7 = 17
+LAST_CMD_MESH_B2B_7 = 19  # REGISTER_PEER 18 and PUSH_TENSOR_TO_PEER 19 both answer a u8
+
+_HEADER = struct.Struct("<BQ")
+_REPLY_SIZE = struct.Struct("<Q")
+_GET_TENSOR_HEAD = struct.Struct(f"<{RPC_TENSOR_TYPE_OFFSET}xI")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeasured:
+    """A float tensor a GET_TENSOR reply carried, measured whole."""
+
+    name: str
+    """llama.cpp's tensor name (``l_out-11`` for layer 11's output)."""
+    values: int
+    """How many values the reply carried."""
+    finite: bool
+    """No NaN and no Inf among them."""
+    rms: float
+    """Root mean square of the values (NaN when not finite): a norm independent of the batch size."""
+
+
+NON_FINITE = "non_finite"  # a NaN or an Inf among the values
+NORM_OUTLIER = "norm_outlier"  # a norm far outside the worker's own recent range for that tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """What a judge found wrong with a tensor."""
+
+    kind: str
+    """NON_FINITE or NORM_OUTLIER: what gossip, status and scripts carry."""
+    detail: str
+    """The figures, for the log."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRejected:
+    """The judge named a fault in a reply: it was kept back, and nothing more passes."""
+
+    tensor: TensorMeasured
+    """The tensor it was found in."""
+    fault: Fault
+    """What the judge found."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckOff:
+    """The stream is not one this check can follow; from now on every byte passes unchecked."""
+
+    reason: str
+    """Why, for the log."""
+
+
+OutputEvent = OutputRejected | CheckOff
+Judge = Callable[[TensorMeasured], Fault | None]  # what is wrong with the tensor, or None
+
+
+def measure(name: str, data: bytes, ggml_type: int) -> TensorMeasured:
+    """All values finite, and their RMS, of a reply's raw bytes of a float tensor."""
+    values = np.frombuffer(data, dtype=_FLOAT_DTYPES[ggml_type])
+    if not values.size:
+        return TensorMeasured(name, 0, True, 0.0)
+    # One pass in float64: the sum of squares is NaN or Inf exactly when a value is (no float32
+    # value squares past float64's range), so finiteness costs no second pass.
+    wide = values.astype(np.float64)
+    square_sum = float(np.dot(wide, wide))
+    if not math.isfinite(square_sum):
+        return TensorMeasured(name, values.size, False, math.nan)
+    return TensorMeasured(name, values.size, True, math.sqrt(square_sum / values.size))
+
+
+@dataclass(frozen=True, slots=True)
+class _Expected:
+    """What the reply to one pending command is: checked (a float tensor), the HELLO reply, or neither."""
+
+    name: str = ""
+    ggml_type: int | None = None  # None: pass the reply unchecked
+    size: int = 0  # the bytes the GET_TENSOR asked for
+    hello: bool = False  # read it for the dialect (and pass it on)
+
+
+_UNCHECKED = _Expected()
+_HELLO = _Expected(hello=True)
+# The dialects whose replies this check can pair with their commands, and their last command.
+_LAST_CMD = {UPSTREAM_7.name: LAST_CMD_UPSTREAM_7, MESH_B2B_7.name: LAST_CMD_MESH_B2B_7}
+
+
+class _Phase(enum.Enum):
+    HELLO = enum.auto()  # until the HELLO reply names the dialect
+    CHECKING = enum.auto()
+    OFF = enum.auto()  # pass everything
+    REJECTED = enum.auto()  # a fault was found: hold everything
+
+
+class RpcOutputCheck:
+    """Sans-I/O check of the replies on one RPC connection, judged by ``judge``.
+
+    Show every client byte to :meth:`receive_from_client` before forwarding it; feed every
+    server byte to :meth:`receive_from_server` and forward what :meth:`data_to_client` returns
+    instead; drain :meth:`next_event`. Input must be ``bytes``.
+    """
+
+    def __init__(self, judge: Judge, max_checked_bytes: int = MAX_CHECKED_REPLY_BYTES) -> None:
+        self._judge = judge
+        self._max_checked_bytes = max_checked_bytes
+        self._phase = _Phase.HELLO
+        self._hello_request_bytes: int | None = None
+        self._hello_reply = bytearray()
+        self._last_cmd = 0
+        self.checked = 0
+        """Tensors measured and judged so far."""
+        # Client side: the header being read, payload bytes to skip, a GET_TENSOR's head.
+        self._header = bytearray()
+        self._skip = 0
+        self._head: bytearray | None = None
+        self._pending: deque[_Expected] = deque()
+        # Server side: the reply size being read, payload bytes left, and a held reply.
+        self._reply_header = bytearray()
+        self._reply_left = 0
+        self._reply_expected = _UNCHECKED
+        self._held: list[bytes | memoryview] = []
+        self._out: list[bytes | memoryview] = []
+        self._events: deque[OutputEvent] = deque()
+
+    # --- client -> server: read only ---------------------------------------------------
+
+    def receive_from_client(self, data: bytes) -> None:
+        """Read a command's bytes on their way to the server."""
+        view, pos, end = memoryview(data), 0, len(data)
+        while pos < end and self._phase in (_Phase.HELLO, _Phase.CHECKING):
+            if self._skip:
+                take = min(self._skip, end - pos)
+                if self._head is not None:
+                    self._head += view[pos : pos + min(take, GET_TENSOR_HEAD_BYTES - len(self._head))]
+                    if len(self._head) == GET_TENSOR_HEAD_BYTES:
+                        self._pending.append(self._get_tensor(bytes(self._head)))
+                        self._head = None
+                self._skip -= take
+                pos += take
+            else:
+                chunk = view[pos : pos + RPC_HEADER_BYTES - len(self._header)]
+                self._header += chunk
+                pos += len(chunk)
+                if len(self._header) == RPC_HEADER_BYTES:
+                    cmd, size = _HEADER.unpack(self._header)
+                    self._header.clear()
+                    self._on_command(cmd, size)
+
+    def _on_command(self, cmd: int, size: int) -> None:
+        self._skip = size
+        if self._phase is _Phase.HELLO:
+            # A conforming client sends nothing after HELLO until its reply, which ends this phase.
+            if cmd != HELLO_CMD or self._hello_request_bytes is not None:
+                self._off(f"command {cmd} before the HELLO reply")
+                return
+            self._hello_request_bytes = size
+            self._pending.append(_HELLO)
+        elif cmd > self._last_cmd:
+            self._off(f"unknown command {cmd}")
+        elif cmd == GET_TENSOR_CMD:
+            if size < GET_TENSOR_HEAD_BYTES:
+                self._off(f"a GET_TENSOR of {size} bytes")  # rpc-server closes the connection on it
+            else:
+                self._head = bytearray()  # queued once its head is read: the reply cannot come before
+        elif cmd not in NO_REPLY_CMDS_7:
+            self._pending.append(_UNCHECKED)
+
+    def _get_tensor(self, head: bytes) -> _Expected:
+        (ggml_type,) = _GET_TENSOR_HEAD.unpack_from(head)
+        (size,) = _REPLY_SIZE.unpack_from(head, GET_TENSOR_SIZE_OFFSET)
+        dtype = _FLOAT_DTYPES.get(ggml_type)
+        if dtype is None or size > self._max_checked_bytes or size % dtype.itemsize:
+            return _UNCHECKED
+        name = head[RPC_TENSOR_NAME_OFFSET : RPC_TENSOR_NAME_OFFSET + RPC_TENSOR_NAME_BYTES]
+        return _Expected(name.split(b"\0", 1)[0].decode("utf-8", "replace"), ggml_type, size)
+
+    # --- server -> client: held while a checked reply arrives -------------------------
+
+    def receive_from_server(self, data: bytes) -> None:
+        """Take the server's bytes; what may go on to the client comes out of :meth:`data_to_client`."""
+        view, pos, end = memoryview(data), 0, len(data)
+        while pos < end:
+            if self._phase is _Phase.OFF:
+                self._out.append(view[pos:])
+                return
+            if self._phase is _Phase.REJECTED:
+                return
+            if self._reply_left:
+                take = min(self._reply_left, end - pos)
+                chunk = view[pos : pos + take]
+                if self._reply_expected.ggml_type is not None:
+                    self._held.append(chunk)
+                else:
+                    self._out.append(chunk)
+                    if self._reply_expected.hello:
+                        self._hello_reply += chunk
+                self._reply_left -= take
+                pos += take
+                if not self._reply_left:
+                    self._reply_done()
+                continue
+            chunk = view[pos : pos + REPLY_SIZE_BYTES - len(self._reply_header)]
+            self._reply_header += chunk
+            pos += len(chunk)
+            if len(self._reply_header) == REPLY_SIZE_BYTES:
+                header = bytes(self._reply_header)
+                self._reply_header.clear()
+                self._on_reply(header)
+
+    def _on_reply(self, header: bytes) -> None:
+        if not self._pending:
+            self._off("a reply to no pending command")
+            self._out.append(header)
+            return
+        expected = self._pending.popleft()
+        (size,) = _REPLY_SIZE.unpack(header)
+        if expected.ggml_type is not None and size != expected.size:
+            expected = _UNCHECKED  # not the tensor asked for; nothing to measure
+        (self._held if expected.ggml_type is not None else self._out).append(header)
+        if expected.hello and size > MAX_HELLO_REPLY_BYTES:
+            self._off(f"a first reply of {size} bytes is no HELLO reply")
+            return
+        self._reply_expected, self._reply_left = expected, size
+        if not size:
+            self._reply_done()
+
+    def _reply_done(self) -> None:
+        expected, self._reply_expected = self._reply_expected, _UNCHECKED
+        if expected.hello:
+            self._on_hello_reply(bytes(self._hello_reply))
+        if expected.ggml_type is None:
+            return
+        held, self._held = self._held, []
+        reply = b"".join(held)
+        tensor = measure(expected.name, reply[REPLY_SIZE_BYTES:], expected.ggml_type)
+        self.checked += 1
+        if (fault := self._judge(tensor)) is not None:
+            self._phase = _Phase.REJECTED
+            self._events.append(OutputRejected(tensor, fault))
+            return
+        self._out.append(reply)
+
+    def _on_hello_reply(self, reply: bytes) -> None:
+        assert self._hello_request_bytes is not None
+        dialect = next((d for d in DIALECTS if d.matches(self._hello_request_bytes, reply)), None)
+        if dialect is None or dialect.name not in _LAST_CMD:
+            self._off(f"RPC dialect {dialect.name if dialect else 'unknown'} is not checked")
+            return
+        self._last_cmd = _LAST_CMD[dialect.name]
+        self._phase = _Phase.CHECKING
+
+    def data_to_client(self) -> bytes:
+        """Everything releasable so far, in order; b"" when nothing is."""
+        out, self._out = self._out, []
+        if len(out) == 1 and isinstance(out[0], memoryview) and isinstance(out[0].obj, bytes) \
+                and out[0].nbytes == len(out[0].obj):
+            return out[0].obj  # once off, a whole input chunk goes back as the same object
+        return b"".join(out)
+
+    def next_event(self) -> OutputEvent | None:
+        """The oldest event not yet taken, or None."""
+        return self._events.popleft() if self._events else None
+
+    def _off(self, reason: str) -> None:
+        self._phase = _Phase.OFF
+        self._events.append(CheckOff(reason))
+        self._out.extend(self._held)
+        self._held = []

@@ -1,0 +1,192 @@
+"""The layer-output check: replies paired with their commands, float tensors measured and judged, split anywhere."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+
+from mesh_sidecar.wire.rpc_outputs import (
+    GGML_TYPE_F16,
+    GGML_TYPE_F32,
+    NON_FINITE,
+    CheckOff,
+    Fault,
+    OutputRejected,
+    RpcOutputCheck,
+    TensorMeasured,
+    measure,
+)
+
+GET_ALIGNMENT, SET_TENSOR, GET_TENSOR, GRAPH_COMPUTE, HELLO = 1, 6, 8, 10, 14
+GGML_TYPE_Q8_0 = 8
+
+
+def frame(cmd: int, payload: bytes) -> bytes:
+    return bytes([cmd]) + len(payload).to_bytes(8, "little") + payload
+
+
+def reply(payload: bytes) -> bytes:
+    return len(payload).to_bytes(8, "little") + payload
+
+
+def rpc_tensor(ggml_type: int, name: str) -> bytes:
+    tensor = bytearray(296)
+    struct.pack_into("<I", tensor, 8, ggml_type)
+    tensor[228 : 228 + len(name)] = name.encode()
+    return bytes(tensor)
+
+
+def get_tensor(ggml_type: int, name: str, size: int) -> bytes:
+    return frame(GET_TENSOR, rpc_tensor(ggml_type, name) + struct.pack("<QQ", 0, size))
+
+
+HELLO_REQUEST = frame(HELLO, bytes(24))
+HELLO_REPLY = reply(bytes([7, 0, 0, 0]) + bytes(24))
+GOOD = np.linspace(-2, 2, 64, dtype=np.float32)
+
+
+def exchange(values: np.ndarray, ggml_type: int = GGML_TYPE_F32, name: str = "l_out-3") -> list[tuple[str, bytes]]:
+    """A session as llama-server drives it: HELLO, a command with and one without a reply, a compute, a GET."""
+    data = values.tobytes()
+    return [
+        ("client", HELLO_REQUEST), ("server", HELLO_REPLY),
+        ("client", frame(GET_ALIGNMENT, struct.pack("<I", 0))), ("server", reply(struct.pack("<Q", 32))),
+        ("client", frame(SET_TENSOR, rpc_tensor(GGML_TYPE_F32, "inp") + bytes(9) + bytes(40))),
+        ("client", frame(GRAPH_COMPUTE, bytes(12))),
+        ("client", get_tensor(ggml_type, name, len(data))), ("server", reply(data)),
+    ]
+
+
+class Judge:
+    """Records what it was shown; names a fault for a tensor that is not finite."""
+
+    def __init__(self) -> None:
+        self.seen: list[TensorMeasured] = []
+
+    def __call__(self, tensor: TensorMeasured) -> Fault | None:
+        self.seen.append(tensor)
+        return None if tensor.finite else Fault(NON_FINITE, "NaN or Inf")
+
+
+def run(session: list[tuple[str, bytes]], split: int | None = None) -> tuple[bytes, list, Judge]:
+    """Feed a session (each message cut at ``split`` when given); what the client got, the events, the judge."""
+    judge = Judge()
+    check = RpcOutputCheck(judge)
+    to_client = b""
+    for side, data in session:
+        parts = [data] if split is None or split >= len(data) else [data[:split], data[split:]]
+        for part in parts:
+            if side == "client":
+                check.receive_from_client(part)
+            else:
+                check.receive_from_server(part)
+                to_client += check.data_to_client()
+    events = []
+    while (event := check.next_event()) is not None:
+        events.append(event)
+    return to_client, events, judge
+
+
+def server_bytes(session: list[tuple[str, bytes]]) -> bytes:
+    return b"".join(data for side, data in session if side == "server")
+
+
+def test_healthy_outputs_pass_byte_for_byte_and_are_measured() -> None:
+    session = exchange(GOOD)
+    to_client, events, judge = run(session)
+    assert to_client == server_bytes(session)
+    assert events == []
+    [tensor] = judge.seen
+    assert tensor.name == "l_out-3" and tensor.values == 64 and tensor.finite
+    assert tensor.rms == pytest.approx(float(np.sqrt(np.mean(GOOD.astype(np.float64) ** 2))))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_output_is_kept_back(bad: float) -> None:
+    values = GOOD.copy()
+    values[17] = bad
+    session = exchange(values)
+    to_client, events, judge = run(session)
+    # Everything before the rejected reply went on; none of it did.
+    assert to_client == server_bytes(session)[: -(8 + values.nbytes)]
+    [event] = events
+    assert isinstance(event, OutputRejected) and event.fault.kind == NON_FINITE and not event.tensor.finite
+
+
+def test_nothing_passes_after_a_rejection() -> None:
+    values = GOOD.copy()
+    values[0] = math.nan
+    session = exchange(values) + [("client", frame(GET_ALIGNMENT, bytes(4))), ("server", reply(bytes(8)))]
+    to_client, _, _ = run(session)
+    assert to_client == server_bytes(session)[: -(8 + values.nbytes) - 16]
+
+
+def test_f16_outputs_are_checked_too() -> None:
+    values = GOOD.astype(np.float16)
+    values[3] = np.float16(np.inf)
+    _, events, judge = run(exchange(values, GGML_TYPE_F16))
+    assert judge.seen[0].values == 64
+    assert isinstance(events[0], OutputRejected)
+
+
+def test_quantized_tensors_are_not_judged() -> None:
+    raw = np.frombuffer(np.full(16, np.nan, dtype=np.float32).tobytes(), dtype=np.uint8)  # NaN bits, not floats
+    session = exchange(raw, GGML_TYPE_Q8_0)
+    to_client, events, judge = run(session)
+    assert to_client == server_bytes(session) and events == [] and judge.seen == []
+
+
+@pytest.mark.parametrize("split", range(1, 330))
+def test_every_split_gives_the_same_verdicts(split: int) -> None:
+    good = exchange(GOOD)
+    values = GOOD.copy()
+    values[-1] = math.nan
+    bad = good + exchange(values)[2:]
+    for session in (good, bad):
+        assert run(session, split)[0] == run(session)[0]
+        assert run(session, split)[1] == run(session)[1]
+        assert run(session, split)[2].seen == run(session)[2].seen
+
+
+def test_once_off_a_chunk_passes_as_the_same_object() -> None:
+    check = RpcOutputCheck(Judge())
+    check.receive_from_client(frame(HELLO, b""))
+    check.receive_from_server(reply(bytes([3, 0, 0])))  # the b2b fork: not checked
+    check.data_to_client()
+    chunk = reply(bytes(100))
+    check.receive_from_server(chunk)
+    assert check.data_to_client() is chunk
+
+
+@pytest.mark.parametrize("session, reason", [
+    ([("client", frame(HELLO, b"")), ("server", reply(bytes([3, 0, 0])))], "not checked"),  # the b2b fork
+    ([("client", frame(GET_ALIGNMENT, bytes(4)))], "before the HELLO reply"),
+    ([("client", HELLO_REQUEST), ("server", HELLO_REPLY), ("client", frame(40, b""))], "unknown command 40"),
+    ([("client", HELLO_REQUEST), ("server", HELLO_REPLY), ("server", reply(b"x"))], "no pending command"),
+    ([("client", HELLO_REQUEST), ("server", reply(bytes(100)))], "no HELLO reply"),
+])
+def test_streams_it_cannot_follow_pass_untouched(session, reason: str) -> None:
+    values = GOOD.copy()
+    values[0] = math.nan
+    tail = [("client", get_tensor(GGML_TYPE_F32, "l_out-1", values.nbytes)), ("server", reply(values.tobytes()))]
+    to_client, events, judge = run(session + tail)
+    assert to_client == server_bytes(session + tail)
+    assert isinstance(events[0], CheckOff) and reason in events[0].reason
+    assert judge.seen == []
+
+
+def test_a_reply_of_another_size_than_asked_is_not_measured() -> None:
+    session = [("client", HELLO_REQUEST), ("server", HELLO_REPLY),
+               ("client", get_tensor(GGML_TYPE_F32, "l_out-1", 64)), ("server", reply(bytes(8)))]
+    to_client, events, judge = run(session)
+    assert to_client == server_bytes(session) and events == [] and judge.seen == []
+
+
+def test_measure_rms_and_limits() -> None:
+    assert measure("t", b"", GGML_TYPE_F32) == TensorMeasured("t", 0, True, 0.0)
+    big = np.full(1000, np.finfo(np.float32).max, dtype=np.float32)
+    assert measure("t", big.tobytes(), GGML_TYPE_F32).finite  # squares past float32's range are not Inf
+    assert measure("t", np.zeros(8, np.float32).tobytes(), GGML_TYPE_F32).rms == 0.0
