@@ -7,10 +7,6 @@ maps every destination to a new port leaves them ``relayed`` through the public 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
-import json
 import subprocess
 import sys
 import threading
@@ -18,9 +14,9 @@ import time
 
 import pytest
 
-from tests.conftest import NodeProcess
-from tests.natlab import Home, NatLab, can_make_nat_lab
-from tests.netns import API_PORT, QUIC_PORT, Host, ns_complete, ns_python, start_in, ticket_of
+from tests.natlab import (LOAD_TIMEOUT_S, NatMesh, can_make_nat_lab, metrics_in, peer, start_nat_mesh,
+                          stop_nat_mesh)
+from tests.netns import QUIC_PORT, ns_complete
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -30,70 +26,7 @@ pytestmark = [
 ]
 
 PATH_DEADLINE_S = 10.0  # the issue's bound from both having joined to seeing each other on a path
-MESH_TIMEOUT_S = 60.0  # only a hang breaks it
-LOAD_TIMEOUT_S = 180.0
 REBIND_DEADLINE_S = 10.0  # the issue's bound for recovering from a router that forgot its mappings
-
-
-@dataclass
-class NatMesh:
-    lab: NatLab
-    public: Host
-    homes: list[Home]
-    nodes: dict[str, NodeProcess]
-    joined_to_path_s: float  # both home nodes up -> each sees the other on a path
-
-
-def peer(node: NodeProcess, name: str) -> dict:
-    return next((p for p in node.status()["peers"] if p["name"] == name), {})
-
-
-def metrics_in(host: Host) -> dict[str, float]:
-    """``conftest.metrics`` of the API on ``host``, read from inside its namespace."""
-    code = f"import json, tests.conftest as c; print(json.dumps(c.metrics({API_PORT})))"
-    return json.loads(ns_python(host, code))
-
-
-def event_time(node: NodeProcess, starting: str) -> float:
-    """When ``node`` first said a line starting with ``starting`` (its recent events, epoch seconds)."""
-    return next(e["time"] for e in node.status()["events"] if e["message"].startswith(starting))
-
-
-def start_nat_mesh(root: Path, *, random_ports: bool) -> NatMesh:
-    """A public member and two homes; the second home's router maps per destination with ``random_ports``."""
-    lab = NatLab()
-    nodes: dict[str, NodeProcess] = {}
-    mesh = NatMesh(lab, lab.add_public("p"), [], nodes, 0.0)
-    try:
-        mesh.homes = [lab.add_home("r1", "h1"), lab.add_home("r2", "h2", random_ports=random_ports)]
-        nodes["p"] = start_in(mesh.public, root / "p", "--no-mdns")
-        ticket = ticket_of(nodes["p"])
-        nodes["h1"] = start_in(mesh.homes[0].host, root / "h1", "--no-mdns", "--join", ticket)
-        nodes["h2"] = start_in(mesh.homes[1].host, root / "h2", "--no-mdns", "--join", ticket,
-                               "--serve", str(API_PORT), "--min-peers", "2")
-        wait_until(lambda: all((root / n / "control.json").exists() for n in ("h1", "h2")), MESH_TIMEOUT_S,
-                   "both home nodes up")
-        wait_until(lambda: peer(nodes["h1"], "h2").get("path") and peer(nodes["h2"], "h1").get("path"),
-                   MESH_TIMEOUT_S, "h1 and h2 see each other")
-        # From the nodes' own clocks: both joined the public member -> both connected to each other.
-        joined = max(event_time(nodes[n], "Connected to peer p ") for n in ("h1", "h2"))
-        met = max(event_time(nodes["h1"], "Connected to peer h2 "), event_time(nodes["h2"], "Connected to peer h1 "))
-        mesh.joined_to_path_s = met - joined
-        wait_until(lambda: "API ready" in nodes["h2"].text() or nodes["h2"].proc.poll() is not None,
-                   LOAD_TIMEOUT_S, "h2 loads the model over the three")
-        assert nodes["h2"].proc.poll() is None, nodes["h2"].text()
-        for node in nodes.values():
-            node.extra_pids = node.child_pids()
-    except BaseException:
-        stop_nat_mesh(mesh)
-        raise
-    return mesh
-
-
-def stop_nat_mesh(mesh: NatMesh) -> None:
-    for node in mesh.nodes.values():
-        node.stop_with_children()
-    mesh.lab.close()
 
 
 @pytest.fixture(scope="module")
