@@ -142,6 +142,11 @@ class NatLab:
         subprocess.run(["ip", "netns", "exec", router.netns, "nft", "-f", "-"], input=rules, text=True,
                        check=True, capture_output=True)
 
+    def set_random_ports(self, home: Home, random_ports: bool) -> None:
+        """Change how ``home``'s router maps new flows (its live mappings stay)."""
+        home.random_ports = random_ports
+        self._masquerade(home.router, random_ports)
+
     def flush_mappings(self, home: Home, *, new_ports: bool = False) -> None:
         """Forget every mapping of ``home``'s router; with ``new_ports`` the next ones get other ports."""
         if new_ports:

@@ -26,6 +26,8 @@ pytestmark = [
 ]
 
 PATH_DEADLINE_S = 10.0  # the issue's bound from both having joined to seeing each other on a path
+# Punch retries back off 5, 10, 20, 40 s: both ends' retries meet within a few rounds.
+DIRECT_AGAIN_TIMEOUT_S = 120.0
 REBIND_DEADLINE_S = 10.0  # the issue's bound for recovering from a router that forgot its mappings
 
 
@@ -125,3 +127,20 @@ def test_a_router_forgetting_its_mappings_mid_request_costs_no_request(punched, 
     print(f"\nmappings flushed: h1 reached at {peer(h2, 'h1')['addr']} (was {before}) after {recovered_s:.1f} s")
     assert answer.get("text") == reference_text
     assert peer(h1, "p")["path"] == "direct"
+
+
+def test_a_relayed_pair_goes_direct_once_the_router_allows_it(relayed, reference_text):
+    """The router that mapped every destination anew now keeps one mapping per port: the pair's
+    punch retries get through, the direct path replaces the relay, and a request meanwhile completes."""
+    h1, h2 = relayed.nodes["h1"], relayed.nodes["h2"]
+    home2 = relayed.homes[1]
+    assert peer(h2, "h1")["path"] == "relayed"
+    relayed.lab.set_random_ports(home2, False)
+    answer: dict[str, str] = {}
+    asker = threading.Thread(target=lambda: answer.update(text=ns_complete(home2.host)))
+    asker.start()
+    wait_until(lambda: peer(h1, "h2").get("path") == "direct" and peer(h2, "h1").get("path") == "direct",
+               DIRECT_AGAIN_TIMEOUT_S, "the pair goes direct")
+    asker.join(LOAD_TIMEOUT_S)
+    assert answer.get("text") == reference_text
+    assert ns_complete(home2.host) == reference_text
