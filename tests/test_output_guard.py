@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
@@ -18,7 +17,7 @@ WORKER, OTHER, SERVING = b"\x0b" * 32, b"\x0a" * 32, b"\x0c" * 32
 
 
 def tensor(rms: float, name: str = "l_out-11", finite: bool = True) -> TensorMeasured:
-    return TensorMeasured(name, 576, finite, rms if finite else math.nan)
+    return TensorMeasured(name, 576, finite, rms if finite else None)
 
 
 def test_non_finite_is_a_fault_at_once() -> None:

@@ -35,11 +35,13 @@ class OutputGuard:
         """A fault in ``tensor`` returned by ``worker``, or None (then it joins the worker's history)."""
         if not tensor.finite:
             return Fault(NON_FINITE, f"NaN or Inf among the {tensor.values} values of {tensor.name}")
+        rms = tensor.rms
+        assert rms is not None  # finite values have one
         history = self._history.setdefault((worker, tensor.name), deque(maxlen=HISTORY_SAMPLES))
         if len(history) >= MIN_HISTORY_SAMPLES:
             low, high = min(history), max(history)
-            if tensor.rms > high * NORM_RATIO or tensor.rms < low / NORM_RATIO:
-                return Fault(NORM_OUTLIER, f"{tensor.name} has RMS {tensor.rms:.3g}, over {NORM_RATIO:g}x outside "
+            if rms > high * NORM_RATIO or rms < low / NORM_RATIO:
+                return Fault(NORM_OUTLIER, f"{tensor.name} has RMS {rms:.3g}, over {NORM_RATIO:g}x outside "
                                            f"its last {len(history)} ({low:.3g} to {high:.3g})")
-        history.append(tensor.rms)
+        history.append(rms)
         return None

@@ -86,8 +86,9 @@ class TensorMeasured:
     """How many values the reply carried."""
     finite: bool
     """No NaN and no Inf among them."""
-    rms: float
-    """Root mean square of the values (NaN when not finite): a norm independent of the batch size."""
+    rms: float | None
+    """Root mean square of the values (None when not finite): a norm independent of the batch size.
+    Not NaN: a NaN field would make equal verdicts compare unequal."""
 
 
 NON_FINITE = "non_finite"  # a NaN or an Inf among the values
@@ -136,7 +137,7 @@ def measure(name: str, data: bytes, ggml_type: int) -> TensorMeasured:
     wide = values.astype(np.float64)
     square_sum = float(np.dot(wide, wide))
     if not math.isfinite(square_sum):
-        return TensorMeasured(name, values.size, False, math.nan)
+        return TensorMeasured(name, values.size, False, None)
     return TensorMeasured(name, values.size, True, math.sqrt(square_sum / values.size))
 
 
