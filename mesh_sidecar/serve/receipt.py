@@ -78,7 +78,11 @@ def ask_for_token_ids(request: dict[str, Any], path: str) -> bool:
     """Make ``request`` ask for per-token logprobs; True if we added it (so it must be stripped)."""
     if request.get("logprobs"):
         return False
-    request["logprobs"] = True if path.endswith("chat/completions") else 1
+    if path.endswith("chat/completions"):
+        request["logprobs"] = True
+        request.setdefault("top_logprobs", 1)  # llama-server's default lists 20 alternatives per token
+    else:
+        request["logprobs"] = 1
     return True
 
 
