@@ -5,6 +5,8 @@
     MESH_LLAMA_BIN   a llama.cpp build's bin/ to use instead of the pinned one (``--llama-bin`` wins)
     MESH_API_KEY     the API key (``--api-key`` wins; typer reads it for that option)
     MESH_QUIC        the QUIC library: aioquic (default) or qh3 1.x
+    MESH_RESUME      how a stream goes on after a failover: continue (default, from the tokens
+                     delivered) or replay (regenerate them, the way before continuation; to compare)
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ LLAMA_BIN_ENV = "MESH_LLAMA_BIN"
 API_KEY_ENV = "MESH_API_KEY"
 QUIC_LIBRARY_ENV = "MESH_QUIC"
 DEFAULT_QUIC_LIBRARY = "aioquic"
+RESUME_ENV = "MESH_RESUME"
+RESUME_BY_REPLAY = "replay"
 
 
 def _path(name: str) -> Path | None:
@@ -39,3 +43,8 @@ def llama_bin_dir() -> Path | None:
 
 def quic_library() -> str:
     return os.environ.get(QUIC_LIBRARY_ENV, DEFAULT_QUIC_LIBRARY)
+
+
+def resume_by_replay() -> bool:
+    """Whether streams are to be replayed after a failover even where they could be continued."""
+    return os.environ.get(RESUME_ENV, "").strip().lower() == RESUME_BY_REPLAY

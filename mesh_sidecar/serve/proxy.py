@@ -62,7 +62,7 @@ from .. import environment
 from ..errors import MeshError, ServiceUnavailableError, UsageError
 from .metrics import Metrics
 from ..ports import LOOPBACK
-from .continuation import CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Continuation
+from .continuation import CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Continuation, uncovered
 from .receipt import OutputTap, ask_for_token_ids
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
 from .tiers import TierView, models_list, refusal_for
@@ -208,6 +208,7 @@ class ApiProxy:
         self._on_generation = on_generation
         self._on_stall = on_stall
         self._stall_timeout_s = stall_timeout_s
+        self._continue_streams = not environment.resume_by_replay()
         self._client = httpx.AsyncClient(
             timeout=UPSTREAM_TIMEOUT,
             headers={"Authorization": f"Bearer {upstream_key}"} if upstream_key else None)
@@ -355,12 +356,15 @@ class ApiProxy:
             if self._catalog is not None and (why := refusal_for(_requested_model(body), self._catalog())):
                 return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
             body, streaming = pin_seed(body)
-            if self._on_generation is not None or streaming:
+            if self._on_generation is not None or (streaming and self._continue_streams):
                 tapped = _tapped(body, request.path)
+            if (tapped is not None and streaming and self._continue_streams
+                    and uncovered(request.path, tapped.sent) is None):
+                continuation = Continuation(request.path, tapped.sent)
+            elif self._on_generation is None:
+                tapped = None  # neither receipts nor a continuation need token ids: none asked for
             if tapped is not None:
                 body = tapped.body
-                if streaming:
-                    continuation = Continuation(request.path, tapped.sent)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
