@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mesh_sidecar.serve.continuation import CHAT_PATH, COMPLETIONS_PATH, Continuation, uncovered
+from mesh_sidecar.serve.continuation import CHAT_PATH, COMPLETIONS_PATH, Assembly, Continuation, streamed, uncovered
 
 IDENTITY = {"id": "chatcmpl-first", "created": 100, "model": "SmolLM2"}
 PIECES = [("Light", 101), ("houses", 102), (" guide", 103), (" ships", 104), (".", 105)]
@@ -192,3 +192,43 @@ def test_errors_and_done_pass_unchanged():
     error = sse({"error": {"message": "boom", "type": "server_error", "code": 500}})
     assert continuation.reshape(error) == [error]
     assert continuation.reshape(b"data: [DONE]\n\n") == [b"data: [DONE]\n\n"]
+
+
+def test_a_plain_request_streams_to_be_continued_and_is_assembled_whole():
+    plain = {k: v for k, v in CHAT.items() if k not in ("stream", "stream_options", "logprobs", "top_logprobs")}
+    asked = streamed(CHAT_PATH, plain)
+    assert asked["stream"] is True and asked["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in streamed(COMPLETIONS_PATH, COMPLETION)
+    continuation = Continuation(CHAT_PATH, asked)
+    assembly = Assembly(CHAT_PATH)
+    before = [chat_event(None, role=True), chat_event("Light"), chat_event("houses")]  # logprobs stripped
+    for event in before:
+        assembly.add(event)
+    continuation.request("prompt")
+    usage = {"completion_tokens": 1, "prompt_tokens": 12, "total_tokens": 13}
+    for event in [completion_event(" guide"), completion_event("", finish="length", usage=usage)]:
+        for out in continuation.reshape(event):
+            assembly.add(out)
+    assert assembly.response() == {
+        "choices": [{"finish_reason": "length", "index": 0, "message": {"role": "assistant", "content": "Lighthouses guide"}}],
+        **IDENTITY, "object": "chat.completion", "usage": usage}
+
+
+def test_an_assembled_completion_keeps_the_logprobs_the_client_asked_for():
+    assembly = Assembly(COMPLETIONS_PATH)
+    for event in [completion_event("Light", 101), completion_event("houses", 102),
+                  completion_event("", finish="stop", usage={"completion_tokens": 2})]:
+        assembly.add(event)
+    response = assembly.response()
+    assert response["object"] == "text_completion" and response["id"] == "cmpl-first"
+    [choice] = response["choices"]
+    assert choice["text"] == "Lighthouses" and choice["finish_reason"] == "stop"
+    assert [p["id"] for p in choice["logprobs"]["content"]] == [101, 102]
+    assert Assembly(COMPLETIONS_PATH).response()["choices"][0]["logprobs"] is None
+
+
+def test_an_error_event_is_what_an_assembly_answers():
+    assembly = Assembly(COMPLETIONS_PATH)
+    assembly.add(completion_event("a"))
+    assembly.add(sse({"error": {"message": "boom", "type": "server_error", "code": 500}}))
+    assert assembly.error == {"error": {"message": "boom", "type": "server_error", "code": 500}}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,10 +22,14 @@ LONG = {"prompt": "Write a long story about a lighthouse keeper and a storm.", "
 FAILOVER_TIMEOUT_S = 180.0
 
 
-def plain_text(port: int) -> str:
-    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=LONG, timeout=FAILOVER_TIMEOUT_S)
+def plain_answer(port: int, request: dict) -> dict:
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=request, timeout=FAILOVER_TIMEOUT_S)
     assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["text"]
+    return response.json()
+
+
+def token_ids_of(answer: dict) -> list[int]:
+    return [p["id"] for p in answer["choices"][0]["logprobs"]["content"]]
 
 
 @pytest.fixture
@@ -39,9 +43,10 @@ def three_nodes(start_node):
 
 def test_plain_request_survives_a_worker_dying(three_nodes):
     a, b, c = three_nodes
-    undisturbed = plain_text(c.serve_port)
-    result: dict[str, str] = {}
-    asker = threading.Thread(target=lambda: result.update(text=plain_text(c.serve_port)))
+    asked = {**LONG, "logprobs": 1}  # the client wants the token ids: the test compares them
+    undisturbed = plain_answer(c.serve_port, asked)
+    result: dict[str, dict] = {}
+    asker = threading.Thread(target=lambda: result.update(answer=plain_answer(c.serve_port, asked)))
     asker.start()
     # Kill while llama-server is generating: wait until the tunnel to b carries this request.
     before = next(p["bytes_to_peer"] for p in c.status()["peers"] if p["name"] == "b")
@@ -49,9 +54,18 @@ def test_plain_request_survives_a_worker_dying(three_nodes):
                60, "the request reaches b")
     kill_worker(b)
     asker.join(FAILOVER_TIMEOUT_S)
-    assert result.get("text") == undisturbed
+    answer = result["answer"]
+    assert answer["usage"]["completion_tokens"] == LONG["max_tokens"] and answer["object"] == "text_completion"
+    ids, undisturbed_ids = token_ids_of(answer), token_ids_of(undisturbed)
+    # Streamed from llama-server and continued from the tokens generated before the failover (the
+    # proxy logs how many): alone, those are the undisturbed ones, and the next is the model's next.
+    log = "".join(f.read_text() for f in (c.home / "logs").glob("*.log"))
+    generated = int(re.findall(r"continuing a stream from (\d+) delivered tokens", log)[-1])
+    assert 0 < generated < len(ids) and ids[:generated] == undisturbed_ids[:generated]
+    assert ids[generated] == next_token(c, "/v1/completions", LONG, ids[:generated])["logprobs"]["content"][0]["id"]
     samples = metrics(c.serve_port)
     assert samples["mesh_failovers_total{}"] >= 1 and samples["mesh_retries_total{}"] >= 1
+    assert samples["mesh_streams_resumed_total{how=continued}"] == 1
 
 
 def test_losing_capacity_gives_503_and_recovers_without_restarting_the_server(start_node):
@@ -143,18 +157,25 @@ def prompt_text(node, path: str, request: dict) -> str:
     return rendered.json()["prompt"]
 
 
-def assert_goes_on_exactly(node, path: str, request: dict, received: Received, ids_before: list[int]) -> None:
-    """The text after the failover starts exactly after the delivered tokens, no repeat, no gap: its first
-    piece is what the model, asked alone on the healed mesh, says comes after exactly those tokens.
-
-    Only the first piece: llama.cpp's arithmetic differs between a prompt processed as one batch and tokens
-    decoded one by one, so a greedy continuation may later take another near-tie than the undisturbed run
-    (seen with plain llama-server too)."""
-    seam = received.seam()
+def next_token(node, path: str, request: dict, ids_before: list[int]) -> dict:
+    """The choice of a one-token greedy completion after the request's prompt and ``ids_before``, asked
+    alone on the healed mesh: what the model says comes after exactly those tokens."""
     sampling = {k: request[k] for k in ("temperature", "top_k", "seed", "ignore_eos") if k in request}
     response = httpx.post(f"http://127.0.0.1:{node.serve_port}/v1/completions", timeout=FAILOVER_TIMEOUT_S, json={
-        "prompt": [prompt_text(node, path, request), *ids_before], "max_tokens": 1, "cache_prompt": False, **sampling})
-    assert received.text(seam + 1)[len(received.text(seam)):] == response.json()["choices"][0]["text"], path
+        "prompt": [prompt_text(node, path, request), *ids_before], "max_tokens": 1, "cache_prompt": False,
+        "logprobs": 1, **sampling})
+    return response.json()["choices"][0]
+
+
+def assert_goes_on_exactly(node, path: str, request: dict, received: Received, ids_before: list[int]) -> None:
+    """The text after the failover starts exactly after the delivered tokens, no repeat, no gap.
+
+    Only its first piece is checked: llama.cpp's arithmetic differs between a prompt processed as one batch
+    and tokens decoded one by one, so a greedy continuation may later take another near-tie than the
+    undisturbed run (seen with plain llama-server too)."""
+    seam = received.seam()
+    expected = next_token(node, path, request, ids_before)["text"]
+    assert received.text(seam + 1)[len(received.text(seam)):] == expected, path
 
 
 def test_stream_survives_a_worker_dying_mid_stream(three_nodes):

@@ -30,6 +30,10 @@ continuation's completion chunks are reshaped into the original endpoint's
 events (chat: ``choices[0].delta.content``) with the ``id``, ``created`` and
 ``model`` the client saw first, and usage counted as for one generation.
 
+A plain (non-streamed) request that continuation covers goes to llama-server
+as a stream (``streamed``), so that it has token ids to go on from too;
+``Assembly`` makes the one response the client asked for out of the events.
+
 Not covered, so replayed as before: several choices, grammars and JSON
 schemas (their state starts at the first generated token), tool calls,
 non-text chat content, chat answers with reasoning content, and a failover
@@ -116,6 +120,14 @@ def _probabilities_asked(path: str, request: dict[str, Any]) -> int:
     if path == CHAT_PATH:
         return request.get("top_logprobs", DEFAULT_CHAT_TOP_LOGPROBS) if logprobs else 0
     return logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else int(logprobs is True)
+
+
+def streamed(path: str, request: dict[str, Any]) -> dict[str, Any]:
+    """A plain ``request`` as a stream with usage, to be continued if need be and assembled (Assembly)."""
+    request = {**request, "stream": True}
+    if path == CHAT_PATH:
+        request["stream_options"] = {"include_usage": True}
+    return request
 
 
 def _token_ids(choice: dict[str, Any]) -> list[int]:
@@ -251,3 +263,47 @@ class Continuation:
         if chunks and "timings" in payload:
             chunks[-1]["timings"] = payload["timings"]  # the proxy reads the decode speed from it
         return chunks
+
+
+class Assembly:
+    """A plain request answered from its stream: events in (the client's endpoint format), one response out."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._top: dict[str, Any] = {}  # id, created, model, system_fingerprint; usage, timings
+        self._text = ""
+        self._logprobs: list[Any] = []  # present only if the client asked: the proxy strips those it added
+        self._finish_reason: str | None = None
+        self.error: dict[str, Any] | None = None  # an error event's payload
+
+    def add(self, event: bytes) -> None:
+        payload = event_payload(event)
+        if not isinstance(payload, dict):
+            return
+        if "error" in payload:
+            self.error = payload
+            return
+        for key in ("id", "created", "model", "system_fingerprint"):
+            if key in payload:
+                self._top.setdefault(key, payload[key])
+        self._top.update({k: payload[k] for k in ("usage", "timings") if k in payload})
+        for choice in payload.get("choices") or []:
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            self._text += text if isinstance(text, str) else ""
+            self._logprobs += (choice.get("logprobs") or {}).get("content") or []
+            self._finish_reason = choice.get("finish_reason") or self._finish_reason
+
+    def response(self) -> dict[str, Any]:
+        """The response llama-server gives the request unstreamed."""
+        logprobs = {"content": self._logprobs} if self._logprobs else None
+        if self._path == CHAT_PATH:
+            choice: dict[str, Any] = {"finish_reason": self._finish_reason, "index": 0,
+                                      "message": {"role": "assistant", "content": self._text}}
+            if logprobs:
+                choice["logprobs"] = logprobs
+            kind = "chat.completion"
+        else:
+            choice = {"text": self._text, "index": 0, "logprobs": logprobs, "finish_reason": self._finish_reason}
+            kind = "text_completion"
+        return {"choices": [choice], **self._top, "object": kind}

@@ -20,8 +20,10 @@ proxy waits for the next llama-server and asks again: a request whose answer
 had not started is retried whole; a stream that had started is continued from
 the token ids it delivered (continuation.py), or, where continuation does not
 cover the request, replayed; either way it goes on on the same connection with
-exactly the text that was still missing. ``_exchange`` does this for any
-failover: llama-server dead, or its stream stalled.
+exactly the text that was still missing. A plain request that continuation
+covers is streamed from llama-server and assembled here, so it is continued
+the same way. ``_exchange`` does this for any failover: llama-server dead, or
+its stream stalled.
 When the next llama-server runs another model (a smaller tier, tiers.py), a
 stream that already sent text cannot continue: it ends with an error event
 saying so, while a plain request is answered whole by the new model.
@@ -62,7 +64,8 @@ from .. import environment
 from ..errors import MeshError, ServiceUnavailableError, UsageError
 from .metrics import Metrics
 from ..ports import LOOPBACK
-from .continuation import CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Continuation, uncovered
+from .continuation import (CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Assembly, Continuation, streamed,
+                           uncovered)
 from .receipt import OutputTap, ask_for_token_ids
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
 from .tiers import TierView, models_list, refusal_for
@@ -188,6 +191,12 @@ def _tapped(body: bytes, path: str) -> Tapped | None:
     meant = json.loads(body)
     added = ask_for_token_ids(request, path)
     return Tapped(json.dumps(request).encode(), meant, request, OutputTap(strip=added))
+
+
+def _streamed(tapped: Tapped, path: str) -> Tapped:
+    """A plain request sent as a stream, to be assembled (and continued after a failover)."""
+    sent = streamed(path, tapped.sent)
+    return Tapped(json.dumps(sent).encode(), tapped.meant, sent, tapped.tap)
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -352,14 +361,16 @@ class ApiProxy:
         streaming = False
         tapped: Tapped | None = None
         continuation: Continuation | None = None
+        assembly: Assembly | None = None
         if request.method == "POST" and request.path in GENERATION_PATHS:
             if self._catalog is not None and (why := refusal_for(_requested_model(body), self._catalog())):
                 return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
             body, streaming = pin_seed(body)
-            if self._on_generation is not None or (streaming and self._continue_streams):
+            if self._on_generation is not None or self._continue_streams:
                 tapped = _tapped(body, request.path)
-            if (tapped is not None and streaming and self._continue_streams
-                    and uncovered(request.path, tapped.sent) is None):
+            if tapped is not None and self._continue_streams and uncovered(request.path, tapped.sent) is None:
+                if not streaming:
+                    tapped, assembly = _streamed(tapped, request.path), Assembly(request.path)
                 continuation = Continuation(request.path, tapped.sent)
             elif self._on_generation is None:
                 tapped = None  # neither receipts nor a continuation need token ids: none asked for
@@ -375,7 +386,7 @@ class ApiProxy:
         self._idle.clear()
         try:
             response, answered_by = await self._exchange(request, upstream, headers, body, streaming,
-                                                         tapped.tap if tapped else None, continuation)
+                                                         tapped.tap if tapped else None, continuation, assembly)
             if self._on_generation is not None and tapped is not None and response.status == 200:
                 self._report(Generation(request.path, tapped.meant, tapped.tap, answered_by.model))
             return self._count(request, response)
@@ -396,10 +407,10 @@ class ApiProxy:
             log.exception("could not record the generation for %s", generation.path)
 
     async def _exchange(self, request: web.Request, at: Upstream, headers: dict[str, str], body: bytes,
-                        streaming: bool, tap: OutputTap | None = None,
-                        continuation: Continuation | None = None) -> tuple[web.StreamResponse, Upstream]:
+                        streaming: bool, tap: OutputTap | None = None, continuation: Continuation | None = None,
+                        assembly: Assembly | None = None) -> tuple[web.StreamResponse, Upstream]:
         """Send to llama-server; on any failure (death, stall) wait for the next one and retry,
-        continue or replay.
+        continue or replay. With an ``assembly``, llama-server streams what the client gets whole.
 
         Also returns the llama-server that answered last.
         """
@@ -416,7 +427,12 @@ class ApiProxy:
                 upstream = await self._client.send(self._client.build_request(
                     request.method, at.url + target, headers=headers, content=asked), stream=True)
                 try:
-                    if not streaming:
+                    if continuing and upstream.status_code != 200:
+                        log.warning("llama-server refused a continuation (%d: %s); replaying instead",
+                                    upstream.status_code, (await upstream.aread())[:200])
+                        target, asked, continuing, replay = request.rel_url.path_qs, body, False, self._replay(ledger)
+                        continue
+                    if (assembly is None and not streaming) or (assembly is not None and upstream.status_code != 200):
                         # Read it all before answering: a failure then can still be retried whole.
                         content = await upstream.aread()
                         self._observe_timings(content)
@@ -424,12 +440,7 @@ class ApiProxy:
                             content = tap.content(content)
                         return web.Response(status=upstream.status_code, body=content,
                                             headers=self._headers(upstream)), at
-                    if continuing and upstream.status_code != 200:
-                        log.warning("llama-server refused a continuation (%d: %s); replaying instead",
-                                    upstream.status_code, (await upstream.aread())[:200])
-                        target, asked, continuing, replay = request.rel_url.path_qs, body, False, self._replay(ledger)
-                        continue
-                    if response is None:
+                    if response is None and assembly is None:
                         response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
                         await response.prepare(request)
                     splitter = EventSplitter()
@@ -442,12 +453,19 @@ class ApiProxy:
                                 ledger.record(event)
                                 if continuation is not None:
                                     continuation.record(event)
-                            if not first_text_seen and ledger.delivered:
+                            if not first_text_seen and ledger.delivered and response is not None:
                                 first_text_seen = True
                                 self.metrics.first_token.observe(time.monotonic() - started)
                             self._observe_timings(out)
-                            await response.write(tap.event(out) if tap is not None else out)
+                            if assembly is not None:
+                                assembly.add(tap.event(out) if tap is not None else out)
+                            else:
+                                assert response is not None
+                                await response.write(tap.event(out) if tap is not None else out)
                             self.token_rate.streamed(out, time.monotonic())
+                    if assembly is not None:
+                        return self._assembled(assembly), at
+                    assert response is not None
                     await response.write_eof()
                     return response, at
                 finally:
@@ -462,14 +480,23 @@ class ApiProxy:
                     next_at = await self._wait_elsewhere(at.epoch)
                 except ServiceUnavailableError as unavailable:
                     return await self._give_up(response, str(unavailable), unavailable.code), at
-                if ledger.delivered and next_at.model != at.model:
+                if assembly is not None and ledger.delivered and next_at.model != at.model:
+                    # Nothing reached the client: the new model answers it whole, as any plain request.
+                    ledger, assembly = StreamLedger(), Assembly(request.path)
+                    continuation = Continuation(request.path, continuation.sent) if continuation else None
+                    if tap is not None:
+                        tap.forget()
+                    target, asked, continuing, replay = request.rel_url.path_qs, body, False, None
+                elif ledger.delivered and next_at.model != at.model:
                     return await self._give_up(response, (
                         f"The mesh lost capacity and now serves {next_at.model!r} instead of {at.model!r}; "
                         "a stream cannot continue on another model. Send the request again."),
                         "model_switched"), at
                 at = next_at
-                if response is not None and replay is None:
-                    if continuation is not None and (resumed := await self._continuation(continuation, at)):
+                if response is not None or ledger.delivered:
+                    # Once replayed, the continuation's record of token ids stops: replay again.
+                    if (replay is None and continuation is not None
+                            and (resumed := await self._continuation(continuation, at))):
                         target, asked, continuing = CONTINUE_PATH, resumed, True
                         self.metrics.resumed.labels("continued").inc()
                     else:
@@ -480,6 +507,12 @@ class ApiProxy:
                 # The client went away (often right after [DONE]): nothing left to deliver.
                 assert response is not None
                 return response, at
+
+    @staticmethod
+    def _assembled(assembly: Assembly) -> web.Response:
+        if assembly.error is not None:
+            return web.json_response(assembly.error, status=500)
+        return web.json_response(assembly.response())
 
     def _replay(self, ledger: StreamLedger) -> Replay:
         self.metrics.resumed.labels("replayed").inc()

@@ -105,6 +105,10 @@ class OutputTap:
         self.timings: dict[str, Any] = {}
         self.response_id: str | None = None
 
+    def forget(self) -> None:
+        """Drop what was seen: the request is being asked again from the start."""
+        self.token_ids, self.timings, self.response_id = [], {}, None
+
     def content(self, data: bytes) -> bytes:
         response = self._take(data)
         if response is None or not self._strip:
