@@ -232,3 +232,11 @@ def test_an_error_event_is_what_an_assembly_answers():
     assembly.add(completion_event("a"))
     assembly.add(sse({"error": {"message": "boom", "type": "server_error", "code": 500}}))
     assert assembly.error == {"error": {"message": "boom", "type": "server_error", "code": 500}}
+
+
+def test_an_assembled_chat_keeps_reasoning_apart_from_the_content():
+    assembly = Assembly(CHAT_PATH)
+    assembly.add(sse({"choices": [{"index": 0, "delta": {"reasoning_content": "Think."}}], **IDENTITY}))
+    assembly.add(chat_event("Answer."))
+    assert assembly.response()["choices"][0]["message"] == {
+        "role": "assistant", "content": "Answer.", "reasoning_content": "Think."}

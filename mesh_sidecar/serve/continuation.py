@@ -272,6 +272,7 @@ class Assembly:
         self._path = path
         self._top: dict[str, Any] = {}  # id, created, model, system_fingerprint; usage, timings
         self._text = ""
+        self._reasoning = ""  # a reasoning model's chat answer carries it apart from the content
         self._logprobs: list[Any] = []  # present only if the client asked: the proxy strips those it added
         self._finish_reason: str | None = None
         self.error: dict[str, Any] | None = None  # an error event's payload
@@ -291,6 +292,8 @@ class Assembly:
             delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             self._text += text if isinstance(text, str) else ""
+            reasoning = delta.get("reasoning_content") if isinstance(delta, dict) else None
+            self._reasoning += reasoning if isinstance(reasoning, str) else ""
             self._logprobs += (choice.get("logprobs") or {}).get("content") or []
             self._finish_reason = choice.get("finish_reason") or self._finish_reason
 
@@ -298,8 +301,10 @@ class Assembly:
         """The response llama-server gives the request unstreamed."""
         logprobs = {"content": self._logprobs} if self._logprobs else None
         if self._path == CHAT_PATH:
-            choice: dict[str, Any] = {"finish_reason": self._finish_reason, "index": 0,
-                                      "message": {"role": "assistant", "content": self._text}}
+            message = {"role": "assistant", "content": self._text}
+            if self._reasoning:
+                message["reasoning_content"] = self._reasoning
+            choice: dict[str, Any] = {"finish_reason": self._finish_reason, "index": 0, "message": message}
             if logprobs:
                 choice["logprobs"] = logprobs
             kind = "chat.completion"
