@@ -48,6 +48,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .receipt import token_ids
 from .replay import DATA_PREFIX, EVENT_SEPARATOR, event_payload
 
 CHAT_PATH = "/v1/chat/completions"
@@ -130,20 +131,16 @@ def streamed(path: str, request: dict[str, Any]) -> dict[str, Any]:
     return request
 
 
-def _token_ids(choice: dict[str, Any]) -> list[int]:
-    content = (choice.get("logprobs") or {}).get("content") or []
-    return [entry["id"] for entry in content if isinstance(entry, dict) and isinstance(entry.get("id"), int)]
-
-
 def _event(payload: dict[str, Any]) -> bytes:
     return DATA_PREFIX + json.dumps(payload).encode() + EVENT_SEPARATOR
 
 
 @dataclass
 class Continuation:
-    """One streamed generation request: what the client has, and how to go on from there.
+    """One generation request streamed from llama-server: what the client has, and how to go on from there.
 
-    Feed ``record`` every event as the client gets it (with the token ids still in); after
+    Feed ``record`` every event as the client (or the Assembly of a plain answer) gets it, with
+    the token ids still in; after
     a failover ask ``resumable``, have the new llama-server render the chat prompt
     (``template_request``) and check the ids (``detokenize_request``, ``spells_delivered``),
     send ``request(prompt)`` to CONTINUE_PATH and pass its events through ``reshape``.
@@ -166,7 +163,7 @@ class Continuation:
         return self._ids[: self._resume_ids]
 
     def record(self, event: bytes) -> None:
-        """Note one event as delivered to the client."""
+        """Note one event as delivered."""
         payload = event_payload(event)
         if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
             return
@@ -181,7 +178,7 @@ class Continuation:
             if isinstance(delta, dict) and (delta.get("reasoning_content") or delta.get("tool_calls")):
                 self.why_not = "the answer has reasoning or tool calls"
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-            self._ids += _token_ids(choice)
+            self._ids += token_ids(choice)
             if isinstance(text, str) and text:
                 self.text += text
                 self._resume_ids = len(self._ids)  # text sent includes all held back before it
@@ -204,7 +201,9 @@ class Continuation:
         return isinstance(detokenized, dict) and detokenized.get("content") == self.text
 
     def request(self, rendered_prompt: str | None = None) -> dict[str, Any]:
-        """The body for CONTINUE_PATH; a chat request needs TEMPLATE_PATH's ``prompt``."""
+        """The body for CONTINUE_PATH; a chat request needs TEMPLATE_PATH's ``prompt``.
+
+        Remembers how many ids it gives as prompt: ``reshape`` counts them as generated in usage."""
         if self.path == CHAT_PATH:
             assert rendered_prompt is not None, "a chat continuation needs the rendered prompt"
             parts: list[Any] = [rendered_prompt]
