@@ -6,6 +6,8 @@
     MESH_API_KEY     the API key (``--api-key`` wins; typer reads it for that option)
     MESH_QUIC        the QUIC library: aioquic (default) or qh3 1.x
     MESH_OUTPUT_CHECK  0: the serving node does not check its workers' layer outputs (to measure its cost)
+    MESH_RESUME      how a stream goes on after a failover: continue (default, from the tokens
+                     delivered) or replay (regenerate them, the way before continuation; to compare)
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ API_KEY_ENV = "MESH_API_KEY"
 QUIC_LIBRARY_ENV = "MESH_QUIC"
 DEFAULT_QUIC_LIBRARY = "aioquic"
 OUTPUT_CHECK_ENV = "MESH_OUTPUT_CHECK"
+RESUME_ENV = "MESH_RESUME"
+RESUME_BY_REPLAY = "replay"
 
 
 def _path(name: str) -> Path | None:
@@ -46,3 +50,8 @@ def quic_library() -> str:
 def output_check() -> bool:
     """Whether the serving node checks the layer outputs its workers return (on unless set to 0)."""
     return os.environ.get(OUTPUT_CHECK_ENV, "1") != "0"
+
+
+def resume_by_replay() -> bool:
+    """Whether streams are to be replayed after a failover even where they could be continued."""
+    return os.environ.get(RESUME_ENV, "").strip().lower() == RESUME_BY_REPLAY

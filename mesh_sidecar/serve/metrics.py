@@ -73,6 +73,8 @@ class Metrics:
                                  registry=self.registry)
         self.retries = Counter(PREFIX + "retries", "Requests retried or streams replayed after a failover",
                                registry=self.registry)
+        self.resumed = Counter(PREFIX + "streams_resumed", "Streams that went on after a failover, by how: "
+                               "continued from the tokens delivered, or replayed", ["how"], registry=self.registry)
         self.restarts = Counter(PREFIX + "restarts", "llama-server restarts for any reason (replans included)",
                                 registry=self.registry)
         self.first_token = Histogram(PREFIX + "first_token_seconds", "Time to the first streamed text",

@@ -17,8 +17,13 @@ so a replan never cuts a request short that it could have let finish.
 Requests survive a failover. Generation requests get a pinned seed (see
 replay.py), so when llama-server dies under a request (a member was lost), the
 proxy waits for the next llama-server and asks again: a request whose answer
-had not started is retried whole; a stream that had started is replayed and
-continues on the same connection with exactly the text that was still missing.
+had not started is retried whole; a stream that had started is continued from
+the token ids it delivered (continuation.py), or, where continuation does not
+cover the request, replayed; either way it goes on on the same connection with
+exactly the text that was still missing. A plain request that continuation
+covers is streamed from llama-server and assembled here, so it is continued
+the same way. ``_exchange`` does this for any failover: llama-server dead, or
+its stream stalled.
 When the next llama-server runs another model (a smaller tier, tiers.py), a
 stream that already sent text cannot continue: it ends with an error event
 saying so, while a plain request is answered whole by the new model.
@@ -59,6 +64,8 @@ from .. import environment
 from ..errors import MeshError, ServiceUnavailableError, UsageError
 from .metrics import Metrics
 from ..ports import LOOPBACK
+from .continuation import (CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Assembly, Continuation, streamed,
+                           uncovered)
 from .receipt import OutputTap, ask_for_token_ids
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
 from .tiers import TierView, models_list, refusal_for
@@ -163,17 +170,33 @@ def _requested_model(body: bytes) -> str:
     return model if isinstance(model, str) else ""
 
 
-def _tapped(body: bytes, path: str) -> tuple[bytes, dict | None, OutputTap | None]:
-    """The body asking for token ids too, the request as the client meant it, and the tap to read them."""
+@dataclass(frozen=True)
+class Tapped:
+    """A generation request made to return token ids (for receipts and continuation)."""
+
+    body: bytes  # as sent to llama-server
+    meant: dict  # the request as the client meant it
+    sent: dict  # the request as sent to llama-server
+    tap: OutputTap  # reads the ids, strips them unless the client asked
+
+
+def _tapped(body: bytes, path: str) -> Tapped | None:
+    """The request asking for token ids too (None: not a JSON object; llama-server will answer it)."""
     try:
         request = json.loads(body)
     except ValueError:
-        return body, None, None
+        return None
     if not isinstance(request, dict):
-        return body, None, None
-    sent = json.loads(body)
+        return None
+    meant = json.loads(body)
     added = ask_for_token_ids(request, path)
-    return json.dumps(request).encode(), sent, OutputTap(strip=added)
+    return Tapped(json.dumps(request).encode(), meant, request, OutputTap(strip=added))
+
+
+def _streamed(tapped: Tapped, path: str) -> Tapped:
+    """A plain request sent as a stream, to be assembled (and continued after a failover)."""
+    sent = streamed(path, tapped.sent)
+    return Tapped(json.dumps(sent).encode(), tapped.meant, sent, tapped.tap)
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -194,6 +217,7 @@ class ApiProxy:
         self._on_generation = on_generation
         self._on_stall = on_stall
         self._stall_timeout_s = stall_timeout_s
+        self._continue_streams = not environment.resume_by_replay()
         self._client = httpx.AsyncClient(
             timeout=UPSTREAM_TIMEOUT,
             headers={"Authorization": f"Bearer {upstream_key}"} if upstream_key else None)
@@ -335,14 +359,23 @@ class ApiProxy:
             return self._count(request, web.json_response(models_list(self._catalog(), int(time.time()))))
         body = await request.read()
         streaming = False
-        tap: OutputTap | None = None
-        sent: dict | None = None
+        tapped: Tapped | None = None
+        continuation: Continuation | None = None
+        assembly: Assembly | None = None
         if request.method == "POST" and request.path in GENERATION_PATHS:
             if self._catalog is not None and (why := refusal_for(_requested_model(body), self._catalog())):
                 return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
             body, streaming = pin_seed(body)
-            if self._on_generation is not None:
-                body, sent, tap = _tapped(body, request.path)
+            if self._on_generation is not None or self._continue_streams:
+                tapped = _tapped(body, request.path)
+            if tapped is not None and self._continue_streams and uncovered(request.path, tapped.sent) is None:
+                if not streaming:
+                    tapped, assembly = _streamed(tapped, request.path), Assembly(request.path)
+                continuation = Continuation(request.path, tapped.sent)
+            elif self._on_generation is None:
+                tapped = None  # neither receipts nor a continuation need token ids: none asked for
+            if tapped is not None:
+                body = tapped.body
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
@@ -352,9 +385,10 @@ class ApiProxy:
         self._in_flight += 1
         self._idle.clear()
         try:
-            response, answered_by = await self._exchange(request, upstream, headers, body, streaming, tap)
-            if tap is not None and sent is not None and response.status == 200:
-                self._report(Generation(request.path, sent, tap, answered_by.model))
+            response, answered_by = await self._exchange(request, upstream, headers, body, streaming,
+                                                         tapped.tap if tapped else None, continuation, assembly)
+            if self._on_generation is not None and tapped is not None and response.status == 200:
+                self._report(Generation(request.path, tapped.meant, tapped.tap, answered_by.model))
             return self._count(request, response)
         finally:
             self._in_flight -= 1
@@ -373,8 +407,10 @@ class ApiProxy:
             log.exception("could not record the generation for %s", generation.path)
 
     async def _exchange(self, request: web.Request, at: Upstream, headers: dict[str, str], body: bytes,
-                        streaming: bool, tap: OutputTap | None = None) -> tuple[web.StreamResponse, Upstream]:
-        """Send to llama-server; on its failure wait for the next one and retry or replay.
+                        streaming: bool, tap: OutputTap | None = None, continuation: Continuation | None = None,
+                        assembly: Assembly | None = None) -> tuple[web.StreamResponse, Upstream]:
+        """Send to llama-server; on any failure (death, stall) wait for the next one and retry,
+        continue or replay. With an ``assembly``, llama-server streams what the client gets whole.
 
         Also returns the llama-server that answered last.
         """
@@ -383,13 +419,20 @@ class ApiProxy:
         response: web.StreamResponse | None = None
         ledger = StreamLedger()
         replay: Replay | None = None
+        target, asked = request.rel_url.path_qs, body  # what goes to llama-server: the request, or its continuation
+        continuing = False
         failovers = 0
         while True:
             try:
                 upstream = await self._client.send(self._client.build_request(
-                    request.method, at.url + request.rel_url.path_qs, headers=headers, content=body), stream=True)
+                    request.method, at.url + target, headers=headers, content=asked), stream=True)
                 try:
-                    if not streaming:
+                    if continuing and upstream.status_code != 200:
+                        log.warning("llama-server refused a continuation (%d: %s); replaying instead",
+                                    upstream.status_code, (await upstream.aread())[:200])
+                        target, asked, continuing, replay = request.rel_url.path_qs, body, False, self._replay(ledger)
+                        continue
+                    if (assembly is None and not streaming) or (assembly is not None and upstream.status_code != 200):
                         # Read it all before answering: a failure then can still be retried whole.
                         content = await upstream.aread()
                         self._observe_timings(content)
@@ -397,23 +440,32 @@ class ApiProxy:
                             content = tap.content(content)
                         return web.Response(status=upstream.status_code, body=content,
                                             headers=self._headers(upstream)), at
-                    if response is None:
+                    if response is None and assembly is None:
                         response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
                         await response.prepare(request)
                     splitter = EventSplitter()
                     async for chunk in self._unless_stalled(upstream.aiter_raw(), request.path):
-                        for event in splitter.feed(chunk):
+                        for event in self._reshaped(splitter.feed(chunk), continuation if continuing else None):
                             out = event if replay is None else replay.filter(event)
                             if out is None:
                                 continue
                             if replay is None:
                                 ledger.record(event)
-                            if not first_text_seen and ledger.delivered:
+                                if continuation is not None:
+                                    continuation.record(event)
+                            if not first_text_seen and ledger.delivered and response is not None:
                                 first_text_seen = True
                                 self.metrics.first_token.observe(time.monotonic() - started)
                             self._observe_timings(out)
-                            await response.write(tap.event(out) if tap is not None else out)
+                            if assembly is not None:
+                                assembly.add(tap.event(out) if tap is not None else out)
+                            else:
+                                assert response is not None
+                                await response.write(tap.event(out) if tap is not None else out)
                             self.token_rate.streamed(out, time.monotonic())
+                    if assembly is not None:
+                        return self._assembled(assembly), at
+                    assert response is not None
                     await response.write_eof()
                     return response, at
                 finally:
@@ -428,20 +480,73 @@ class ApiProxy:
                     next_at = await self._wait_elsewhere(at.epoch)
                 except ServiceUnavailableError as unavailable:
                     return await self._give_up(response, str(unavailable), unavailable.code), at
-                if ledger.delivered and next_at.model != at.model:
+                if assembly is not None and ledger.delivered and next_at.model != at.model:
+                    # Nothing reached the client: the new model answers it whole, as any plain request.
+                    ledger, assembly = StreamLedger(), Assembly(request.path)
+                    continuation = Continuation(request.path, continuation.sent) if continuation else None
+                    if tap is not None:
+                        tap.forget()
+                    target, asked, continuing, replay = request.rel_url.path_qs, body, False, None
+                elif ledger.delivered and next_at.model != at.model:
                     return await self._give_up(response, (
                         f"The mesh lost capacity and now serves {next_at.model!r} instead of {at.model!r}; "
                         "a stream cannot continue on another model. Send the request again."),
                         "model_switched"), at
                 at = next_at
-                if response is not None:
-                    replay = Replay(ledger)
+                if response is not None or ledger.delivered:
+                    # Once replayed, the continuation's record of token ids stops: replay again.
+                    if (replay is None and continuation is not None
+                            and (resumed := await self._continuation(continuation, at))):
+                        target, asked, continuing = CONTINUE_PATH, resumed, True
+                        self.metrics.resumed.labels("continued").inc()
+                    else:
+                        target, asked, continuing, replay = request.rel_url.path_qs, body, False, self._replay(ledger)
             except MeshError as exc:  # ReplayMismatchError, an oversized event
                 return await self._give_up(response, str(exc)), at
             except ConnectionResetError:
                 # The client went away (often right after [DONE]): nothing left to deliver.
                 assert response is not None
                 return response, at
+
+    @staticmethod
+    def _assembled(assembly: Assembly) -> web.Response:
+        if assembly.error is not None:
+            return web.json_response(assembly.error, status=500)
+        return web.json_response(assembly.response())
+
+    def _replay(self, ledger: StreamLedger) -> Replay:
+        self.metrics.resumed.labels("replayed").inc()
+        return Replay(ledger)
+
+    @staticmethod
+    def _reshaped(events: list[bytes], continuation: Continuation | None) -> list[bytes]:
+        """A continuation's events in the client's endpoint's format; others as they are."""
+        return events if continuation is None else [out for event in events for out in continuation.reshape(event)]
+
+    async def _continuation(self, continuation: Continuation, at: Upstream) -> bytes | None:
+        """The body that asks ``at`` to go on from the tokens delivered (None: replay instead)."""
+        if not continuation.resumable():
+            log.info("replaying a stream: %s", continuation.why_not or "no token to continue from")
+            return None
+        try:
+            prompt = None
+            if (template := continuation.template_request()) is not None:
+                rendered = await self._client.post(at.url + TEMPLATE_PATH, json=template)
+                rendered.raise_for_status()
+                answer = rendered.json()
+                prompt = answer.get("prompt") if isinstance(answer, dict) else None
+                if not isinstance(prompt, str):
+                    raise ValueError(f"{TEMPLATE_PATH} answered without a prompt")
+            spelled = await self._client.post(at.url + DETOKENIZE_PATH, json=continuation.detokenize_request())
+            spelled.raise_for_status()
+            if not continuation.spells_delivered(spelled.json()):
+                log.info("replaying a stream: its token ids do not spell the text delivered")
+                return None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("replaying a stream: cannot prepare its continuation (%r)", exc)
+            return None
+        log.info("continuing a stream from %d delivered tokens", len(continuation.resume_ids))
+        return json.dumps(continuation.request(prompt)).encode()
 
     async def _unless_stalled(self, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
         """The chunks, until one takes longer than the stall timeout: then ask for a restart."""

@@ -78,7 +78,11 @@ def ask_for_token_ids(request: dict[str, Any], path: str) -> bool:
     """Make ``request`` ask for per-token logprobs; True if we added it (so it must be stripped)."""
     if request.get("logprobs"):
         return False
-    request["logprobs"] = True if path.endswith("chat/completions") else 1
+    if path.endswith("chat/completions"):
+        request["logprobs"] = True
+        request.setdefault("top_logprobs", 1)  # llama-server's default lists 20 alternatives per token
+    else:
+        request["logprobs"] = 1
     return True
 
 
@@ -100,6 +104,10 @@ class OutputTap:
         self.token_ids: list[int] = []
         self.timings: dict[str, Any] = {}
         self.response_id: str | None = None
+
+    def forget(self) -> None:
+        """Drop what was seen: the request is being asked again from the start."""
+        self.token_ids, self.timings, self.response_id = [], {}, None
 
     def content(self, data: bytes) -> bytes:
         response = self._take(data)

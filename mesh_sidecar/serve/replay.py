@@ -66,7 +66,7 @@ class EventSplitter:
         return events
 
 
-def _payload(event: bytes) -> Any:
+def event_payload(event: bytes) -> Any:
     """The JSON of a ``data:`` event, or None for [DONE], comments and non-JSON."""
     line = event.strip()
     if not line.startswith(DATA_PREFIX) or line[len(DATA_PREFIX):] == DONE:
@@ -100,7 +100,7 @@ class StreamLedger:
     identity: dict[str, Any] = field(default_factory=dict)  # id, created
 
     def record(self, event: bytes) -> None:
-        payload = _payload(event)
+        payload = event_payload(event)
         if payload is None:
             return
         if not self.identity:
@@ -121,7 +121,7 @@ class Replay:
 
     def filter(self, event: bytes) -> bytes | None:
         """The bytes to send the client for ``event`` (None: nothing new in it)."""
-        payload = _payload(event)
+        payload = event_payload(event)
         if payload is None:
             # [DONE] and the like: only meaningful once the replay has caught up.
             return event if self.caught_up() else None
