@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 
 from tests.conftest import NodeProcess
-from tests.netns import API_PORT, Host, ns_python, run, start_in, ticket_of
+from tests.netns import API_PORT, Host, ns_python, run, start_in, ticket_of, veth_into_bridge
 from tests.waiting import wait_until
 
 PUBLIC = "198.18.{run}.{host}"
@@ -85,11 +85,8 @@ class NatLab:
         self._public_hosts += 1
         ip = PUBLIC.format(run=self.run_octet, host=self._public_hosts)
         outside, inside = f"{self.tag}{name}o", f"{self.tag}{name}i"
-        run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+        veth_into_bridge(self.bridge, outside, inside, netns)
         self._links.append(outside)
-        run("ip", "link", "set", inside, "netns", netns)
-        run("ip", "link", "set", outside, "master", self.bridge)
-        run("ip", "link", "set", outside, "up")
         run("ip", "-n", netns, "addr", "add", f"{ip}/24", "dev", inside)
         run("ip", "-n", netns, "link", "set", inside, "up")
         return Host(name, netns, ip, inside)

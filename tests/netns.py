@@ -99,6 +99,14 @@ def open_tap(name: str) -> int:
     return fd
 
 
+def veth_into_bridge(bridge: str, outside: str, inside: str, netns: str) -> None:
+    """A veth pair: ``inside`` moved into ``netns``, ``outside`` on ``bridge`` and up."""
+    run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+    run("ip", "link", "set", inside, "netns", netns)
+    run("ip", "link", "set", outside, "master", bridge)
+    run("ip", "link", "set", outside, "up")
+
+
 def can_make_namespaces() -> bool:
     if os.geteuid() != 0:
         return False
@@ -239,11 +247,8 @@ class Lab:
 
     def _link_over_bridge(self, name: str, netns: str) -> str:
         outside, inside = f"{self.tag}{name}o", f"{self.tag}{name}i"
-        run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+        veth_into_bridge(self.bridge, outside, inside, netns)
         self._links.append(outside)
-        run("ip", "link", "set", inside, "netns", netns)
-        run("ip", "link", "set", outside, "master", self.bridge)
-        run("ip", "link", "set", outside, "up")
         if self.rate is not None:  # both ends: what the host sends, and what the bridge sends it
             run("tc", "-n", netns, "qdisc", "add", "dev", inside, "root", *tbf_argv(self.rate))
             run("tc", "qdisc", "add", "dev", outside, "root", *tbf_argv(self.rate))
