@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..errors import MalformedMessageError, RelayRefusedError
 from ..identity import NODE_ID_BYTES, short_id
 from ..units import KIB
-from ..wire.relay import PacketDecoder, RelayAnswer, encode_packet
+from ..wire.relay import PACKET_HEADER, PacketDecoder, RelayAnswer, encode_packet
 from .endpoint import Address, Datagram
 from .streams import MeshStreamReader, MeshStreamWriter
 
@@ -77,14 +77,21 @@ class RelayCircuit:
     def send(self, datagrams: list[Datagram]) -> None:
         if self._writer.is_closing():
             return
+        # A connection's whole batch in one stream write: one pass over the QUIC library, not one per packet.
+        room = RELAY_QUEUE_BYTES - self._writer.unsent_bytes()
+        packets = []
         for data, _ in datagrams:
-            if self._writer.unsent_bytes() > RELAY_QUEUE_BYTES:
+            if room <= 0:
                 self.dropped_packets += 1
                 continue
+            packet = encode_packet(data)
+            packets.append(packet)
+            room -= len(packet)
+        if packets:
             try:
-                self._writer.write(encode_packet(data))
+                self._writer.write(b"".join(packets))
             except ConnectionError:
-                return
+                pass
 
     async def run(self) -> None:
         """Hand every packet that comes through to the transport until the stream ends."""
@@ -151,11 +158,17 @@ async def _forward(reader: MeshStreamReader, writer: MeshStreamWriter, counters:
     """Copy packets, whole, dropping those that would queue past RELAY_QUEUE_BYTES; ends both legs at EOF."""
     decoder = PacketDecoder()
     while chunk := await reader.read(READ_BYTES):
+        # Whole packets only, and all a read brought in one write (one pass over the QUIC library).
+        room = RELAY_QUEUE_BYTES - writer.unsent_bytes()
+        forwarded = []
         for packet in decoder.feed(chunk):
-            if writer.unsent_bytes() > RELAY_QUEUE_BYTES:
+            if room <= 0:
                 counters.dropped_packets += 1
                 continue
-            writer.write(encode_packet(packet))
+            forwarded.append(encode_packet(packet))
+            room -= PACKET_HEADER.size + len(packet)
             counters.relayed_packets += 1
             counters.relayed_bytes += len(packet)
+        if forwarded:
+            writer.write(b"".join(forwarded))
     raise ConnectionResetError("a relayed leg ended")
