@@ -68,7 +68,7 @@ from .continuation import (CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Assemb
                            uncovered)
 from .receipt import OutputTap, ask_for_token_ids
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
-from .tiers import TierView, models_list, refusal_for
+from .tiers import DEFAULT_MODEL_NAMES, TierView, models_list, refusal_for
 from ..units import MIB
 
 log = logging.getLogger(__name__)
@@ -363,7 +363,10 @@ class ApiProxy:
         continuation: Continuation | None = None
         assembly: Assembly | None = None
         if request.method == "POST" and request.path in GENERATION_PATHS:
-            if self._catalog is not None and (why := refusal_for(_requested_model(body), self._catalog())):
+            # The catalog plans every tier: asked for only when a request names a model.
+            requested = _requested_model(body)
+            if (self._catalog is not None and requested not in DEFAULT_MODEL_NAMES
+                    and (why := refusal_for(requested, self._catalog()))):
                 return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
             body, streaming = pin_seed(body)
             if self._on_generation is not None or self._continue_streams:
