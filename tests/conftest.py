@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from mesh_sidecar.llama.build import LlamaBinaries, ensure_binaries
+from mesh_sidecar.llama.build import LLAMA_SERVER_BINARY, RPC_SERVER_BINARY, LlamaBinaries, ensure_binaries
 from mesh_sidecar.llama.model import ensure_model
 from mesh_sidecar.ports import free_tcp_port
 from tests.waiting import wait_until
@@ -261,3 +261,25 @@ async def stream_events(request: web.Request, events: Sequence[bytes], stall_aft
         await response.write(event)
     await response.write(b"data: [DONE]\n\n")
     return response
+
+
+FAULT_PROXY = Path(__file__).resolve().parent / "fault_proxy.py"
+
+
+@pytest.fixture
+def faulty_rpc_build(tmp_path, binaries) -> Callable[..., tuple[Path, Path]]:
+    """``faulty_rpc_build(*fault_args)``: a --llama-bin directory whose rpc-server sits behind the fault
+    proxy (fault_proxy.py; NaNs, or with ``"--delay-s", "S"`` late replies), and the file that arms it."""
+
+    def build(*fault_args: str) -> tuple[Path, Path]:
+        directory = tmp_path / "faulty-build"
+        directory.mkdir()
+        (directory / LLAMA_SERVER_BINARY).symlink_to(binaries.llama_server)
+        trigger = tmp_path / "fault-armed"
+        wrapper = directory / RPC_SERVER_BINARY
+        wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAULT_PROXY}" --real "{binaries.rpc_server}" '
+                           f'--trigger "{trigger}" {" ".join(fault_args)} "$@"\n')
+        wrapper.chmod(0o755)
+        return directory, trigger
+
+    return build

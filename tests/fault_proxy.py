@@ -1,9 +1,10 @@
-"""A fault injector: a stand-in ggml-rpc-server that writes NaNs into the layer outputs the real one returns.
+"""A fault injector: a stand-in ggml-rpc-server in front of the real one, that spoils its replies.
 
-Run with ggml-rpc-server's arguments plus ``--real PATH --trigger FILE`` (a --llama-bin wrapper
-script adds them, see ``faulty_rpc_build``). It starts the real rpc-server on a free port and
-relays each client to it, one at a time, command by command (RPC 7.x framing: see
-/work/shared/RPC_NOTES.md). While FILE exists, every F32 GET_TENSOR reply goes back as NaNs.
+Run with ggml-rpc-server's arguments plus ``--real PATH --trigger FILE [--delay-s S]`` (a
+--llama-bin wrapper script adds them, see ``faulty_rpc_build`` in conftest.py). It starts the
+real rpc-server on a free port and relays each client to it, one at a time, command by command
+(RPC 7.x framing: see mesh_sidecar/wire/rpc_framing.py). While FILE exists, every F32 GET_TENSOR reply goes back as
+NaNs; with ``--delay-s``, every reply goes back that many seconds late instead.
 It listens on -p PORT itself, so the node's readiness check (its own pid listens) passes.
 """
 
@@ -36,7 +37,7 @@ def read_exactly(conn: socket.socket, n: int) -> bytes | None:
     return bytes(data)
 
 
-def relay(client: socket.socket, server: socket.socket, trigger: Path) -> None:
+def relay(client: socket.socket, server: socket.socket, trigger: Path, delay_s: float | None) -> None:
     while (header := read_exactly(client, HEADER.size)) is not None:
         cmd, size = HEADER.unpack(header)
         payload = read_exactly(client, size)
@@ -52,7 +53,10 @@ def relay(client: socket.socket, server: socket.socket, trigger: Path) -> None:
         reply = read_exactly(server, reply_size)
         if reply is None:
             return
-        if cmd == GET_TENSOR and struct.unpack_from("<I", payload, 8)[0] == GGML_TYPE_F32 and trigger.exists():
+        if delay_s is not None:
+            if trigger.exists():
+                time.sleep(delay_s)
+        elif cmd == GET_TENSOR and struct.unpack_from("<I", payload, 8)[0] == GGML_TYPE_F32 and trigger.exists():
             reply = NAN_F32 * (reply_size // 4) + reply[reply_size // 4 * 4:]
             print(f"fault proxy: {reply_size // 4} NaNs written into a GET_TENSOR reply", flush=True)
         client.sendall(reply_header + reply)
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("-p", "--port", type=int, default=50052)
     parser.add_argument("--real", type=Path, required=True)
     parser.add_argument("--trigger", type=Path, required=True)
+    parser.add_argument("--delay-s", type=float, help="delay replies (instead of writing NaNs)")
     args, rest = parser.parse_known_args()
     real_port = free_port()
     libc = ctypes.CDLL(None)
@@ -97,7 +102,7 @@ def main() -> None:
                     for conn in (client, server):
                         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     try:
-                        relay(client, server, args.trigger)
+                        relay(client, server, args.trigger, args.delay_s)
                     except OSError:
                         pass
     finally:

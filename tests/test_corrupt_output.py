@@ -3,37 +3,18 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from mesh_sidecar.llama.build import LLAMA_SERVER_BINARY, RPC_SERVER_BINARY
 from mesh_sidecar.mesh.refusal import CORRUPT_OUTPUT
 from tests.conftest import cli, complete, metrics
 from tests.waiting import wait_until
-
-FAULT_PROXY = Path(__file__).resolve().parent / "fault_proxy.py"
-
-
-@pytest.fixture
-def faulty_rpc_build(tmp_path, binaries) -> tuple[Path, Path]:
-    """A --llama-bin directory whose rpc-server sits behind the fault proxy, and the file that arms it."""
-    directory = tmp_path / "faulty-build"
-    directory.mkdir()
-    (directory / LLAMA_SERVER_BINARY).symlink_to(binaries.llama_server)
-    trigger = tmp_path / "write-nans"
-    wrapper = directory / RPC_SERVER_BINARY
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAULT_PROXY}" --real "{binaries.rpc_server}" '
-                       f'--trigger "{trigger}" "$@"\n')
-    wrapper.chmod(0o755)
-    return directory, trigger
 
 
 @pytest.mark.slow
 def test_a_worker_returning_nans_is_left_out_and_the_answer_is_unchanged(start_node, faulty_rpc_build,
                                                                          reference_text):
-    directory, trigger = faulty_rpc_build
+    directory, trigger = faulty_rpc_build()
     a = start_node("a")
     b = start_node("b", "--join", a.ticket(), "--llama-bin", str(directory))
     c = start_node("c", "--join", a.ticket(), "--min-peers", "2", serve=True)

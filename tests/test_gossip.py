@@ -30,10 +30,11 @@ from mesh_sidecar.wire.gossip import (
     MAX_CAPACITY_KEY_CHARS,
     MAX_CAPACITY_VALUE,
     MAX_MEMBERS_PER_LIST,
-    MAX_CORRUPT_OUTPUTS,
-    MAX_FAULT_CHARS,
+    MAX_JUDGED_MEMBERS,
     MAX_RUN_ID,
     CorruptOutput,
+    MAX_JUDGED_MS,
+    SlowWorker,
     MAX_NAME_CHARS,
     MAX_EPOCH,
     MAX_NONCE,
@@ -398,7 +399,9 @@ def test_the_largest_member_list_fits_in_one_frame() -> None:
         model_sha256="f" * 64,
         secret_epoch=MAX_EPOCH,
         run_id=MAX_RUN_ID,
-        corrupt_outputs=(CorruptOutput(b"\x00" * 32, MAX_RUN_ID, "z" * MAX_FAULT_CHARS),) * MAX_CORRUPT_OUTPUTS,
+        # The longer kind of verdict, as many as both lists may hold together.
+        slow_workers=(SlowWorker(b"\x00" * 32, MAX_RUN_ID, MAX_JUDGED_MS, MAX_JUDGED_MS, MAX_JUDGED_MS),)
+        * MAX_JUDGED_MEMBERS,
     )
     members = tuple(
         replace(widest, node_id=i.to_bytes(32, "big")) for i in range(MAX_MEMBERS_PER_LIST)

@@ -9,7 +9,7 @@ import pytest
 from mesh_sidecar.errors import MalformedMessageError
 from mesh_sidecar.mesh.refusal import CORRUPT_OUTPUT, refusal
 from mesh_sidecar.serve.output_guard import MIN_HISTORY_SAMPLES, NORM_RATIO, OutputGuard
-from mesh_sidecar.wire.gossip import MAX_CORRUPT_OUTPUTS, CorruptOutput, MemberInfo
+from mesh_sidecar.wire.gossip import MAX_JUDGED_MEMBERS, CorruptOutput, MemberInfo
 from mesh_sidecar.wire.rpc_outputs import NON_FINITE, NORM_OUTLIER, TensorMeasured
 from tests.test_gossip import info
 
@@ -57,7 +57,7 @@ def test_the_fields_are_optional_within_version_4() -> None:
     assert MemberInfo.from_body(plain.to_body()) == plain
     serving = info(SERVING, serving=True, run_id=2**63 - 1,
                    corrupt_outputs=tuple(CorruptOutput(bytes([i]) * 32, i, NORM_OUTLIER)
-                                         for i in range(MAX_CORRUPT_OUTPUTS)))
+                                         for i in range(MAX_JUDGED_MEMBERS)))
     assert MemberInfo.from_body(serving.to_body()) == serving
     body = serving.to_body()
     too_many = {**body, "corrupt_outputs": body["corrupt_outputs"] * 2}

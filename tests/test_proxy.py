@@ -15,6 +15,7 @@ from aiohttp import web
 
 from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.serve.pace import STALL_FLOOR_S, Slow
 from mesh_sidecar.serve.proxy import ApiProxy
 from tests.conftest import start_stand_in, stream_events
 
@@ -25,12 +26,17 @@ def event(text: str, id_: str) -> bytes:
     return b"data: " + json.dumps({"id": id_, "choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
 
 
-async def upstream(stall_after: int | None, id_: str, seeds: list[int]) -> tuple[web.AppRunner, str]:
-    """A stand-in llama-server streaming PIECES; it stops sending after ``stall_after`` pieces."""
+async def upstream(stall_after: int | None, id_: str, seeds: list[int],
+                   tokens_per_second: float | None = None) -> tuple[web.AppRunner, str]:
+    """A stand-in llama-server streaming PIECES; it stops sending after ``stall_after`` pieces. With
+    ``tokens_per_second``, the last piece carries that speed as llama-server's ``timings``."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
         seeds.append((await request.json())["seed"])
-        return await stream_events(request, [event(piece, id_) for piece in PIECES], stall_after)
+        events = [event(piece, id_) for piece in PIECES]
+        if tokens_per_second is not None:
+            events[-1] = events[-1].replace(b'}]}', b'}], "timings": {"predicted_per_second": %f}}' % tokens_per_second)
+        return await stream_events(request, events, stall_after)
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
@@ -76,6 +82,57 @@ async def test_a_stalled_stream_is_restarted_and_replayed_exactly(proxy_port):
     assert proxy.metrics.registry.get_sample_value("mesh_retries_total") == 1
     await stuck.cleanup()
     await fresh.cleanup()
+
+
+async def stream_text(port: int) -> str:
+    text = ""
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                                 json={"prompt": "x", "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+async def test_a_stream_far_behind_its_pace_fails_over_once_a_worker_is_blamed():
+    verdicts: list[Slow] = []
+    blame = asyncio.Event()
+
+    def on_slow(slow: Slow) -> bool:
+        verdicts.append(slow)
+        if len(verdicts) == 1:
+            return False  # nobody held it up: the proxy goes on waiting
+        blame.set()
+        return True
+
+    stalls: list[str] = []
+    proxy = ApiProxy(Metrics(lambda: ()), stalls.append, on_slow=on_slow)  # the 60 s stall timer
+    port = free_tcp_port()
+    await proxy.start(port)
+    seeds: list[int] = []
+    fast, fast_url = await upstream(stall_after=None, id_="first", seeds=seeds, tokens_per_second=20.0)
+    stuck, stuck_url = await upstream(stall_after=3, id_="second", seeds=seeds)
+    fresh, fresh_url = await upstream(stall_after=None, id_="third", seeds=seeds)
+    try:
+        proxy.serve(fast_url)
+        assert await stream_text(port) == "".join(PIECES)  # a token takes 50 ms, llama-server says
+        proxy.serve(stuck_url)
+
+        async def replan_when_blamed() -> None:
+            await blame.wait()
+            proxy.serve(fresh_url)  # what the serving loop does once it left the slow worker out
+
+        replanner = asyncio.create_task(replan_when_blamed())
+        assert await stream_text(port) == "".join(PIECES)
+        await replanner
+        assert len(verdicts) == 2 and stalls == []
+        assert verdicts[0].tokens == 0 and verdicts[0].window_s == STALL_FLOOR_S
+        assert proxy.metrics.registry.get_sample_value("mesh_retries_total") == 1
+    finally:
+        await proxy.close()
+        for runner in (fast, stuck, fresh):
+            await runner.cleanup()
 
 
 async def test_refusing_answers_with_an_openai_error(proxy_port):

@@ -31,7 +31,7 @@ from mesh_sidecar.wire.rpc_framing import (
 RPC_TENSOR_BYTES = 296
 HEADER_BYTES = 9
 
-# Command numbers as each dialect spells them (see /work/shared/RPC_NOTES.md).
+# Command numbers as each dialect spells them (see mesh_sidecar/wire/rpc_framing.py).
 ALLOC_BUFFER, GET_ALIGNMENT, BUFFER_GET_BASE, FREE_BUFFER, BUFFER_CLEAR = 0, 1, 3, 4, 5
 SET_TENSOR, GET_TENSOR, GRAPH_COMPUTE, INIT_TENSOR, HELLO = 6, 8, 10, 12, 14
 DEVICE_COUNT, GRAPH_RECOMPUTE, MEMSET_TENSOR = 15, 16, 17  # upstream 7.x

@@ -1,11 +1,12 @@
 """Why a serving node leaves a member out of its plan: other weights, an RPC build it cannot talk to,
-or corrupt layer outputs.
+corrupt layer outputs, or tokens held up.
 
 Pure: both sides decide from the MemberInfo gossip carries, so the serving node
 (plan, status) and the member left out (its own output and status) name the
 same reason with the same words. Corrupt output is found at run time by the
-serving node (serve/output_guard.py), which lists the member in its own gossip
-(``corrupt_outputs``) with the member's run id: a restart clears it.
+serving node (serve/output_guard.py), and so is slowness (serve/pace.py): it lists the member
+in its own gossip (``corrupt_outputs``, ``slow_workers``) with the member's run id, and a restart
+clears it (verdicts.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ WEIGHTS_MISMATCH = "weights_mismatch"
 LLAMA_BUILD_MISMATCH = "llama_build_mismatch"
 # ...or its rpc-server returned layer outputs that were NaN/Inf or far off their usual scale, in this run.
 CORRUPT_OUTPUT = "corrupt_output"
+# ...or its rpc-server's replies held the serving node's tokens up far past their usual time, lately.
+SLOW = "slow"
 FAULT_TEXT = {NON_FINITE: "NaN or Inf values", NORM_OUTLIER: "values far outside their own recent range"}
 SHA256_SHOWN_CHARS = 12
+SLOW_REFUSAL_S = 600.0  # a member left out as slow is given layers again after this long (verdicts.py)
 SAME_BUILD_REMEDY = ("Run one llama.cpp build on every machine: ./scripts/bootstrap.sh (the pinned build; leave "
                      "--llama-bin unset), or --llama-bin pointing at builds of the same llama.cpp commit.")
 
@@ -33,7 +37,7 @@ class Refusal:
     """A member the serving node gives no layers, and why."""
 
     reason: str
-    """WEIGHTS_MISMATCH, LLAMA_BUILD_MISMATCH or CORRUPT_OUTPUT: what scripts and tests match on."""
+    """WEIGHTS_MISMATCH, LLAMA_BUILD_MISMATCH, CORRUPT_OUTPUT or SLOW: what scripts and tests match on."""
     detail: str
     """What differs, naming both sides."""
     remedy: str
@@ -70,6 +74,14 @@ def refusal(member: MemberInfo, serving: MemberInfo) -> Refusal | None:
             f"{member.name}'s rpc-server returned",
             f"Check {member.name}'s GPU and memory (a driver reset, a memory test), then restart mesh-inference "
             "there: a restarted member is given layers again.")
+    held = next((w for w in serving.slow_workers if w.node_id == member.node_id and w.run_id == member.run_id), None)
+    if held is not None:
+        return Refusal(
+            SLOW,
+            f"{serving.name} waited {held.owed_ms / 1000:.1f} s of {held.window_ms / 1000:.1f} s for the replies of "
+            f"{member.name}'s rpc-server while a token takes about {held.token_ms} ms",
+            f"Check what else runs on {member.name} (another program on its GPU or CPU) and its network; it is "
+            f"given layers again in {SLOW_REFUSAL_S / 60:.0f} minutes, or at once when mesh-inference restarts there.")
     if holds_other_weights(serving.model_sha256, member):
         return Refusal(
             WEIGHTS_MISMATCH,

@@ -48,7 +48,7 @@ from ..net.transport import MeshTransport
 from ..net.tunnel import StreamKind, TunnelCounters, TunnelListener, serve_inbound_stream, serve_peer_stream
 from ..ports import LOOPBACK
 from ..wire.auth import MESH_SECRET_BYTES
-from ..wire.gossip import (MAX_ADDRESSES, MAX_CORRUPT_OUTPUTS, MAX_RUN_ID, CorruptOutput, LlamaBuild, MemberInfo,
+from ..wire.gossip import (MAX_ADDRESSES, MAX_RUN_ID, CorruptOutput, LlamaBuild, MemberInfo, SlowWorker,
                            Observed, decode_message, encode_message)
 from ..wire.rpc_outputs import Fault, OutputRejected, TensorMeasured
 from ..wire.ticket import MAX_TICKET_ADDRESSES, PeerAddress, Ticket, encode_ticket
@@ -56,7 +56,8 @@ from . import events
 from .health import HealthState, health_message, lost_reason
 from .lan import LanDialer
 from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
-from .refusal import Refusal, refusal
+from .refusal import SLOW_REFUSAL_S, Refusal, refusal
+from .verdicts import Verdicts
 from .saved import SavedMesh
 from .status import PATH_DIRECT, PATH_RELAYED, MeshView, PeerView, PunchCounters
 
@@ -166,8 +167,8 @@ class Mesh:
         self._leaving = False
         self._refusals_said: set[tuple[bytes, Refusal]] = set()
         self.run_id = secrets.randbelow(MAX_RUN_ID) + 1  # announced: a new one tells members this node restarted
-        # Serving: members whose layer outputs were corrupt in their current run (announced; refusal.py).
-        self._corrupt: tuple[CorruptOutput, ...] = ()
+        # Serving: members left out for corrupt outputs or slowness in their current run (announced; refusal.py).
+        self._verdicts = Verdicts()
         self._output_judge: Callable[[bytes, TensorMeasured], Fault | None] | None = None
         self._on_rejected: Callable[[bytes, OutputRejected], None] = lambda node_id, event: None
         self.port: int | None = None
@@ -231,6 +232,7 @@ class Mesh:
         while True:
             now = time.monotonic()
             self._membership.heartbeat(now)
+            self._forgive_slow(now)
             self._tell_observed_addresses()
             if now - last_refresh >= CAPACITY_REFRESH_S:
                 self._membership.update_self(self._self_info())
@@ -317,26 +319,43 @@ class Mesh:
 
     def refuse_corrupt(self, node_id: bytes, fault: str) -> None:
         """Leave ``node_id`` out, as corrupt_output, until it restarts; announced in gossip so it hears why."""
+        if (info := self._member_info(node_id)) is not None:
+            self._verdicts.corrupt_found(CorruptOutput(node_id, info.run_id, fault))
+            self._verdicts_changed()
+
+    def refuse_slow(self, node_id: bytes, owed_s: float, window_s: float, token_s: float) -> None:
+        """Leave ``node_id`` out, as slow, until it restarts or for SLOW_REFUSAL_S; announced in gossip."""
+        if (info := self._member_info(node_id)) is not None:
+            self._verdicts.slow_found(SlowWorker(node_id, info.run_id, round(owed_s * 1000), round(window_s * 1000),
+                                                 max(1, round(token_s * 1000))), time.monotonic())
+            self._verdicts_changed()
+
+    def reply_waits_s(self, since: float) -> dict[bytes, float]:
+        """Per peer, the seconds since ``since`` (monotonic) its rpc-server owed our llama-server a reply."""
+        now = time.monotonic()
+        return {node_id: peer.tunnel.reply_waits.owed_s(since, now) for node_id, peer in self._peers.items()}
+
+    def _member_info(self, node_id: bytes) -> MemberInfo | None:
         assert self._membership is not None
-        info = next((m.info for m in self._membership.members() if m.info.node_id == node_id), None)
-        if info is None:
-            return
-        others = tuple(c for c in self._corrupt if c.node_id != node_id)
-        self._corrupt = (*others, CorruptOutput(node_id, info.run_id, fault))[-MAX_CORRUPT_OUTPUTS:]
+        return next((m.info for m in self._membership.members() if m.info.node_id == node_id), None)
+
+    def _verdicts_changed(self) -> None:
+        assert self._membership is not None
         self._membership.update_self(self._self_info())
         self._process()
         self.changed.set()
 
     def _forgive_restarted(self, info: MemberInfo) -> None:
-        """A member refused as corrupt_output that restarted (a new run id) may be given layers again."""
-        if not any(c.node_id == info.node_id and c.run_id != info.run_id for c in self._corrupt):
-            return
-        self._corrupt = tuple(c for c in self._corrupt if c.node_id != info.node_id)
-        self._say(f"{info.name} restarted: it may be given layers again (it was left out as corrupt_output)")
-        assert self._membership is not None
-        self._membership.update_self(self._self_info())
-        self._process()
-        self.changed.set()
+        """A member left out as corrupt_output or slow that restarted (a new run id) may be given layers again."""
+        if (reason := self._verdicts.forgive_restarted(info)) is not None:
+            self._say(f"{info.name} restarted: it may be given layers again (it was left out as {reason})")
+            self._verdicts_changed()
+
+    def _forgive_slow(self, now: float) -> None:
+        for node_id in self._verdicts.expire(now):
+            self._say(f"{self.name_of(node_id)} may be given layers again: it was left out as slow "
+                      f"{SLOW_REFUSAL_S / 60:.0f} minutes ago")
+            self._verdicts_changed()
 
     def tunnel_endpoint(self, node_id: bytes) -> str:
         port = self._peers[node_id].tunnel.port
@@ -454,7 +473,8 @@ class Mesh:
             model_sha256=self.model_sha256,
             secret_epoch=self._saved.epoch,
             run_id=self.run_id,
-            corrupt_outputs=self._corrupt,
+            corrupt_outputs=self._verdicts.corrupt,
+            slow_workers=self._verdicts.slow,
         )
 
     def held_for_peers_bytes(self) -> int:

@@ -24,6 +24,9 @@ Given a judge (the serving node's, serve/output_guard.py), a listener checks the
 tensors P's rpc-server returns (wire/rpc_outputs.py) before llama-server reads them; on a
 fault it keeps the reply back, resets the connection (llama-server aborts rather than
 compute on garbage) and reports it through ``on_rejected``.
+
+A listener also times how long the peer owes replies (reply_waits.py): when tokens stall,
+that names the worker holding them up.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import enum
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -42,6 +46,7 @@ from ..ports import LOOPBACK, loopback_client_uid
 from ..wire.rpc_framing import RpcStreamFilter
 from ..wire.rpc_outputs import CheckOff, Judge, OutputRejected, RpcOutputCheck
 from .connection import PeerConnection
+from .reply_waits import ReplyWaits
 from .streams import MeshStreamReader, MeshStreamWriter
 
 log = logging.getLogger(__name__)
@@ -172,6 +177,7 @@ class TunnelListener:
         self.judge: Judge | None = None
         self.on_rejected: Callable[[OutputRejected], None] = lambda event: None
         self.counters = TunnelCounters()
+        self.reply_waits = ReplyWaits()
         self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -244,9 +250,11 @@ class TunnelListener:
 
     def _count_out(self, n: int) -> None:
         self.counters.bytes_to_peer += n
+        self.reply_waits.sent(time.monotonic())
 
     def _count_in(self, n: int) -> None:
         self.counters.bytes_from_peer += n
+        self.reply_waits.received(time.monotonic())
 
 
 async def serve_inbound_stream(

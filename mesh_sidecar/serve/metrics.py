@@ -86,6 +86,8 @@ class Metrics:
         self.corrupt_outputs = Counter(PREFIX + "corrupt_outputs", "Layer outputs a worker returned that failed the "
                                        "check (NaN/Inf or far off its norm); the worker is left out",
                                        registry=self.registry)
+        self.slow_workers = Counter(PREFIX + "slow_workers", "Workers left out for holding tokens up far past "
+                                    "a token's usual time", registry=self.registry)
         self.model = Info(PREFIX + "model", "The model in service: id, file and sha256", registry=self.registry)
         self.registry.register(_MeshCollector(peer_views, mesh_view))
 
@@ -102,4 +104,5 @@ class Metrics:
             "retries": get(PREFIX + "retries_total") or 0,
             "restarts": get(PREFIX + "restarts_total") or 0,
             "corrupt_outputs": get(PREFIX + "corrupt_outputs_total") or 0,
+            "slow_workers": get(PREFIX + "slow_workers_total") or 0,
         }

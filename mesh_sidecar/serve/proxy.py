@@ -23,7 +23,9 @@ cover the request, replayed; either way it goes on on the same connection with
 exactly the text that was still missing. A plain request that continuation
 covers is streamed from llama-server and assembled here, so it is continued
 the same way. ``_exchange`` does this for any failover: llama-server dead, or
-its stream stalled.
+its stream stalled. A stream that falls far behind a token's expected time (pace.py)
+is a stall too, once a worker is found holding it up: the serving loop replans
+without that worker (``on_slow``) and the stream continues on the new plan.
 When the next llama-server runs another model (a smaller tier, tiers.py), a
 stream that already sent text cannot continue: it ends with an error event
 saying so, while a plain request is answered whole by the new model.
@@ -63,6 +65,7 @@ from .dashboard import KEYLESS_PATHS, TokenRate
 from .. import environment
 from ..errors import MeshError, ServiceUnavailableError, UsageError
 from .metrics import Metrics
+from .pace import Slow, StreamPace, TokenPace
 from ..ports import LOOPBACK
 from .continuation import (CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Assembly, Continuation, streamed,
                            uncovered)
@@ -77,9 +80,11 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BODY_BYTES = 8 * MIB
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
 MAX_FAILOVERS_PER_REQUEST = 2
-# A stream with no byte for this long is stuck (a member stopped answering without
-# being lost yet): llama-server is restarted and the stream replayed.
+# A stream with no byte for this long is stuck (a member stopped answering without being lost
+# yet): llama-server is restarted and the stream continued. Most stalls are judged sooner,
+# against a token's expected time (pace.py); this covers prompts and a node's first request.
 STALL_TIMEOUT_S = 60.0
+PACE_CHECK_S = 0.5  # how often a stream with no new byte is judged against its pace (pace.py)
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=60.0, pool=None)
@@ -210,13 +215,20 @@ class ApiProxy:
     def __init__(self, metrics: Metrics, on_stall: Callable[[str], None],
                  stall_timeout_s: float = STALL_TIMEOUT_S, access: ApiAccess = OPEN_ACCESS,
                  upstream_key: str | None = None, on_generation: GenerationHook | None = None,
-                 catalog: ModelCatalog | None = None) -> None:
+                 catalog: ModelCatalog | None = None, on_slow: Callable[[Slow], bool] = lambda slow: False,
+                 links_rtt_s: Callable[[], float] = lambda: 0.0) -> None:
         self.metrics = metrics
         self._catalog = catalog
         self._access = access
         self._on_generation = on_generation
         self._on_stall = on_stall
         self._stall_timeout_s = stall_timeout_s
+        # A stream far behind the expected token time: True when a worker was found to blame
+        # (the serving loop replans without it), False to go on waiting.
+        self._on_slow = on_slow
+        self._links_rtt_s = links_rtt_s  # the plan's workers' round trips, summed
+        self._pace = TokenPace()
+        self._prompts_waiting = 0  # upstream requests that have not yet sent their first byte
         self._continue_streams = not environment.resume_by_replay()
         self._client = httpx.AsyncClient(
             timeout=UPSTREAM_TIMEOUT,
@@ -437,7 +449,7 @@ class ApiProxy:
                         continue
                     if (assembly is None and not streaming) or (assembly is not None and upstream.status_code != 200):
                         # Read it all before answering: a failure then can still be retried whole.
-                        content = await upstream.aread()
+                        content = await self._read_whole(upstream)
                         self._observe_timings(content)
                         if tap is not None and upstream.status_code == 200:
                             content = tap.content(content)
@@ -511,6 +523,14 @@ class ApiProxy:
                 assert response is not None
                 return response, at
 
+    async def _read_whole(self, upstream: httpx.Response) -> bytes:
+        # Its prompt and tokens pass unseen: while it runs, other streams' pauses may be its prompt.
+        self._prompts_waiting += 1
+        try:
+            return await upstream.aread()
+        finally:
+            self._prompts_waiting -= 1
+
     @staticmethod
     def _assembled(assembly: Assembly) -> web.Response:
         if assembly.error is not None:
@@ -552,15 +572,45 @@ class ApiProxy:
         return json.dumps(continuation.request(prompt)).encode()
 
     async def _unless_stalled(self, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
-        """The chunks, until one takes longer than the stall timeout: then ask for a restart."""
-        while True:
-            try:
-                yield await asyncio.wait_for(anext(chunks), self._stall_timeout_s)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                self._on_stall(f"No progress on a {path} stream for {self._stall_timeout_s:.0f} s")
-                raise httpx.ReadTimeout("llama-server stalled") from None
+        """The chunks, until the stream falls far behind a token's expected time and a worker is found
+        holding it up (pace.py; the serving loop then replans without it), or until nothing comes for the
+        stall timeout (llama-server is restarted). Either way the request fails over."""
+        began = time.monotonic()
+        pace = StreamPace()
+        pending: asyncio.Future[bytes] | None = None
+        self._prompts_waiting += 1
+        waiting = True  # for this stream's first byte: its prompt is being processed
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(chunks))
+                done, _ = await asyncio.wait((pending,), timeout=PACE_CHECK_S)
+                now = time.monotonic()
+                if done:
+                    try:
+                        chunk = pending.result()
+                    except StopAsyncIteration:
+                        return
+                    pending = None
+                    if waiting:
+                        waiting = False
+                        self._prompts_waiting -= 1
+                    pace.arrived(now)
+                    yield chunk
+                expected_s = self._pace.expected_s(self._links_rtt_s())
+                if (slow := pace.judge(now, expected_s, self._prompts_waiting > 0)) is not None:
+                    if self._on_slow(slow):
+                        raise httpx.ReadTimeout(f"a worker held the stream up ({slow.describe()})")
+                    pace.excuse(now)
+                elif now - pace.last_progress(began) >= self._stall_timeout_s:
+                    self._on_stall(f"No progress on a {path} stream for {self._stall_timeout_s:.0f} s")
+                    raise httpx.ReadTimeout("llama-server stalled")
+        finally:
+            if waiting:
+                self._prompts_waiting -= 1
+            if pending is not None:
+                pending.cancel()
+                await asyncio.wait((pending,))  # the stream is closed next: its read must have ended
 
     async def _wait_elsewhere(self, failed: int) -> Upstream:
         """The next llama-server; while waiting this request does not count as in flight,
@@ -602,3 +652,4 @@ class ApiProxy:
         if isinstance(speed, (int, float)) and speed > 0:
             self.metrics.tokens_per_second.observe(speed)
             self.token_rate.finished(speed)
+            self._pace.finished(speed)

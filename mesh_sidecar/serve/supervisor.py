@@ -45,11 +45,12 @@ from ..llama.estimate import ModelEstimate, estimate_model
 from ..identity import NodeIdentity, short_id
 from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
 from ..llama.build import LlamaBinaries
-from ..mesh.refusal import Refusal, refusal
+from ..mesh.refusal import SLOW_REFUSAL_S, Refusal, refusal
 from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
 from .metrics import Metrics
 from .output_guard import OutputGuard
+from .pace import SLOW_BLAME_SHARE, Slow
 from ..environment import output_check
 from ..wire.rpc_outputs import OutputRejected
 from .planner import NodeCapacity, Plan, TierAssessment, assess_tiers, choose_tier, tier_needs_bytes
@@ -95,9 +96,9 @@ class PlanAnnouncement:
         return f"{self.title}: {self.plan_json['n_layers']} layers over {nodes}"
 
 
-def planning_members(mesh: Mesh, identity: NodeIdentity, name: str,
-                     own: Capacity) -> tuple[list[NodeCapacity], tuple[tuple[NodeCapacity, Refusal], ...]]:
-    """The members to plan over, and those refused with the reason.
+def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
+                     without: bytes | None = None) -> tuple[list[NodeCapacity], tuple[tuple[NodeCapacity, Refusal], ...]]:
+    """The members to plan over (less ``without``), and those refused with the reason.
 
     Peers come first (by id) and this node last: llama.cpp puts the output
     layer on the last device, so the logits (vocabulary x 4 bytes a token)
@@ -105,6 +106,8 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str,
     """
     members, refused = [], []
     for info in mesh.connected_members():
+        if info.node_id == without:
+            continue
         # Less what the member's rpc-server holds for other serving nodes (they run their own models).
         member = NodeCapacity(info.node_id, info.name,
                               Capacity.from_gossip(dict(info.capacity)).usable_for(identity.node_id))
@@ -119,12 +122,13 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str,
 
 
 def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
-                   tiers: Sequence[tuple[Path, ModelEstimate]], at_most_bytes: int | None = None) -> tuple[int, Plan]:
-    """The index of the largest tier the members connected now can hold, and its plan.
+                   tiers: Sequence[tuple[Path, ModelEstimate]], at_most_bytes: int | None = None,
+                   without: bytes | None = None) -> tuple[int, Plan]:
+    """The index of the largest tier the members connected now (less ``without``) can hold, and its plan.
 
     PlanError if they cannot hold any of ``tiers``. ``at_most_bytes``: see ``choose_tier``.
     """
-    members, refused = planning_members(mesh, identity, name, own)
+    members, refused = planning_members(mesh, identity, name, own, without)
     index, plan = choose_tier([(path.name, estimate) for path, estimate in tiers], members,
                               at_most_bytes=at_most_bytes)
     return index, dataclasses.replace(plan, refused=refused)
@@ -190,9 +194,10 @@ class ServingSupervisor:
         write_private_file(self._upstream_key_file, upstream_key + "\n")
         self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key,
                                on_generation=self._write_receipt if receipts is not None else None,
-                               catalog=self.tier_views)
+                               catalog=self.tier_views, on_slow=self._on_slow, links_rtt_s=self._links_rtt_s)
         dashboard.add_routes(self._proxy.app, node_status, mesh.peer_views)
         self._restart_reason: str | None = None
+        self._slow_kept: set[bytes] = set()  # slow workers kept because the model needs them (said once)
         self._wakeup = asyncio.Event()
         if output_check():
             mesh.check_outputs(OutputGuard().judge, self._on_corrupt_output)
@@ -205,10 +210,11 @@ class ServingSupervisor:
 
     # --- planning ------------------------------------------------------------------
 
-    def compute_plan(self, at_most_bytes: int | None = None) -> tuple[int, Plan]:
-        """The index in the tier list of the model to serve now, and its plan; ``at_most_bytes``: see choose_tier."""
+    def compute_plan(self, at_most_bytes: int | None = None, without: bytes | None = None) -> tuple[int, Plan]:
+        """The index in the tier list of the model to serve now, and its plan; ``at_most_bytes``: see choose_tier;
+        ``without``: a member left out of this plan."""
         return plan_over_mesh(self._mesh, self._identity, self._name, self._own_for_planning(),
-                              self._tier_estimates(), at_most_bytes)
+                              self._tier_estimates(), at_most_bytes, without)
 
     def _own_for_planning(self) -> Capacity:
         own = self._own_capacity()
@@ -305,6 +311,47 @@ class ServingSupervisor:
         self._mesh.refuse_corrupt(node_id, event.fault.kind)
         # The request in flight is retried (or its stream replayed) by the proxy on the new plan.
         self.request_restart(f"{name} returned a corrupt layer output")
+
+    def _on_slow(self, slow: Slow) -> bool:
+        """A stream fell far behind a token's time: leave out the worker whose replies held it up for most of
+        it, when the model in service fits without it. True when llama-server is being replaced."""
+        plan = self.plan
+        if plan is None or self.llama_server is None:
+            return False
+        workers = {n.node_id for n in plan.nodes if n.node_id != self._identity.node_id}
+        waits = {node_id: s for node_id, s in self._mesh.reply_waits_s(slow.since).items() if node_id in workers}
+        if not waits:
+            return False
+        node_id, owed_s = max(waits.items(), key=lambda wait: wait[1])
+        name = self._mesh.name_of(node_id)
+        if any(w.node_id == node_id for w in self._mesh.self_info.slow_workers):
+            return True  # already left out: the next llama-server runs without it
+        if owed_s < SLOW_BLAME_SHARE * slow.window_s:
+            log.info("a stream fell behind (%s), but no worker held it up: %s owed replies for %.1f s of it",
+                     slow.describe(), name, owed_s)
+            return False
+        try:
+            tier, _ = self.compute_plan(without=node_id)
+        except PlanError:
+            tier = None
+        if tier is None or self._models[tier][0] != self._in_service:
+            if node_id not in self._slow_kept:
+                self._slow_kept.add(node_id)
+                self._say(f"{name} is holding tokens up ({slow.describe()}; {owed_s:.1f} s waiting for its "
+                          f"replies), but {self.model.name} does not fit without it: it stays in the plan")
+            return False
+        self._metrics.slow_workers.inc()
+        self._say(f"{name} is holding tokens up ({slow.describe()}; {owed_s:.1f} s waiting for its replies): "
+                  f"it is left out as slow for {SLOW_REFUSAL_S / 60:.0f} minutes or until it restarts")
+        self._mesh.refuse_slow(node_id, owed_s, slow.window_s, slow.expected_s)
+        # The stream goes on where it was (continuation) on the plan without it.
+        self.request_restart(f"{name} was holding tokens up")
+        return True
+
+    def _links_rtt_s(self) -> float:
+        """The plan's workers' typical round trips, summed: a token crosses each of them."""
+        workers = {n.node_id for n in self.plan.nodes} if self.plan is not None else set()
+        return sum(view.rtt_typical_s or 0.0 for view in self._mesh.peer_views() if view.node_id in workers)
 
     async def close(self) -> None:
         # Held requests get their answer now instead of keeping the node alive.

@@ -40,7 +40,7 @@ from .frames import MAX_CONTROL_MESSAGE_BYTES
 from .rpc_hello import RpcVersion
 
 # 4: MemberInfo.llama_build; Observed. Later in 4, optional (absent means none, and they are left out
-# when empty): MemberInfo.run_id and corrupt_outputs. Version 3 is not decoded: a version-3 node closes the
+# when empty): MemberInfo.run_id, corrupt_outputs and slow_workers. Version 3 is not decoded: a version-3 node closes the
 # connection on our first version-4 frame, so reading its frames would keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
@@ -64,10 +64,11 @@ MAX_NONCE = 2**64 - 1
 MAX_EPOCH = 2**63 - 1
 MAX_REMOVED_PER_REKEY = MAX_MEMBERS_PER_LIST
 MAX_RUN_ID = 2**63 - 1
-# A serving node lists the last few members it found returning corrupt output (about 130 bytes each;
-# 256 members at every limit still fit one frame).
-MAX_CORRUPT_OUTPUTS = 4
+# A serving node lists the last few members it found returning corrupt output or too slow (about 150
+# and 180 bytes each), at most this many in both lists together: 256 members at every limit still fit one frame.
+MAX_JUDGED_MEMBERS = 4
 MAX_FAULT_CHARS = 24
+MAX_JUDGED_MS = 10**9  # the times a slow verdict names, in ms (11 days: any real window fits)
 
 _NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
 _ADDRESS_RE = re.compile(r"(?:\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
@@ -232,6 +233,33 @@ class CorruptOutput:
 
 
 @dataclass(frozen=True)
+class SlowWorker:
+    """A member a serving node found holding its tokens up, in that run. Travels inside MemberInfo.
+
+    The serving node leaves it out until it restarts or for a while (serve/pace.py judges the tokens,
+    the tunnels' reply waits name the worker).
+    """
+
+    node_id: bytes
+    run_id: int  # the member's run_id when it was found
+    owed_ms: int  # how long, of the window, the serving node waited for its rpc-server's replies
+    window_ms: int  # the window the tokens were judged over
+    token_ms: int  # the time one token was expected to take
+
+    def to_body(self) -> dict[str, Any]:
+        return {"node_id": self.node_id.hex(), "run_id": self.run_id, "owed_ms": self.owed_ms,
+                "window_ms": self.window_ms, "token_ms": self.token_ms}
+
+    @classmethod
+    def from_body(cls, body: Any, what: str) -> SlowWorker:
+        fields = _object(body, what, ("node_id", "run_id", "owed_ms", "window_ms", "token_ms"))
+        return cls(node_id=_node_id(fields["node_id"], f"{what}.node_id"),
+                   run_id=_int(fields["run_id"], f"{what}.run_id", MAX_RUN_ID),
+                   **{key: _int(fields[key], f"{what}.{key}", MAX_JUDGED_MS)
+                      for key in ("owed_ms", "window_ms", "token_ms")})
+
+
+@dataclass(frozen=True)
 class MemberInfo:
     """What a node says about itself. Travels inside MemberList.
 
@@ -257,6 +285,13 @@ class MemberInfo:
     run_id: int = 0
     # A serving node's: members it leaves out for corrupt output until they restart (newest last).
     corrupt_outputs: tuple[CorruptOutput, ...] = ()
+    # A serving node's: members it leaves out as too slow, until they restart or for a while (newest last).
+    slow_workers: tuple[SlowWorker, ...] = ()
+
+    def judged_within_limit(self, what: str) -> MemberInfo:
+        if len(self.corrupt_outputs) + len(self.slow_workers) > MAX_JUDGED_MEMBERS:
+            raise _bad(f"{what}.corrupt_outputs and slow_workers", f"at most {MAX_JUDGED_MEMBERS} items together")
+        return self
 
     def __post_init__(self) -> None:
         pairs = tuple(sorted(self.capacity))
@@ -279,6 +314,7 @@ class MemberInfo:
             # Optional within version 4: left out when unset, read as unset when absent.
             **({"run_id": self.run_id} if self.run_id else {}),
             **({"corrupt_outputs": [c.to_body() for c in self.corrupt_outputs]} if self.corrupt_outputs else {}),
+            **({"slow_workers": [w.to_body() for w in self.slow_workers]} if self.slow_workers else {}),
         }
 
     @classmethod
@@ -288,7 +324,7 @@ class MemberInfo:
             what,
             ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready",
              "llama_build", "model_sha256", "secret_epoch"),
-            ("run_id", "corrupt_outputs"),
+            ("run_id", "corrupt_outputs", "slow_workers"),
         )
         capacity = fields["capacity"]
         if not isinstance(capacity, dict) or len(capacity) > MAX_CAPACITY_ENTRIES:
@@ -330,8 +366,12 @@ class MemberInfo:
             corrupt_outputs=tuple(
                 CorruptOutput.from_body(c, f"{what}.corrupt_outputs[{i}]")
                 for i, c in enumerate(_list(fields.get("corrupt_outputs", []), f"{what}.corrupt_outputs",
-                                            MAX_CORRUPT_OUTPUTS))),
-        )
+                                            MAX_JUDGED_MEMBERS))),
+            slow_workers=tuple(
+                SlowWorker.from_body(w, f"{what}.slow_workers[{i}]")
+                for i, w in enumerate(_list(fields.get("slow_workers", []), f"{what}.slow_workers",
+                                            MAX_JUDGED_MEMBERS))),
+        ).judged_within_limit(what)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,44 @@
+"""How long a peer kept the serving node waiting for its rpc-server's replies.
+
+Pure: a tunnel reports the times bytes went to the peer and came back. RPC is strict
+request/response, so from the first byte sent after the last reply until the next byte
+received, the peer owes an answer (its compute, its link, or a stall). Commands with no
+reply (SET_TENSOR, GRAPH_COMPUTE) are always followed, within the token, by one that has
+one (GET_TENSOR), so a worker in use answers once per token at least.
+
+``owed_s(since, now)`` sums those waits over a window: when tokens stop coming, the worker
+that owed for most of the window is the one holding them (serve/pace.py judges the tokens).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+# Waits older than this are forgotten: a stall is judged over seconds, never minutes.
+REPLY_WAIT_HISTORY_S = 300.0
+
+
+class ReplyWaits:
+    """The intervals during which a peer owed a reply."""
+
+    def __init__(self) -> None:
+        self._done: deque[tuple[float, float]] = deque()  # (began, ended), oldest first
+        self._owing_since: float | None = None
+
+    def sent(self, now: float) -> None:
+        if self._owing_since is None:
+            self._owing_since = now
+
+    def received(self, now: float) -> None:
+        if self._owing_since is not None:
+            self._done.append((self._owing_since, now))
+            self._owing_since = None
+        while self._done and self._done[0][1] < now - REPLY_WAIT_HISTORY_S:
+            self._done.popleft()
+
+    def owed_s(self, since: float, now: float) -> float:
+        """Seconds within ``[since, now]`` this peer owed a reply (a reply still owed counts up to now)."""
+        intervals = list(self._done)
+        if self._owing_since is not None:
+            intervals.append((self._owing_since, now))
+        return sum(max(0.0, min(end, now) - max(began, since)) for began, end in intervals)
