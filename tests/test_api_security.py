@@ -14,7 +14,8 @@ from aiohttp import web
 from mesh_sidecar.errors import UsageError
 from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.ports import free_tcp_port
-from mesh_sidecar.serve.proxy import MAX_REQUEST_BODY_BYTES, ApiAccess, ApiProxy
+from mesh_sidecar.serve.access import MAX_REQUEST_BODY_BYTES, ApiAccess
+from mesh_sidecar.serve.proxy import ApiProxy
 from tests.conftest import GREEDY, cli, start_stand_in
 
 KEY = "s3cret-key-0123456789"

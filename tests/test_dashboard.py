@@ -25,7 +25,8 @@ from mesh_sidecar.mesh.status import PeerView, peers_json
 from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.serve.supervisor import PlanAnnouncement
 from mesh_sidecar.ports import free_tcp_port
-from mesh_sidecar.serve.proxy import ApiAccess, ApiProxy
+from mesh_sidecar.serve.access import ApiAccess
+from mesh_sidecar.serve.proxy import ApiProxy
 from tests.conftest import TICKET_LINE
 from tests.waiting import wait_until
 

@@ -48,7 +48,7 @@ from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..node.node import DEFAULT_CTX_SIZE, Node, NodeOptions
 from ..ports import LOOPBACK, check_tcp_port_free
 from ..progress import PlainProgress, ProgressCallback
-from ..serve.proxy import ApiAccess
+from ..serve.access import ApiAccess
 from ..serve.supervisor import PlanAnnouncement
 from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
 from ..units import MIB, format_gib, parse_size

@@ -35,7 +35,7 @@ from ..serve.metrics import Metrics
 from ..serve.planner import Plan
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import PlainProgress, ProgressCallback, ignore_progress
-from ..serve.proxy import OPEN_ACCESS, ApiAccess
+from ..serve.access import OPEN_ACCESS, ApiAccess
 from ..serve.supervisor import ServingSupervisor, estimate_off_loop, plan_over_mesh
 from ..serve.tiers import StepUpRules
 from ..wire.gossip import LlamaBuild

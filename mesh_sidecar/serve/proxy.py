@@ -37,11 +37,7 @@ service gets an OpenAI-style 503 saying which one is and why.
 aiohttp serves (it embeds in our event loop without taking over signals and
 streams responses); httpx is the client to the internal llama-server.
 
-Access (``ApiAccess``): with an API key, every path but ``/health`` wants
-``Authorization: Bearer KEY`` (401 otherwise); the header stops here and never
-reaches llama-server. CORS is off unless one origin is allowed: no
-``Access-Control-*`` header leaves the proxy, whatever llama-server set. Bodies
-over MAX_REQUEST_BODY_BYTES get a 413. Every such refusal is an OpenAI-style error.
+Who may use the port (an API key, a CORS origin, a body limit) is access.py's.
 
 The dashboard (``/mesh``, dashboard.py) shares the port: its page and files are
 keyless, its state is not. The proxy feeds it ``token_rate``: every streamed event
@@ -51,19 +47,19 @@ it relays, and llama-server's speed for each finished request.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import httpx
 from aiohttp import web
 
-from .dashboard import KEYLESS_PATHS, TokenRate
+from .dashboard import TokenRate
 from .. import environment
-from ..errors import MeshError, ServiceUnavailableError, UsageError
+from ..errors import MeshError, ServiceUnavailableError
+from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, ApiAccess, cors, guard, openai_error
 from .metrics import Metrics
 from .pace import Slow, StreamPace, TokenPace
 from ..ports import LOOPBACK
@@ -72,12 +68,9 @@ from .continuation import (CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Assemb
 from .receipt import OutputTap, ask_for_token_ids
 from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
 from .tiers import DEFAULT_MODEL_NAMES, TierView, models_list, refusal_for
-from ..units import MIB
 
 log = logging.getLogger(__name__)
 
-# About two million tokens of text: far beyond any context, small enough to hold in memory.
-MAX_REQUEST_BODY_BYTES = 8 * MIB
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
 MAX_FAILOVERS_PER_REQUEST = 2
 # A stream with no byte for this long is stuck (a member stopped answering without being lost
@@ -94,52 +87,11 @@ HOP_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
     "trailer", "transfer-encoding", "upgrade", "host", "content-length",
 })
-# Not forwarded: the client's key is for this proxy; llama-server has none.
-CLIENT_ONLY_HEADERS = frozenset({"authorization"})
-# Open without a key: readiness only, and load balancers and scripts probe it keyless.
-# /metrics is not open: it reveals usage (request counts, paths, speeds). Nor is the dashboard's
-# state; its page and files hold no data.
-OPEN_PATHS = frozenset({"/health"}) | KEYLESS_PATHS
-CORS_PREFLIGHT_MAX_AGE_S = 600
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
 MODEL_LOADING_MESSAGE = "The model is still being loaded on the mesh; retry in a moment."
 MODEL_LOADING_CODE = "model_loading"
 MODELS_PATH = "/v1/models"
-
-
-def openai_error(status: int, message: str, error_type: str, code: str,
-                 headers: dict[str, str] | None = None) -> web.Response:
-    """An error body in the shape OpenAI clients parse."""
-    return web.json_response(
-        {"error": {"message": message, "type": error_type, "code": code}}, status=status, headers=headers
-    )
-
-
-@dataclass(frozen=True)
-class ApiAccess:
-    """Who may use the API port: an optional bearer key and an optional CORS origin."""
-
-    api_key: str | None = field(default=None, repr=False)  # never in a repr, so never in a log
-    cors_origin: str | None = None  # e.g. "https://chat.example.org"; None: no CORS header at all
-
-    def __post_init__(self) -> None:
-        key = self.api_key
-        if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
-            raise UsageError(f"The API key (--api-key or {environment.API_KEY_ENV}) must be non-empty printable ASCII "
-                             "without spaces; for example, use the output of: openssl rand -hex 32")
-
-    def admits(self, authorization: str | None) -> bool:
-        """Whether an ``Authorization`` header value carries the key (always, when there is none)."""
-        if self.api_key is None:
-            return True
-        scheme, _, token = (authorization or "").partition(" ")
-        # Compared as bytes in constant time: the answer must not leak how much of a guess was right.
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(errors="replace"), self.api_key.encode())
-
-
-OPEN_ACCESS = ApiAccess()  # no key, no CORS: the default
 
 
 @dataclass(frozen=True)
@@ -246,8 +198,8 @@ class ApiProxy:
         self._idle = asyncio.Event()
         self._idle.set()
         self.token_rate = TokenRate()
-        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES, middlewares=[self._guard])
-        self.app.on_response_prepare.append(self._cors)
+        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES, middlewares=[guard(access)])
+        self.app.on_response_prepare.append(cors(access))
         self.app.router.add_route("*", "/v1/{tail:.*}", self._forward)
         self.app.router.add_route("GET", "/health", self._forward)
         self.app.router.add_route("GET", "/metrics", self._metrics)
@@ -313,42 +265,6 @@ class ApiProxy:
         return Upstream(self._upstream, self._upstream_epoch, self._model)
 
     # --- access: key, CORS, body size -------------------------------------------------
-
-    @web.middleware
-    async def _guard(self, request: web.Request,
-                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if self._is_allowed_preflight(request):
-            return web.Response(status=204)  # browsers send preflights without the key; _cors answers it
-        if request.path not in OPEN_PATHS and not self._access.admits(request.headers.get("Authorization")):
-            message = ("Missing API key: send it as 'Authorization: Bearer KEY'."
-                       if "Authorization" not in request.headers else "Incorrect API key provided.")
-            return openai_error(401, message, "invalid_request_error", "invalid_api_key",
-                                headers={"WWW-Authenticate": 'Bearer realm="mesh-inference"'})
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            return openai_error(413, f"The request body is over the {MAX_REQUEST_BODY_BYTES // MIB} MiB limit.",
-                                "invalid_request_error", "request_too_large")
-
-    def _is_allowed_preflight(self, request: web.Request) -> bool:
-        return (request.method == "OPTIONS" and self._access.cors_origin is not None
-                and request.headers.get("Origin") == self._access.cors_origin
-                and "Access-Control-Request-Method" in request.headers)
-
-    async def _cors(self, request: web.Request, response: web.StreamResponse) -> None:
-        """Drop every CORS header (llama-server sends ``Allow-Origin: *``); allow only the chosen origin."""
-        for name in {name for name in response.headers if name.lower().startswith("access-control-")}:
-            response.headers.popall(name)
-        if self._access.cors_origin is None:
-            return
-        response.headers.add("Vary", "Origin")
-        if request.headers.get("Origin") != self._access.cors_origin:
-            return
-        response.headers["Access-Control-Allow-Origin"] = self._access.cors_origin
-        if self._is_allowed_preflight(request):
-            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
-            response.headers["Access-Control-Max-Age"] = str(CORS_PREFLIGHT_MAX_AGE_S)
 
     # --- request handling -------------------------------------------------------------
 
@@ -575,7 +491,7 @@ class ApiProxy:
         """The chunks, until the stream falls far behind a token's expected time and a worker is found
         holding it up (pace.py; the serving loop then replans without it), or until nothing comes for the
         stall timeout (llama-server is restarted). Either way the request fails over."""
-        began = time.monotonic()
+        began = judge_at = time.monotonic()
         pace = StreamPace()
         pending: asyncio.Future[bytes] | None = None
         self._prompts_waiting += 1
@@ -597,6 +513,9 @@ class ApiProxy:
                         self._prompts_waiting -= 1
                     pace.arrived(now)
                     yield chunk
+                    if now < judge_at:  # judged at most every PACE_CHECK_S: tokens come far faster
+                        continue
+                judge_at = now + PACE_CHECK_S
                 expected_s = self._pace.expected_s(self._links_rtt_s())
                 if (slow := pace.judge(now, expected_s, self._prompts_waiting > 0)) is not None:
                     if self._on_slow(slow):

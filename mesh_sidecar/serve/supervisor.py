@@ -56,7 +56,8 @@ from ..wire.rpc_outputs import OutputRejected
 from .planner import NodeCapacity, Plan, TierAssessment, assess_tiers, choose_tier, tier_needs_bytes
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
-from .proxy import OPEN_ACCESS, ApiAccess, ApiProxy, Generation
+from .access import OPEN_ACCESS, ApiAccess
+from .proxy import ApiProxy, Generation
 from . import receipt
 from ..llama.model import model_sha256
 from .speculation import Speculation, choose
