@@ -15,7 +15,11 @@ node id, and the ids are new every run), and is stopped before the direct setup
 starts, so the two never share the CPU. Each setup gets one warm-up request, then
 ``--reps`` repetitions of one plain ``/v1/completions`` request (llama-server's
 ``timings``) and one streamed request (time to the first SSE chunk with text), all
-with ``cache_prompt: false`` so every request evaluates the prompt.
+with ``cache_prompt: false`` so every request evaluates the prompt. With ``--streams N``
+(at most llama-server's 4 automatic slots) each setup then sends N different prompts at
+once, a warm-up round and ``--reps`` timed rounds: their generated tokens over the round's
+wall time is the aggregate decode rate. Each report entry holds the mesh/direct ratios of
+the medians (decode tok/s, TTFT, aggregate tok/s) and, with ``--b2b``, b2b over stock mesh.
 
 The comparison runs once per link profile (``--profiles``, names from
 ``tests/netns.py`` ``LINK_PROFILES``), each on a fresh lab: the plain bridge, tbf
@@ -23,8 +27,8 @@ rate limits on every link, or the delay switch that holds every frame between
 hosts for a fixed time (both setups cross it alike).
 
 Run as root: ``.venv/bin/python -m benchmarks.decode [--reps N] [--n-predict N]
-[--profiles unshaped,1gbit,100mbit,5ms,20ms] [--model PATH|bench-1gb] [--json PATH] [--b2b]``.
-With ``--b2b`` a third setup runs: the mesh with every node on the b2b build.
+[--profiles unshaped,1gbit,100mbit,5ms,20ms] [--model PATH|bench-1gb] [--json PATH] [--b2b]
+[--streams N]``. With ``--b2b`` a third setup runs: the mesh with every node on the b2b build.
 Figures are printed and written as JSON; nothing is asserted.
 """
 
