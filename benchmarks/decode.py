@@ -112,14 +112,17 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         time.sleep(0.2)
 
     def plain(prompt: str = spec["prompt"]) -> dict[str, Any]:
+        started = time.perf_counter()
         r = httpx.post(f"{base}/v1/completions", json={**body, "prompt": prompt}, timeout=600)
         r.raise_for_status()
         data = r.json()
         timings = data.get("timings")
         if timings is None:
             raise SystemExit(f"/v1/completions returned no timings: {sorted(data)}")
+        # Beside timings' prompt_ms + predicted_ms: what the request spent outside llama-server's work.
         return {"text": data["choices"][0]["text"], "completion_tokens": data["usage"]["completion_tokens"],
-                "prompt_tokens": data["usage"]["prompt_tokens"], "timings": timings}
+                "prompt_tokens": data["usage"]["prompt_tokens"], "timings": timings,
+                "elapsed_ms": (time.perf_counter() - started) * 1000}
 
     def streamed() -> dict[str, Any]:
         ttft = None
