@@ -18,8 +18,8 @@ the figures depend on the machine and on what else runs on it.
 
 Run as root: ``.venv/bin/python -m benchmarks.scorecard [--decode-reps N] [--n-predict N]
 [--decode-1gb-reps N] [--n-predict-1gb N] [--relay-mb N] [--load-reps N] [--json PATH]``. With the
-defaults, about 17 minutes on 2 cores once builds and models are cached (an estimate from its
-parts: decode 3, decode-20ms 4, decode-1gb 6, relay and load 4).
+defaults, about 20 minutes on 2 cores once builds and models are cached (an estimate from short
+runs of its parts, not yet timed whole: decode 4, decode-20ms 4, decode-1gb 8, relay and load 4).
 """
 
 from __future__ import annotations
