@@ -422,7 +422,7 @@ def _print(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 100))
+    console = Console(width=max(Console().width, 120))
     d, m = report["direct"], report["mesh"]
     table = Table(title=f"decode on {report['profile']}: {report['model']}, {report['n_predict']} tokens, "
                         f"{report['reps']} reps, "
