@@ -15,7 +15,11 @@ node id, and the ids are new every run), and is stopped before the direct setup
 starts, so the two never share the CPU. Each setup gets one warm-up request, then
 ``--reps`` repetitions of one plain ``/v1/completions`` request (llama-server's
 ``timings``) and one streamed request (time to the first SSE chunk with text), all
-with ``cache_prompt: false`` so every request evaluates the prompt.
+with ``cache_prompt: false`` so every request evaluates the prompt. With ``--streams N``
+(at most llama-server's 4 automatic slots) each setup then sends N different prompts at
+once, a warm-up round and ``--reps`` timed rounds: their generated tokens over the round's
+wall time is the aggregate decode rate. Each report entry holds the mesh/direct ratios of
+the medians (decode tok/s, TTFT, aggregate tok/s) and, with ``--b2b``, b2b over stock mesh.
 
 The comparison runs once per link profile (``--profiles``, names from
 ``tests/netns.py`` ``LINK_PROFILES``), each on a fresh lab: the plain bridge, tbf
@@ -23,8 +27,8 @@ rate limits on every link, or the delay switch that holds every frame between
 hosts for a fixed time (both setups cross it alike).
 
 Run as root: ``.venv/bin/python -m benchmarks.decode [--reps N] [--n-predict N]
-[--profiles unshaped,1gbit,100mbit,5ms,20ms] [--model PATH|bench-1gb] [--json PATH] [--b2b]``.
-With ``--b2b`` a third setup runs: the mesh with every node on the b2b build.
+[--profiles unshaped,1gbit,100mbit,5ms,20ms] [--model PATH|bench-1gb] [--json PATH] [--b2b]
+[--streams N]``. With ``--b2b`` a third setup runs: the mesh with every node on the b2b build.
 Figures are printed and written as JSON; nothing is asserted.
 """
 
@@ -63,6 +67,24 @@ PROMPT = (
     "combined movable metal type, oil-based ink and a wooden screw press into one workshop process. "
     "Explain in a few paragraphs how this invention changed the way knowledge spread across Europe:"
 )
+# ``--streams``: that many of these at once (the first is PROMPT), each a different text of about
+# PROMPT's length, so every slot evaluates a prompt of its own.
+STREAM_PROMPTS = (
+    PROMPT,
+    "The steam engine did not appear all at once: Newcomen's atmospheric pump drained mines for decades "
+    "before James Watt added a separate condenser and made it efficient enough for mills. Describe in a "
+    "few paragraphs how steam power reshaped the factories and towns of Britain:",
+    "Long before satellites, sailors crossed oceans with a compass, a log line and the stars, and the "
+    "marine chronometer finally let them fix their longitude at sea. Explain in a few paragraphs why "
+    "measuring time precisely was the key to finding a ship's position:",
+    "Vaccination began with Edward Jenner's observation that milkmaids who caught cowpox were spared "
+    "from smallpox, and within two centuries the disease was gone from the world. Describe in a few "
+    "paragraphs how vaccines teach the immune system to recognise a threat:",
+)
+# Neither llama-server is given --parallel: both run with the pinned build's automatic slot count
+# (its log: "initializing, n_slots = 4"). More streams than slots would queue in llama-server and
+# time its queue, not the links.
+LLAMA_SERVER_AUTO_SLOTS = 4
 _TICKET = re.compile(r"Node ticket: (meshinf[a-z2-7]+)")
 
 
@@ -71,6 +93,8 @@ _TICKET = re.compile(r"Node ticket: (meshinf[a-z2-7]+)")
 # --------------------------------------------------------------------------------------------
 
 def _client(spec: dict[str, Any]) -> dict[str, Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     base = f"http://127.0.0.1:{spec['port']}"
@@ -87,15 +111,18 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
             raise SystemExit(f"{base}/health not 200 within {START_TIMEOUT_S} s")
         time.sleep(0.2)
 
-    def plain() -> dict[str, Any]:
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=600)
+    def plain(prompt: str = spec["prompt"]) -> dict[str, Any]:
+        started = time.perf_counter()
+        r = httpx.post(f"{base}/v1/completions", json={**body, "prompt": prompt}, timeout=600)
         r.raise_for_status()
         data = r.json()
         timings = data.get("timings")
         if timings is None:
             raise SystemExit(f"/v1/completions returned no timings: {sorted(data)}")
+        # Beside timings' prompt_ms + predicted_ms: what the request spent outside llama-server's work.
         return {"text": data["choices"][0]["text"], "completion_tokens": data["usage"]["completion_tokens"],
-                "prompt_tokens": data["usage"]["prompt_tokens"], "timings": timings}
+                "prompt_tokens": data["usage"]["prompt_tokens"], "timings": timings,
+                "elapsed_ms": (time.perf_counter() - started) * 1000}
 
     def streamed() -> dict[str, Any]:
         ttft = None
@@ -122,6 +149,17 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         out = subprocess.run([sys.executable, "-m", "mesh_sidecar", "status", "--home", spec["status_home"],
                               "--json"], capture_output=True, text=True, check=True, timeout=60)
         return json.loads(out.stdout)
+
+    def concurrent(prompts: list[str]) -> dict[str, Any]:
+        """One plain request per prompt, all at once: the wall time until the last answer is in."""
+        started = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(plain, prompts))
+        return {"wall_s": time.perf_counter() - started, "streams": answers}
+
+    if spec.get("stream_prompts"):  # the concurrent phase, a client call of its own (see _run_streams)
+        concurrent(spec["stream_prompts"])  # warm-up
+        return {"reps": [concurrent(spec["stream_prompts"]) for _ in range(spec["reps"])]}
 
     warmup = plain()
     streamed()
@@ -201,6 +239,17 @@ def _run_client(host, spec: dict[str, Any], watched: list[tuple[str, subprocess.
     return json.loads(out)
 
 
+def _run_streams(host, spec: dict[str, Any], port: int,
+                 watched: list[tuple[str, subprocess.Popen, Path]]) -> dict | None:
+    """With ``spec["streams"]``, that many prompts sent at once, ``spec["reps"]`` times after a warm-up
+    (None without). A client call after the single-stream one, so the tunnel, RPC command and CPU
+    counts per token stay those of one stream."""
+    if not spec.get("streams"):  # other benchmarks' specs (speculative.py) have none
+        return None
+    prompts = list(STREAM_PROMPTS[:spec["streams"]])
+    return _run_client(host, {**spec, "port": port, "stream_prompts": prompts}, watched)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -267,12 +316,13 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
     # The sidecars' own CPU (Python QUIC, relaying): on a machine whose cores the llama.cpp
     # processes share, it is time their compute waits for.
     cpu_before = {n: cpu_seconds(proc.pid) for n, (proc, _) in procs.items()}
-    result = _run_client(lab_hosts["c"], {**spec, "port": MESH_API_PORT, "status_home": str(homes["c"])},
-                         [(f"mesh node {n}", p, log) for n, (p, log) in procs.items()])
+    watched = [(f"mesh node {n}", p, log) for n, (p, log) in procs.items()]
+    result = _run_client(lab_hosts["c"], {**spec, "port": MESH_API_PORT, "status_home": str(homes["c"])}, watched)
     # Over the warm-up and the timed repetitions: a plain and a streamed request each.
     result["rpc_commands"] = {n: _commands_from_c(_status(lab_hosts[n], homes[n])) - commands_before[n]
                               for n in "ab"}
     result["sidecar_cpu_s"] = {n: cpu_seconds(proc.pid) - cpu_before[n] for n, (proc, _) in procs.items()}
+    result["concurrent"] = _run_streams(lab_hosts["c"], spec, MESH_API_PORT, watched)
     info = {"rpc_list": rpc_list, "order": order}
     return result, order, info
 
@@ -295,25 +345,42 @@ def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
     log = workdir / "direct-llama-server.out"
     watched.append(("direct llama-server", started.popen("direct llama-server", argv, log), log))
     result = _run_client(lab_hosts["c"], {**spec, "port": DIRECT_API_PORT}, watched)
+    result["concurrent"] = _run_streams(lab_hosts["c"], spec, DIRECT_API_PORT, watched)
     return result, {"rpc_list": endpoints, "order": order}
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def _summary(result: dict) -> dict[str, Any]:
     reps = result["reps"]
-
-    def stats(values: list[float]) -> dict[str, float]:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
     texts = {r["text"] for r in reps} | {r["stream_text"] for r in reps} | {result["warmup_text"]}
-    return {
+    summary = {
         "prompt_tokens": reps[0]["prompt_tokens"],
         "completion_tokens": [r["completion_tokens"] for r in reps],
-        "prompt_tok_s": stats([r["timings"]["prompt_per_second"] for r in reps]),
-        "decode_tok_s": stats([r["timings"]["predicted_per_second"] for r in reps]),
-        "prompt_ms": stats([r["timings"]["prompt_ms"] for r in reps]),
-        "ttft_ms": stats([r["ttft_ms"] for r in reps]),
+        "prompt_tok_s": _stats([r["timings"]["prompt_per_second"] for r in reps]),
+        "decode_tok_s": _stats([r["timings"]["predicted_per_second"] for r in reps]),
+        "prompt_ms": _stats([r["timings"]["prompt_ms"] for r in reps]),
+        "ttft_ms": _stats([r["ttft_ms"] for r in reps]),
         "text": reps[0]["text"],
         "texts_all_identical": len(texts) == 1,
+    }
+    if result["concurrent"]:
+        summary["streams"] = _streams_summary(result["concurrent"]["reps"])
+    return summary
+
+
+def _streams_summary(reps: list[dict]) -> dict[str, Any]:
+    """Aggregate decode rate of the concurrent streams: tokens all of them generated over the wall time
+    from sending the first to receiving the last answer (their prompts' evaluation included)."""
+    tokens = [[s["timings"]["predicted_n"] for s in r["streams"]] for r in reps]
+    return {
+        "count": len(reps[0]["streams"]),
+        "completion_tokens": tokens,
+        "wall_s": _stats([r["wall_s"] for r in reps]),
+        "aggregate_tok_s": _stats([sum(t) / r["wall_s"] for t, r in zip(tokens, reps)]),
+        "texts": [s["text"] for s in reps[0]["streams"]],
     }
 
 
@@ -355,21 +422,28 @@ def _print(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 100))
+    console = Console(width=max(Console().width, 120))
     d, m = report["direct"], report["mesh"]
     table = Table(title=f"decode on {report['profile']}: {report['model']}, {report['n_predict']} tokens, "
                         f"{report['reps']} reps, "
                         f"prompt {d['prompt_tokens']} tokens, rpc order {','.join(report['order'])}")
+    streams = d.get("streams")
     for col in ("setup", "prompt tok/s (med)", "decode tok/s (med)", "decode min–max", "TTFT ms (med)",
-                "decode mesh/direct"):
+                "decode /direct", "TTFT /direct",
+                *((f"{streams['count']} streams tok/s (med)", "streams /direct") if streams else ())):
         table.add_column(col, justify="right" if col != "setup" else "left")
     setups = [("direct", d), ("mesh", m)] + ([("mesh --b2b", report["mesh_b2b"])] if "mesh_b2b" in report else [])
     for name, s in setups:
-        ratio = f"{s['decode_tok_s']['median'] / d['decode_tok_s']['median']:.2f}" if name != "direct" else ""
+        def over_direct(*figure: str) -> str:
+            return f"{_ratio({name: s, 'direct': d}, name, 'direct', *figure):.2f}" if name != "direct" else ""
         table.add_row(name, f"{s['prompt_tok_s']['median']:.1f}", f"{s['decode_tok_s']['median']:.1f}",
                       f"{s['decode_tok_s']['min']:.1f}–{s['decode_tok_s']['max']:.1f}",
-                      f"{s['ttft_ms']['median']:.1f}", ratio)
+                      f"{s['ttft_ms']['median']:.1f}", over_direct("decode_tok_s"), over_direct("ttft_ms"),
+                      *((f"{s['streams']['aggregate_tok_s']['median']:.1f}", over_direct("streams", "aggregate_tok_s"))
+                        if streams else ()))
     console.print(table)
+    if "b2b_over_stock" in report:
+        console.print(f"decode mesh --b2b / stock mesh: {report['b2b_over_stock']:.2f}")
     tunnels = Table(title="mesh tunnels on c, over the timed repetitions")
     for col in ("tunnel", "bytes c→peer / token", "bytes peer→c / token", "RPC commands / token"):
         tunnels.add_column(col, justify="right" if col != "tunnel" else "left")
@@ -386,6 +460,9 @@ def _print(report: dict[str, Any]) -> None:
     console.print(f"greedy text direct == mesh: {'yes' if same else 'NO'}"
                   f" (every request within each setup identical: direct "
                   f"{'yes' if d['texts_all_identical'] else 'NO'}, mesh {'yes' if m['texts_all_identical'] else 'NO'})")
+    if "stream_texts_identical" in report:
+        console.print("concurrent streams' greedy text direct == mesh (informational: batched decoding is not "
+                      "batch-invariant): " + ", ".join("yes" if s else "no" for s in report["stream_texts_identical"]))
 
 
 def _interrupt(signum, frame) -> None:
@@ -478,20 +555,40 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         "mesh_sidecar_cpu_ms_per_token": _sidecar_cpu_ms_per_token(mesh_result),
         "raw": {"direct": direct_result["reps"], "mesh": mesh_result["reps"]},
     }
-    entry["decode_ratio_mesh_over_direct"] = (entry["mesh"]["decode_tok_s"]["median"]
-                                              / entry["direct"]["decode_tok_s"]["median"])
+    entry["decode_ratio_mesh_over_direct"] = _ratio(entry, "mesh", "direct", "decode_tok_s")
+    entry["ttft_ratio_mesh_over_direct"] = _ratio(entry, "mesh", "direct", "ttft_ms")
     entry["greedy_texts_identical"] = entry["direct"]["text"] == entry["mesh"]["text"]
+    if spec["streams"]:
+        entry["raw"]["direct_streams"] = direct_result["concurrent"]["reps"]
+        entry["raw"]["mesh_streams"] = mesh_result["concurrent"]["reps"]
+        entry["aggregate_ratio_mesh_over_direct"] = _ratio(entry, "mesh", "direct", "streams", "aggregate_tok_s")
+        # Informational only: llama.cpp's batched decoding is not batch-invariant, so concurrent
+        # greedy streams may part ways between two runs of the same setup too.
+        entry["stream_texts_identical"] = [m == d for m, d in zip(entry["mesh"]["streams"]["texts"],
+                                                                   entry["direct"]["streams"]["texts"])]
     if b2b:
         entry["mesh_b2b"] = {**_summary(b2b_result), **b2b_info}
         entry["mesh_b2b_tunnels"] = _tunnel_bytes(b2b_result)
         entry["mesh_b2b_sidecar_cpu_ms_per_token"] = _sidecar_cpu_ms_per_token(b2b_result)
         entry["raw"]["mesh_b2b"] = b2b_result["reps"]
-        entry["decode_ratio_b2b_over_direct"] = (entry["mesh_b2b"]["decode_tok_s"]["median"]
-                                                 / entry["direct"]["decode_tok_s"]["median"])
+        entry["decode_ratio_b2b_over_direct"] = _ratio(entry, "mesh_b2b", "direct", "decode_tok_s")
+        entry["b2b_over_stock"] = _ratio(entry, "mesh_b2b", "mesh", "decode_tok_s")
         entry["greedy_texts_identical"] &= entry["mesh_b2b"]["text"] == entry["direct"]["text"]
+        if spec["streams"]:
+            entry["raw"]["mesh_b2b_streams"] = b2b_result["concurrent"]["reps"]
     if lab.switch_stats is not None:
         entry["delay_switch"] = lab.switch_stats
     return entry
+
+
+def _ratio(entry: dict[str, Any], setup: str, over: str, *figure: str) -> float:
+    """Median of ``figure`` (a path of keys into a setup's summary) in ``setup`` over that in ``over``."""
+    def median(name: str) -> float:
+        value = entry[name]
+        for key in figure:
+            value = value[key]
+        return value["median"]
+    return median(setup) / median(over)
 
 
 def _print_summary(report: dict[str, Any]) -> None:
@@ -500,21 +597,27 @@ def _print_summary(report: dict[str, Any]) -> None:
 
     table = Table(title=f"decode across link profiles: {report['model']}, {report['n_predict']} tokens, "
                         f"{report['reps']} reps (medians)")
-    for col in ("profile", "decode tok/s direct", "mesh", "mesh/direct", "mesh --b2b", "b2b/direct",
-                "TTFT ms direct", "mesh", "prompt tok/s direct", "mesh", "same text"):
+    columns = ("profile", "decode tok/s direct", "mesh", "mesh/direct", "mesh --b2b", "b2b/direct", "b2b/mesh",
+               "TTFT ms direct", "mesh", "mesh/direct", "streams tok/s direct", "mesh",
+               "mesh/direct", "prompt tok/s direct", "mesh", "same text")
+    for col in columns:
         table.add_column(col, justify="left" if col == "profile" else "right")
     for e in report["profiles"]:
         if "error" in e:
-            table.add_row(e["profile"], "failed", *[""] * 10)
+            table.add_row(e["profile"], "failed", *[""] * (len(columns) - 2))
             continue
         d, m, b = e["direct"], e["mesh"], e.get("mesh_b2b")
+        streams = (*(f"{s['streams']['aggregate_tok_s']['median']:.1f}" for s in (d, m)),
+                   f"{e['aggregate_ratio_mesh_over_direct']:.2f}") if "streams" in d else ("-",) * 3
         table.add_row(e["profile"], f"{d['decode_tok_s']['median']:.1f}", f"{m['decode_tok_s']['median']:.1f}",
                       f"{e['decode_ratio_mesh_over_direct']:.2f}",
                       f"{b['decode_tok_s']['median']:.1f}" if b else "-",
-                      f"{e['decode_ratio_b2b_over_direct']:.2f}" if b else "-", f"{d['ttft_ms']['median']:.0f}",
-                      f"{m['ttft_ms']['median']:.0f}", f"{d['prompt_tok_s']['median']:.1f}",
+                      f"{e['decode_ratio_b2b_over_direct']:.2f}" if b else "-",
+                      f"{e['b2b_over_stock']:.2f}" if b else "-", f"{d['ttft_ms']['median']:.0f}",
+                      f"{m['ttft_ms']['median']:.0f}", f"{e['ttft_ratio_mesh_over_direct']:.2f}", *streams,
+                      f"{d['prompt_tok_s']['median']:.1f}",
                       f"{m['prompt_tok_s']['median']:.1f}", "yes" if e["greedy_texts_identical"] else "NO")
-    Console(width=max(Console().width, 140)).print(table)
+    Console(width=max(Console().width, 180)).print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--b2b", action="store_true",
                         help="also run the mesh on the b2b build (workers pass activations to each other)")
+    parser.add_argument("--streams", type=int, default=0, choices=range(LLAMA_SERVER_AUTO_SLOTS + 1),
+                        metavar=f"0..{LLAMA_SERVER_AUTO_SLOTS}",
+                        help="after the single-stream requests, also send this many different prompts at once, "
+                             "--reps times, and report their aggregate decode tok/s (default 0: none)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
@@ -550,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.b2b:
         ensure_binaries(None, _quiet, B2B)  # built now, not under a node's start timeout
     model = _resolve_model(args.model)
-    spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps}
+    spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps, "streams": args.streams}
     report = {
         "benchmark": "decode",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -558,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt": PROMPT,
         "n_predict": args.n_predict,
         "reps": args.reps,
+        "streams": args.streams,
+        "stream_prompts": list(STREAM_PROMPTS[:args.streams]),
         "sampling": GREEDY,
         "cpu_count": os.cpu_count(),
         "profiles": [],
