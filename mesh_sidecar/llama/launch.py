@@ -111,10 +111,11 @@ def llama_server_argv(
         "--alias", model.stem,
         "--metrics",
         "--log-verbosity", LLAMA_SERVER_LOG_VERBOSITY,
-        # When a request starts, llama-server would save every idle slot's KV cache to host memory,
-        # reading it back from the rpc-servers: hundreds of round trips a slot, 1.5 s a slot through
-        # the mesh, before four concurrent requests even begin. Idle slots stay where they are instead.
-        "--no-cache-idle-slots",
+        # No host-memory prompt cache: giving a request a slot would first save the slot's KV cache
+        # there (and idle slots' too), read back from the rpc-servers, hundreds of round trips a slot:
+        # 1.5 s a slot through the mesh, before the request even starts. A slot still reuses the
+        # prompt it holds (cache_prompt).
+        "--cache-ram", "0",
     ]
     if tensor_split:
         argv += ["--tensor-split", ",".join(f"{w:g}" for w in tensor_split)]
