@@ -687,10 +687,8 @@ class Mesh:
         assert self._membership is not None
         if node_id == self.identity.node_id:
             return self._name
-        for member in self._membership.members():
-            if member.info.node_id == node_id:
-                return member.info.name
-        return short_id(node_id)
+        info = self._member_info(node_id)
+        return info.name if info is not None else short_id(node_id)
 
     def _resolve_endpoint(self, peer_index: int) -> str | None:
         """REGISTER_PEER's peer id -> the endpoint that reaches that member from here."""

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from collections import deque
 
-# Waits older than this are forgotten: a stall is judged over seconds, never minutes.
-REPLY_WAIT_HISTORY_S = 300.0
+# Waits older than this are forgotten. A stall is judged over seconds (serve/pace.py: 3 s, or 10
+# token times), and a busy tunnel records a few waits per token, so the history stays a few
+# thousand entries; a model slower than 6 s a token is judged over less than its window (nobody
+# is then blamed, never the wrong worker).
+REPLY_WAIT_HISTORY_S = 60.0
 
 
 class ReplyWaits:

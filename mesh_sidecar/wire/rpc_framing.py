@@ -99,8 +99,8 @@ PUSH_PEER_ID_BYTES = 4  # PUSH_TENSOR_TO_PEER: peer_id u32 | src rpc_tensor | ..
 PUSH_REPLY_BYTES = 1  # u8: pushed or not
 _LAYER_OUTPUT = re.compile(rb"(?:^|#)l_out-\d+(?:#|$)")
 
-_HEADER = struct.Struct("<BQ")
-_REPLY_SIZE = struct.Struct("<Q")
+RPC_HEADER = struct.Struct("<BQ")  # cmd u8 | size u64
+REPLY_SIZE = struct.Struct("<Q")  # a reply's payload size
 _REGISTER_PEER = struct.Struct(f"<I{REGISTER_PEER_ENDPOINT_BYTES}s")
 
 
@@ -316,13 +316,13 @@ class RpcStreamFilter:
             view = view[take:]
             if len(buf) < HELLO_REPLY_SIZE_BYTES:
                 return
-            (size,) = _REPLY_SIZE.unpack(buf)
+            (size,) = REPLY_SIZE.unpack(buf)
             if size not in self._hello_reply_sizes:
                 self._go_opaque(
                     f"the server's first reply has {size} bytes, not a known HELLO reply"
                 )
                 return
-        (size,) = _REPLY_SIZE.unpack_from(buf)
+        (size,) = REPLY_SIZE.unpack_from(buf)
         buf += view[: HELLO_REPLY_SIZE_BYTES + size - len(buf)]
         if len(buf) == HELLO_REPLY_SIZE_BYTES + size:
             self._reply = bytes(buf[HELLO_REPLY_SIZE_BYTES:])
@@ -379,7 +379,7 @@ class RpcStreamFilter:
                     self._on_header()
 
     def _on_header(self) -> None:
-        cmd, size = _HEADER.unpack(self._header)
+        cmd, size = RPC_HEADER.unpack(self._header)
         if self._phase is _Phase.AWAIT_HELLO:
             if cmd != HELLO_CMD:
                 self._go_opaque(f"the first command is {cmd}, not HELLO ({HELLO_CMD})")

@@ -29,7 +29,6 @@ is never compared. Anything else makes llama-server give up on the endpoint and 
 from __future__ import annotations
 
 import re
-import struct
 from dataclasses import dataclass
 
 from ..errors import MalformedMessageError
@@ -39,13 +38,14 @@ from .rpc_framing import (
     HELLO_CMD,
     HELLO_REPLY_CAPS_OFFSET,
     HELLO_REPLY_FLAGS_OFFSET,
+    REPLY_SIZE,
     REPLY_SIZE_BYTES,
     RPC_CONN_CAPS_BYTES,
+    RPC_HEADER,
 )
 
-_HEADER = struct.Struct("<BQ")
-HELLO_REQUEST = _HEADER.pack(HELLO_CMD, RPC_CONN_CAPS_BYTES) + bytes(RPC_CONN_CAPS_BYTES)
-OLD_HELLO_REQUEST = _HEADER.pack(HELLO_CMD, 0)
+HELLO_REQUEST = RPC_HEADER.pack(HELLO_CMD, RPC_CONN_CAPS_BYTES) + bytes(RPC_CONN_CAPS_BYTES)
+OLD_HELLO_REQUEST = RPC_HEADER.pack(HELLO_CMD, 0)
 HELLO_REPLY_BYTES = HELLO_REPLY_CAPS_OFFSET + RPC_CONN_CAPS_BYTES
 _REPLY_SIZES = (HELLO_REPLY_BYTES, FORK_HELLO_REPLY_BYTES)
 _VERSION_PART_MAX = 255  # each part is a u8 on the wire
@@ -83,7 +83,7 @@ class HelloReply:
 
 def hello_reply_size(size_field: bytes) -> int:
     """The payload size from a reply's first 8 bytes; MalformedMessageError unless it is a HELLO reply's."""
-    (size,) = struct.unpack("<Q", size_field[:REPLY_SIZE_BYTES])
+    (size,) = REPLY_SIZE.unpack(size_field[:REPLY_SIZE_BYTES])
     if size not in _REPLY_SIZES:
         raise MalformedMessageError(
             f"the rpc-server's reply has {size} bytes, not a HELLO reply's {' or '.join(map(str, _REPLY_SIZES))}")

@@ -48,7 +48,9 @@ from .rpc_framing import (
     GET_TENSOR_SIZE_OFFSET,
     HELLO_CMD,
     MESH_B2B_7,
+    REPLY_SIZE,
     REPLY_SIZE_BYTES,
+    RPC_HEADER,
     RPC_HEADER_BYTES,
     RPC_TENSOR_NAME_BYTES,
     RPC_TENSOR_NAME_OFFSET,
@@ -71,8 +73,6 @@ NO_REPLY_CMDS_7 = frozenset({4, 5, 6, 10, 12, 16, 17})
 LAST_CMD_UPSTREAM_7 = 17
 LAST_CMD_MESH_B2B_7 = 19  # REGISTER_PEER 18 and PUSH_TENSOR_TO_PEER 19 both answer a u8
 
-_HEADER = struct.Struct("<BQ")
-_REPLY_SIZE = struct.Struct("<Q")
 _GET_TENSOR_HEAD = struct.Struct(f"<{RPC_TENSOR_TYPE_OFFSET}xI")
 
 
@@ -214,7 +214,7 @@ class RpcOutputCheck:
                 self._header += chunk
                 pos += len(chunk)
                 if len(self._header) == RPC_HEADER_BYTES:
-                    cmd, size = _HEADER.unpack(self._header)
+                    cmd, size = RPC_HEADER.unpack(self._header)
                     self._header.clear()
                     self._on_command(cmd, size)
 
@@ -239,7 +239,7 @@ class RpcOutputCheck:
 
     def _get_tensor(self, head: bytes) -> _Expected:
         (ggml_type,) = _GET_TENSOR_HEAD.unpack_from(head)
-        (size,) = _REPLY_SIZE.unpack_from(head, GET_TENSOR_SIZE_OFFSET)
+        (size,) = REPLY_SIZE.unpack_from(head, GET_TENSOR_SIZE_OFFSET)
         dtype = _FLOAT_DTYPES.get(ggml_type)
         if dtype is None or size > self._max_checked_bytes or size % dtype.itemsize:
             return _UNCHECKED
@@ -285,7 +285,7 @@ class RpcOutputCheck:
             self._out.append(header)
             return
         expected = self._pending.popleft()
-        (size,) = _REPLY_SIZE.unpack(header)
+        (size,) = REPLY_SIZE.unpack(header)
         if expected.ggml_type is not None and size != expected.size:
             expected = _UNCHECKED  # not the tensor asked for; nothing to measure
         (self._held if expected.ggml_type is not None else self._out).append(header)
