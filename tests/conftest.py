@@ -146,18 +146,24 @@ class NodeProcess:
         assert match, self.text()
         return match.group(1)
 
+    def diagnosis(self, log_lines: int = 40) -> str:
+        """Its output, then the end of its sidecar log: what a failing test shows of a node."""
+        log = self.home / "logs" / "sidecar.log"
+        tail = log.read_text(errors="replace").splitlines()[-log_lines:] if log.exists() else []
+        return "\n".join([self.text(), f"--- the last {len(tail)} lines of {log}:", *tail])
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.text()}")
+                raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.diagnosis()}")
             if self.serve_port is None:
                 if (self.home / "control.json").exists():
                     return
             elif api_healthy(self.serve_port):
                 return
             time.sleep(0.2)
-        raise AssertionError(f"node not ready in {NODE_START_TIMEOUT_S} s:\n{self.text()}")
+        raise AssertionError(f"node not ready in {NODE_START_TIMEOUT_S} s:\n{self.diagnosis()}")
 
     def stop_with_children(self) -> None:
         """Stop the node, then kill by pid any child it left behind (even if the test failed)."""
@@ -213,7 +219,13 @@ def start_node(tmp_path: Path, binaries: LlamaBinaries, model_path: Path) -> Ite
         node = NodeProcess(home, proc, output, port)
         started.append(node)
         if wait:
-            node.wait_ready()
+            try:
+                node.wait_ready()
+            except AssertionError as exc:  # the other nodes' side of it (one that exited, say)
+                others = [f"--- {other.home.name}, "
+                          f"{'running' if other.proc.poll() is None else f'exited with {other.proc.returncode}'}:\n"
+                          f"{other.diagnosis(10)}" for other in started if other is not node]
+                raise AssertionError("\n".join([str(exc), *others])) from None
             node.extra_pids = node.child_pids()
         return node
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mesh_sidecar.llama.capacity import Capacity
 from mesh_sidecar.home import NodeHome
-from mesh_sidecar.identity import generate_identity
+from mesh_sidecar.identity import NodeIdentity, generate_identity
 from mesh_sidecar.mesh.runtime import Mesh
 from mesh_sidecar.mesh.saved import SavedMesh
 from mesh_sidecar.mesh.status import peers_json
@@ -26,13 +26,13 @@ def tiny_capacity() -> Capacity:
 
 
 def make_mesh(root: Path, name: str, secret: bytes, say: Callable[[str], None] = lambda _m: None,
-              rpc_port: int = 1, **options) -> Mesh:
+              rpc_port: int = 1, identity: NodeIdentity | None = None, **options) -> Mesh:
     """A Mesh with its own home under ``root``; by default rpc port 1 (nothing listens there)."""
     home = NodeHome(root / name)
     home.create()
     saved = SavedMesh(secret)
     saved.save(home)
-    return Mesh(generate_identity(), name, home, rpc_port, tiny_capacity, say, saved=saved,
+    return Mesh(identity or generate_identity(), name, home, rpc_port, tiny_capacity, say, saved=saved,
                 **{"build": PINNED_BUILD, **options})
 
 

@@ -32,7 +32,6 @@ from mesh_sidecar.wire.gossip import (
     MAX_MEMBERS_PER_LIST,
     MAX_JUDGED_MEMBERS,
     MAX_RUN_ID,
-    CorruptOutput,
     MAX_JUDGED_MS,
     SlowWorker,
     MAX_NAME_CHARS,
@@ -438,6 +437,7 @@ class Harness:
         self.events: dict[bytes, list[object]] = defaultdict(list)
         self.dials: dict[bytes, list[Dial]] = defaultdict(list)
         self.disconnects: dict[bytes, list[Disconnect]] = defaultdict(list)
+        self.unreachable: set[frozenset[bytes]] = set()  # pairs whose dials fail
         self.now = 0.0
 
     def add(self, name: str) -> bytes:
@@ -478,7 +478,9 @@ class Harness:
                             self.wire.append((node_id, to, encode_message(msg)))
                         case Dial(member=member):
                             self.dials[node_id].append(action)
-                            if member.node_id in self.nodes:
+                            if frozenset((node_id, member.node_id)) in self.unreachable:
+                                node.peer_disconnected(member.node_id, self.now, "no answer within 3 s")
+                            elif member.node_id in self.nodes:
                                 self.connect(node_id, member.node_id)
                         case Disconnect(node_id=other, reason=reason):
                             self.disconnects[node_id].append(action)
@@ -493,6 +495,14 @@ class Harness:
             if not progressed:
                 return
         raise AssertionError("gossip never went quiet")
+
+    def heartbeats_until(self, end: float) -> None:
+        """Every node's heartbeat once a second up to ``end``, the messages delivered each time."""
+        while self.now + 1.0 <= end:
+            self.now += 1.0
+            for node in self.nodes.values():
+                node.heartbeat(self.now)
+            self.run()
 
     def states(self, node_id: bytes) -> dict[bytes, MemberState]:
         return {m.info.node_id: m.state for m in self.nodes[node_id].members()}
@@ -585,6 +595,40 @@ def test_a_lost_member_is_redialed_when_a_peer_lists_it() -> None:
     mesh.run()
     assert len(mesh.dials[c]) + len(mesh.dials[a]) > dials_before
     mesh.assert_full_mesh()
+
+
+def test_a_member_a_peer_still_lists_is_dialed_again_on_heartbeats_backing_off() -> None:
+    # B and C each hear of the other through A, but their dials fail (a busy machine, a path
+    # that is down for a while). A's view does not change, so A never lists them again.
+    mesh = Harness()
+    a, b, c = mesh.add("a"), mesh.add("b"), mesh.add("c")
+    mesh.unreachable.add(frozenset((b, c)))
+    mesh.connect(b, a)
+    mesh.run()
+    mesh.connect(c, a)
+    mesh.run()
+    assert mesh.states(c)[b] == mesh.states(b)[c] == MemberState.LOST
+    dial_times = []
+    for _ in range(40):
+        dials_before = len(mesh.dials[c])
+        mesh.heartbeats_until(mesh.now + 1.0)
+        dial_times += [mesh.now] * (len(mesh.dials[c]) - dials_before)
+    # Each side redials 2, 4, 8, 16 s after its last failure: at most a dial per failure, fewer and fewer.
+    assert dial_times == [2.0, 6.0, 14.0, 30.0]
+    assert all(d.learned_via == a for d in mesh.dials[c])
+    mesh.unreachable.clear()
+    mesh.heartbeats_until(mesh.now + 32.0)
+    mesh.assert_full_mesh()
+
+
+def test_a_member_no_peer_lists_is_not_redialed() -> None:
+    mesh, a, b, c = chain_of_three()
+    dials_before = {n: len(d) for n, d in mesh.dials.items()}
+    mesh.crash(a)
+    mesh.run()
+    mesh.heartbeats_until(mesh.now + 120.0)
+    assert mesh.states(b)[a] == mesh.states(c)[a] == MemberState.LOST
+    assert {n: len(d) for n, d in mesh.dials.items()} == dials_before
 
 
 def test_a_member_remapped_by_its_router_is_dialed_at_its_new_address_once_lost() -> None:

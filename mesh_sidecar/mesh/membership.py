@@ -12,6 +12,7 @@ A member's state, one transition a line::
     its connection is up ................ connected  (from known, lost or left)
     its connection ends, or Dial fails .. lost       info kept for a redial
     lost, and a peer lists it ........... known      dialed again
+    lost, a peer still lists it, a while  known      dialed again (heartbeat, backing off)
     it says Leave ....................... left       only its own new connection brings it back
     a Rekey leaves it out ............... removed    final
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from ..errors import UsageError
@@ -41,6 +42,12 @@ from .events import (
     SecretRotated,
 )
 from .health import LOOP_STALL_S, PeerHealth
+
+# A lost member that a connected peer still lists (so it is up, and only our path to it failed:
+# a dial that timed out on a busy machine, a path that broke) is dialed again on a heartbeat
+# after this, doubling up to the maximum: a peer re-sends its list only when its view changes.
+REDIAL_FIRST_S = 2.0
+REDIAL_MAX_S = 60.0
 
 # --- actions, for the mesh runtime to carry out ------------------------------------------
 
@@ -102,6 +109,10 @@ class _Record:
     # While connected: other addresses a third party announced for it (a NAT that remapped it),
     # and who said so. Not taken over its own word, but dialed at once if its connection is lost.
     moved_to: tuple[MemberInfo, bytes] | None = None
+    # Connected peers whose latest MemberList lists it: they vouch that it is up.
+    listed_by: set[bytes] = field(default_factory=set)
+    redial_at: float = 0.0  # while lost: when the heartbeat may dial it again
+    redial_backoff_s: float = REDIAL_FIRST_S
 
 
 class Membership:
@@ -116,8 +127,8 @@ class Membership:
     Joins spread because a node re-sends its MemberList to all its peers
     whenever its own connections or the infos it holds change; a receiver dials
     the members it has never heard of. A lost member is dialed again when a
-    peer lists it (that peer is connected to it); the transport may also redial
-    the ``lost`` members of :meth:`members` on its own schedule.
+    peer lists it (that peer is connected to it), and on heartbeats, backing
+    off, for as long as a connected peer's latest list still names it.
     """
 
     def __init__(self, self_info: MemberInfo) -> None:
@@ -247,6 +258,7 @@ class Membership:
             return
         gap_s = None if self._last_heartbeat is None else now - self._last_heartbeat
         self._last_heartbeat = now
+        self._redial_vouched(now)
         pinged = [node_id for node_id, r in self._records.items() if r.state is MemberState.CONNECTED]
         for node_id in pinged:
             self._next_nonce += 1
@@ -278,6 +290,15 @@ class Membership:
 
     # --- internals ---
 
+    def _redial_vouched(self, now: float) -> None:
+        connected = set(self._connected_ids())
+        for record in self._records.values():
+            vouchers = sorted(record.listed_by & connected)
+            if record.state is MemberState.LOST and vouchers and now >= record.redial_at:
+                record.learned_via = vouchers[0]
+                self._set_state(record, MemberState.KNOWN, now)
+                self._actions.append(Dial(record.info, vouchers[0]))
+
     def _on_member_list(self, from_id: bytes, msg: MemberList, now: float) -> None:
         own = next((m for m in msg.members if m.node_id == from_id), None)
         if own is None:
@@ -289,6 +310,12 @@ class Membership:
         for info in msg.members:
             if info.node_id not in (from_id, self._self.node_id):
                 changed |= self._learn(info, from_id, now)
+        listed = {info.node_id for info in msg.members}
+        for node_id, record in self._records.items():
+            if node_id in listed:
+                record.listed_by.add(from_id)
+            else:
+                record.listed_by.discard(from_id)
         if changed:
             self._broadcast_view(except_id=from_id)
 
@@ -386,6 +413,11 @@ class Membership:
     def _set_state(record: _Record, state: MemberState, now: float) -> None:
         record.state = state
         record.last_change = now
+        if state is MemberState.LOST:
+            record.redial_at = now + record.redial_backoff_s
+            record.redial_backoff_s = min(REDIAL_MAX_S, 2 * record.redial_backoff_s)
+        elif state is MemberState.CONNECTED:
+            record.redial_backoff_s = REDIAL_FIRST_S
 
 
 def find_member(membership: Membership, which: str) -> bytes:

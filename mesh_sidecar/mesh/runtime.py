@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..errors import MeshError, PortInUseError, UsageError
+from ..errors import MeshError, PeerConnectionError, PortInUseError, UsageError
 from ..home import NodeHome
 from ..identity import NodeIdentity, short_id
 from ..progress import ProgressCallback
@@ -72,6 +72,10 @@ CAPACITY_REFRESH_S = 5.0
 # NATs the lower's packets are dropped by the higher's router but open its own; the
 # higher's dial then passes through that opening (the punch), so this is kept short.
 HIGHER_ID_DIAL_DELAY_S = 1.0
+# Joining: a member that does not answer the ticket's dial is dialed again every JOIN_RETRY_S
+# for this long before the node gives up (it may be starting, or busy for a moment).
+JOIN_PATIENCE_S = 60.0
+JOIN_RETRY_S = 2.0
 # A relayed peer is dialed directly again after this, doubling up to the maximum (a punch may work later).
 PUNCH_RETRY_FIRST_S = 5.0
 PUNCH_RETRY_MAX_S = 60.0
@@ -213,10 +217,30 @@ class Mesh:
         return find_member(self._membership, which)
 
     async def join(self, ticket: Ticket) -> None:
-        """Connect to the node a ticket names; gossip brings in everyone else."""
+        """Connect to the node a ticket names; gossip brings in everyone else.
+
+        A member that does not answer is dialed again for JOIN_PATIENCE_S: it may be starting, or
+        too busy to answer within one dial's timeout. A wrong secret or key is final at once.
+        """
         if ticket.node_id == self.identity.node_id:
             raise UsageError("That ticket is this node's own. Use the ticket printed by another node.")
-        await self._dial(ticket.node_id, ticket.addresses)
+        give_up_at = time.monotonic() + JOIN_PATIENCE_S
+        told = False
+        while True:
+            try:
+                await self._dial(ticket.node_id, ticket.addresses)
+                return
+            except PeerConnectionError as exc:
+                if time.monotonic() + JOIN_RETRY_S >= give_up_at:
+                    raise PeerConnectionError(
+                        f"{exc}. Nothing answered for {JOIN_PATIENCE_S:g} s: check that the member whose ticket "
+                        "this is still runs (`mesh-inference status` there) and that its UDP port is reachable "
+                        "from here, or ask a member for a fresh ticket (`mesh-inference ticket`).") from None
+                if not told:
+                    self._say(f"No answer from {short_id(ticket.node_id)} yet ({exc}); trying again for up to "
+                              f"{JOIN_PATIENCE_S:g} s.")
+                    told = True
+            await asyncio.sleep(JOIN_RETRY_S)
 
     async def run(self) -> None:
         """Heartbeats, fresh capacity figures in gossip and (with mDNS) LAN presence, until cancelled."""
