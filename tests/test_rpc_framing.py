@@ -594,6 +594,10 @@ def test_activation_bytes_count_layer_outputs_only() -> None:
     moved = frame(6, rpc_tensor(b"RPC0[127.0.0.1:5]#l_out-10#0") + bytes(9) + bytes(2304))
     fetched = frame(8, rpc_tensor(b"l_out-9") + (0).to_bytes(8, "little") + (2304).to_bytes(8, "little"))
     pushed = frame(19, bytes(4) + rpc_tensor(b"l_out-20") * 2 + bytes(16))
+    # The asynchronous push: the command to the source, the tensor to the peer, the wait at the peer.
+    pushed += frame(20, bytes(12) + rpc_tensor(b"l_out-21") * 2 + bytes(16))
+    pushed += frame(21, bytes(8) + rpc_tensor(b"l_out-21") + bytes(9) + bytes(2304))
+    pushed += frame(22, bytes(8))
     weights = frame(6, rpc_tensor(b"blk.0.ffn_up.weight") + bytes(9) + bytes(4096))
     inputs = frame(6, rpc_tensor(b"RPC0[127.0.0.1:5]#attn_inp_kq_mask#0") + bytes(9) + bytes(512))
     lookalike = frame(6, rpc_tensor(b"l_out-x") + bytes(9) + bytes(64))
@@ -605,7 +609,7 @@ def test_activation_bytes_count_layer_outputs_only() -> None:
         for i in range(len(stream)):  # byte by byte: names are read across chunk boundaries
             flt.receive_from_client(stream[i:i + 1])
         assert flt.data_to_server() == HELLO_7X + stream  # counting alters nothing
-        push_bytes = len(pushed) if flags else 0  # a stock server has no PUSH command: 19 is not one
+        push_bytes = len(pushed) if flags else 0  # a stock server has no push commands: 19-22 are none
         assert flt.activation_bytes_to_server == len(moved) + len(fetched) + push_bytes
         assert flt.activation_bytes_from_server == 8 + 2304 + (8 + 1 if flags else 0)
 

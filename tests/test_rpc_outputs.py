@@ -178,6 +178,33 @@ def test_streams_it_cannot_follow_pass_untouched(session, reason: str) -> None:
     assert judge.seen == []
 
 
+def test_a_b2b_servers_pushes_are_followed_and_its_outputs_checked() -> None:
+    # Our b2b build: REGISTER_PEER (18) and the first PUSH (19) answer a byte; the asynchronous
+    # pushes (20 to the source, 22 to the destination) answer nothing.
+    values = GOOD.copy()
+    values[5] = math.nan
+    session = [("client", HELLO_REQUEST), ("server", reply(bytes([7, 0, 2, 0x03]) + bytes(24))),
+               ("client", frame(18, bytes(132))), ("server", reply(b"\x01")),
+               ("client", frame(19, bytes(620))), ("server", reply(b"\x01")),
+               ("client", frame(20, bytes(628))), ("client", frame(22, bytes(8))),
+               ("client", get_tensor(GGML_TYPE_F32, "l_out-1", values.nbytes)), ("server", reply(values.tobytes()))]
+    to_client, events, judge = run(session)
+    assert [e.name for e in judge.seen] == ["l_out-1"] and not judge.seen[0].finite
+    assert not any(isinstance(e, CheckOff) for e in events)
+    # What the server owes, message by message (the tunnel times only those waits).
+    check = RpcOutputCheck(Judge())
+    owed = []
+    for side, data in session:
+        if side == "client":
+            check.receive_from_client(data)
+        else:
+            check.receive_from_server(data)
+            check.data_to_client()
+        owed.append(check.replies_owed)
+    # (the last reply is rejected: the check stops there, and the tunnel closes the connection)
+    assert owed == [True, False, True, False, True, False, False, False, True, True]
+
+
 def test_a_reply_of_another_size_than_asked_is_not_measured() -> None:
     session = [("client", HELLO_REQUEST), ("server", HELLO_REPLY),
                ("client", get_tensor(GGML_TYPE_F32, "l_out-1", 64)), ("server", reply(bytes(8)))]

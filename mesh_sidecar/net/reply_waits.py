@@ -4,7 +4,10 @@ Pure: a tunnel reports the times bytes went to the peer and came back. RPC is st
 request/response, so from the first byte sent after the last reply until the next byte
 received, the peer owes an answer (its compute, its link, or a stall). Commands with no
 reply (SET_TENSOR, GRAPH_COMPUTE) are always followed, within the token, by one that has
-one (GET_TENSOR), so a worker in use answers once per token at least.
+one (GET_TENSOR), so a worker in use answers once per token at least. With the output check
+on, the tunnel reports only bytes that leave a reply owed: under --b2b a worker that pushes
+its output on (no reply) owes nothing, so it is never blamed for another's slowness, and a
+stall of its own is caught by the serving node's stall timer instead.
 
 ``owed_s(since, now)`` sums those waits over a window: when tokens stop coming, the worker
 that owed for most of the window is the one holding them (serve/pace.py judges the tokens).

@@ -238,8 +238,14 @@ class TunnelListener:
                 )
                 return
             check = RpcOutputCheck(self.judge)
+
+            def to_peer(data: bytes) -> None:
+                check.receive_from_client(data)
+                if check.replies_owed:  # commands with no reply (b2b's pushes) leave nothing owed
+                    self.reply_waits.sent(time.monotonic())
+
             await _run_pair(
-                _relay(tcp_reader, quic_writer, self._count_out, check.receive_from_client),
+                _relay(tcp_reader, quic_writer, self._count_bytes_out, to_peer),
                 _relay_checked(quic_reader, tcp_writer, check, self.on_rejected, self._count_in),
                 quic_writer, tcp_writer,
             )
@@ -248,8 +254,11 @@ class TunnelListener:
             if not self._writers:
                 self._idle.set()
 
-    def _count_out(self, n: int) -> None:
+    def _count_bytes_out(self, n: int) -> None:
         self.counters.bytes_to_peer += n
+
+    def _count_out(self, n: int) -> None:
+        self._count_bytes_out(n)
         self.reply_waits.sent(time.monotonic())
 
     def _count_in(self, n: int) -> None:

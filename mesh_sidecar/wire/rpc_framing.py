@@ -21,8 +21,10 @@ HELLO (cmd 14) is always the first command. Its reply, server -> client::
     | size u64 LE | major u8 | minor u8 | patch u8 |                       b2b fork 3.x, size 3
     +-------------+----------+----------+----------+
 
-Our b2b build (``--b2b``, llama/patches/llama.cpp-b2b.patch) answers 7.0.1 with B2B_HELLO_FLAG
-in the pad byte and adds REGISTER_PEER = 18 and PUSH_TENSOR_TO_PEER = 19 after upstream's commands.
+Our b2b build (``--b2b``, llama/patches/llama.cpp-b2b.patch) answers 7.0.2 with B2B_HELLO_FLAG
+(and 0x02, its asynchronous pushes) in the pad byte and adds, after upstream's commands,
+REGISTER_PEER = 18 and PUSH_TENSOR_TO_PEER = 19 (both answer) and PUSH_TENSOR_ASYNC = 20,
+STAGE_TENSOR = 21 (server to server) and AWAIT_TENSOR = 22 (none answers).
 
 REGISTER_PEER payload (the b2b fork and our b2b build; 132 bytes)::
 
@@ -43,7 +45,7 @@ understand a stream must not alter it.
 Activation bytes (``activation_bytes_*``): frames that move a layer's output between servers,
 the traffic backend-to-backend transfer takes off the serving node's links. They are SET_TENSOR
 and GET_TENSOR of a tensor llama.cpp names ``l_out-N`` (its name for every layer's output; the
-scheduler's copy on another device is ``<device>#l_out-N#<k>``), and every PUSH_TENSOR_TO_PEER.
+scheduler's copy on another device is ``<device>#l_out-N#<k>``), and every b2b push command.
 The filter reads the tensor's name from the first bytes of the payload as they pass; it holds
 nothing back for it. A GET_TENSOR's reply is counted from the size it asked for.
 
@@ -124,6 +126,8 @@ class RpcDialect:
     """REGISTER_PEER's command number; None: the dialect has no REGISTER_PEER."""
     push_tensor_cmd: int | None = None
     """PUSH_TENSOR_TO_PEER's command number, for the activation counters; None: not counted."""
+    async_push_cmds: frozenset[int] = frozenset()
+    """Commands that only move layer outputs and send no reply (b2b's asynchronous pushes)."""
     required_caps: int = 0
     """Bits that must be set in the reply's caps (read as a little-endian integer)."""
     required_flags: int = 0
@@ -161,7 +165,7 @@ UPSTREAM_7 = RpcDialect(
 )
 # Our b2b build is upstream 7.x plus a HELLO flag and two commands after upstream's last (17).
 MESH_B2B_7 = dataclasses.replace(UPSTREAM_7, name="mesh-b2b-7", register_peer_cmd=18, push_tensor_cmd=19,
-                                 required_flags=B2B_HELLO_FLAG)
+                                 async_push_cmds=frozenset({20, 21, 22}), required_flags=B2B_HELLO_FLAG)
 DIALECTS: tuple[RpcDialect, ...] = (
     MESH_B2B_7,
     UPSTREAM_7,
@@ -413,6 +417,9 @@ class RpcStreamFilter:
     def _tap_tensor_command(self, cmd: int, size: int) -> None:
         """Start reading the payload of a command that may move a layer's output."""
         if self.dialect is None:
+            return
+        if cmd in self.dialect.async_push_cmds:
+            self.activation_bytes_to_server += RPC_HEADER_BYTES + size
             return
         if cmd == ALLOC_BUFFER_CMD and self.dialect.major == 7:
             need = ALLOC_BUFFER_PAYLOAD_BYTES

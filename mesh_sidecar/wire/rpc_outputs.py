@@ -21,8 +21,8 @@ passed on when the judge finds nothing, kept back for good when it names a fault
 (:class:`OutputRejected`; the caller closes the connection, so no corrupt value reaches
 llama-server). Every other reply passes as it arrives.
 
-Commands with no reply are upstream 7.x's (read from the pinned ``ggml-rpc.cpp``); our b2b
-build's two extra commands both answer. Any other dialect, an unknown command or a reply
+Commands with no reply are upstream 7.x's (read from the pinned ``ggml-rpc.cpp``) and, in our
+b2b build, its asynchronous pushes (rpc_framing.py). Any other dialect, an unknown command or a reply
 nothing asked for switches the check off for the connection (:class:`CheckOff`): bytes then
 pass untouched, as in rpc_framing.py.
 
@@ -71,7 +71,7 @@ MAX_HELLO_REPLY_BYTES = 64  # 28 in 7.x; a bigger first reply is no HELLO reply 
 # INIT_TENSOR, GRAPH_RECOMPUTE, MEMSET_TENSOR. Every other command up to the last answers.
 NO_REPLY_CMDS_7 = frozenset({4, 5, 6, 10, 12, 16, 17})
 LAST_CMD_UPSTREAM_7 = 17
-LAST_CMD_MESH_B2B_7 = 19  # REGISTER_PEER 18 and PUSH_TENSOR_TO_PEER 19 both answer a u8
+LAST_CMD_MESH_B2B_7 = 22  # REGISTER_PEER 18 and PUSH_TENSOR_TO_PEER 19 answer a u8; 20-22 do not
 
 _GET_TENSOR_HEAD = struct.Struct(f"<{RPC_TENSOR_TYPE_OFFSET}xI")
 
@@ -155,6 +155,7 @@ _UNCHECKED = _Expected()
 _HELLO = _Expected(hello=True)
 # The dialects whose replies this check can pair with their commands, and their last command.
 _LAST_CMD = {UPSTREAM_7.name: LAST_CMD_UPSTREAM_7, MESH_B2B_7.name: LAST_CMD_MESH_B2B_7}
+_NO_REPLY_CMDS = {UPSTREAM_7.name: NO_REPLY_CMDS_7, MESH_B2B_7.name: NO_REPLY_CMDS_7 | MESH_B2B_7.async_push_cmds}
 
 
 class _Phase(enum.Enum):
@@ -179,6 +180,7 @@ class RpcOutputCheck:
         self._hello_request_bytes: int | None = None
         self._hello_reply = bytearray()
         self._last_cmd = 0
+        self._no_reply_cmds = NO_REPLY_CMDS_7
         self.checked = 0
         """Tensors measured and judged so far."""
         # Client side: the header being read, payload bytes to skip, a GET_TENSOR's head.
@@ -195,6 +197,12 @@ class RpcOutputCheck:
         self._events: deque[OutputEvent] = deque()
 
     # --- client -> server: read only ---------------------------------------------------
+
+    @property
+    def replies_owed(self) -> bool:
+        """Whether the server owes a reply to what the client sent so far (always, unless checking:
+        then only while a command that answers is unanswered; b2b's asynchronous pushes never are)."""
+        return self._phase is not _Phase.CHECKING or bool(self._pending) or self._head is not None
 
     def receive_from_client(self, data: bytes) -> None:
         """Read a command's bytes on their way to the server."""
@@ -234,7 +242,7 @@ class RpcOutputCheck:
                 self._off(f"a GET_TENSOR of {size} bytes")  # rpc-server closes the connection on it
             else:
                 self._head = bytearray()  # queued once its head is read: the reply cannot come before
-        elif cmd not in NO_REPLY_CMDS_7:
+        elif cmd not in self._no_reply_cmds:
             self._pending.append(_UNCHECKED)
 
     def _get_tensor(self, head: bytes) -> _Expected:
@@ -319,6 +327,7 @@ class RpcOutputCheck:
             self._off(f"RPC dialect {dialect.name if dialect else 'unknown'} is not checked")
             return
         self._last_cmd = _LAST_CMD[dialect.name]
+        self._no_reply_cmds = _NO_REPLY_CMDS[dialect.name]
         self._phase = _Phase.CHECKING
 
     def data_to_client(self) -> bytes:
