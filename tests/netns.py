@@ -339,16 +339,16 @@ def ns_python(host: Host, code: str, timeout: float = 120) -> str:
     return result.stdout
 
 
-def ns_complete(host: Host) -> str:
+def ns_complete(host: Host, prompt: str = PROMPT, max_tokens: int = N_PREDICT) -> str:
     code = f"""
 import httpx, json
 r = httpx.post("http://127.0.0.1:{API_PORT}/v1/completions", timeout=120,
-               json={json.dumps({"prompt": PROMPT, "max_tokens": N_PREDICT, **GREEDY})})
+               json={json.dumps({"prompt": prompt, "max_tokens": max_tokens, **GREEDY})})
 r.raise_for_status()
 print(json.dumps(r.json()))
 """
     body = json.loads(ns_python(host, code))
-    assert body["usage"]["completion_tokens"] == N_PREDICT
+    assert body["usage"]["completion_tokens"] == max_tokens
     return body["choices"][0]["text"]
 
 

@@ -28,6 +28,11 @@ pytestmark = [pytest.mark.slow]
 # The issue's bound: with b2b the serving node's links carry under this share of the activation bytes.
 MAX_ORCHESTRATOR_SHARE = 0.2
 LOAD_TIMEOUT_S = 240
+# Longer than llama-server's ubatch (512): the prompt goes through in two graphs, so a worker's
+# output for the second arrives while the next worker may still be on the first (b2b applies
+# each push in the serving node's command order, or the text would differ).
+LONG_PROMPT = "Count on: " + ", ".join(str(n) for n in range(300))
+LONG_N_PREDICT = 8
 _REWRITE = re.compile(r"tunnel from (\S+): EndpointRewritten\(peer_id=(\d+), original='([^']*)', "
                       r"rewritten='([^']*)'\)")
 
@@ -62,6 +67,7 @@ def run_mesh(lab_hosts, root: Path, *flags: str) -> dict:
         before = {n.home.name: activation_in(n) for n in nodes}
         text = ns_complete(s)
         after = {n.home.name: activation_in(n) for n in nodes}
+        long_text = ns_complete(s, LONG_PROMPT, LONG_N_PREDICT)
         moved = {(sender, receiver): after[receiver][sender] - before[receiver].get(sender, 0)
                  for receiver in after for sender in after[receiver]}
         order = [n["name"] for n in serving.status()["serving"]["plan"]["nodes"]]
@@ -69,7 +75,7 @@ def run_mesh(lab_hosts, root: Path, *flags: str) -> dict:
         rpc_port_s = next(p["port"] for p in serving.status()["processes"] if p["name"] == "ggml-rpc-server")
         logs = {n.home.name: (n.home / "logs" / "sidecar.log").read_text(errors="replace") for n in nodes}
         ids = {n.home.name: n.status()["node"]["short_id"] for n in nodes}
-        return {"text": text, "moved": moved, "order": order, "tunnels": tunnels, "rpc_port_s": rpc_port_s,
+        return {"text": text, "long_text": long_text, "moved": moved, "order": order, "tunnels": tunnels, "rpc_port_s": rpc_port_s,
                 "logs": logs, "ids": ids}
     finally:
         for node in nodes:
@@ -89,6 +95,7 @@ def test_b2b_mesh_moves_activations_worker_to_worker(b2b_binaries, reference_tex
 
     assert stock["text"] == reference_text
     assert b2b["text"] == reference_text
+    assert b2b["long_text"] == stock["long_text"]
     assert stock["order"][-1] == b2b["order"][-1] == "s"  # the workers' order follows their (new) ids
 
     def from_serving_node(run: dict) -> int:
