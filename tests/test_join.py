@@ -8,7 +8,7 @@ import pytest
 
 from mesh_sidecar.errors import AuthError, PeerConnectionError
 from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.mesh import runtime as mesh_module
+from mesh_sidecar.mesh import dialer as dialer_module
 from mesh_sidecar.net import transport as transport_module
 from mesh_sidecar.ports import LOOPBACK
 from mesh_sidecar.wire import auth
@@ -22,7 +22,7 @@ SECRET = b"s" * auth.MESH_SECRET_BYTES
 @pytest.fixture
 def quick_dials(monkeypatch):
     monkeypatch.setattr(transport_module, "DIAL_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(mesh_module, "JOIN_RETRY_S", 0.2)
+    monkeypatch.setattr(dialer_module, "JOIN_RETRY_S", 0.2)
 
 
 async def test_a_joiner_waits_for_a_member_that_starts_late(quick_dials, tmp_path):
@@ -44,7 +44,7 @@ async def test_a_joiner_waits_for_a_member_that_starts_late(quick_dials, tmp_pat
 
 
 async def test_a_joiner_gives_up_after_its_patience_saying_what_to_check(quick_dials, monkeypatch, tmp_path):
-    monkeypatch.setattr(mesh_module, "JOIN_PATIENCE_S", 1.5)
+    monkeypatch.setattr(dialer_module, "JOIN_PATIENCE_S", 1.5)
     joiner = make_mesh(tmp_path, "joiner", SECRET)
     await joiner.start(0)
     try:

@@ -74,7 +74,7 @@ async def test_a_second_connection_does_not_cut_a_running_tunnel(
 
         # y dials x while the first connection is up, as when both dial at once.
         assert x.port is not None
-        await y._dial(x.identity.node_id, [PeerAddress("127.0.0.1", x.port)])
+        await y._dialer.dial(x.identity.node_id, [PeerAddress("127.0.0.1", x.port)])
         await wait_for(lambda: len(connections(x, y)) == 2 and len(connections(y, x)) == 2,
                        "two connections on both sides")
         (second,) = [c for c in connections(x, y) if c is not first]

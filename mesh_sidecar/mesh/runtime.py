@@ -4,7 +4,7 @@ This is the asyncio edge that joins the pure parts together:
 
     MeshTransport --admitted PeerConnection--> _serve_peer (one task per peer)
         each control frame -> gossip.decode_message -> Membership.receive
-        Membership actions -> send_control / dial / close
+        Membership actions -> send_control / dial (dialer.py) / close
         Membership events  -> messages to people, tunnels opened and closed,
                               mesh.json (saved.py); PeerLost (heartbeats,
                               health.py) -> close the connection
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..errors import MeshError, PeerConnectionError, PortInUseError, UsageError
+from ..errors import MeshError, PortInUseError
 from ..home import NodeHome
 from ..identity import NodeIdentity, short_id
 from ..progress import ProgressCallback
@@ -53,13 +53,14 @@ from ..wire.gossip import (MAX_ADDRESSES, MAX_RUN_ID, CorruptOutput, LlamaBuild,
 from ..wire.rpc_outputs import Fault, OutputRejected, TensorMeasured
 from ..wire.ticket import MAX_TICKET_ADDRESSES, PeerAddress, Ticket, encode_ticket
 from . import events
+from .dialer import Dialer, peer_addresses
 from .health import HealthState, health_message, lost_reason
 from .lan import LanDialer
 from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
 from .refusal import SLOW_REFUSAL_S, Refusal, refusal
 from .verdicts import Verdicts
 from .saved import SavedMesh
-from .status import PATH_DIRECT, PATH_RELAYED, MeshView, PeerView, PunchCounters
+from .status import PATH_DIRECT, PATH_RELAYED, MeshView, PeerView
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +68,6 @@ DEFAULT_QUIC_PORT = 47470
 LISTEN_HOST = "0.0.0.0"
 HEARTBEAT_INTERVAL_S = 1.0
 CAPACITY_REFRESH_S = 5.0
-# When two members learn of each other at once, the lower id dials; the higher
-# one dials only if no connection came in this long (a lost or blocked dial). Behind
-# NATs the lower's packets are dropped by the higher's router but open its own; the
-# higher's dial then passes through that opening (the punch), so this is kept short.
-HIGHER_ID_DIAL_DELAY_S = 1.0
-# Joining: a member that does not answer the ticket's dial is dialed again every JOIN_RETRY_S
-# for this long before the node gives up (it may be starting, or busy for a moment).
-JOIN_PATIENCE_S = 60.0
-JOIN_RETRY_S = 2.0
-# A relayed peer is dialed directly again after this, doubling up to the maximum (a punch may work later).
-PUNCH_RETRY_FIRST_S = 5.0
-PUNCH_RETRY_MAX_S = 60.0
 # A graceful leave: the leaver waits this long for its peers to close, and a peer
 # closes once nothing runs through its tunnel to the leaver (the serving node first
 # drains its requests and moves its layers off). Longer than serving's drain.
@@ -90,17 +79,6 @@ RETIRE_POLL_S = 1.0
 REPLACED_REASON = "replaced by a simultaneous connection"
 STOPPED_REASON = "node stopped"
 LEFT_FOR_GOOD_REASON = "left the mesh for good"  # `mesh-inference leave`: members forget it
-
-
-def _peer_addresses(texts: tuple[str, ...]) -> list[PeerAddress]:
-    """The addresses among ``texts`` that parse (gossip and mesh.json are checked, but not by this build)."""
-    addresses = []
-    for text in texts:
-        try:
-            addresses.append(PeerAddress.parse(text))
-        except ValueError:
-            continue
-    return addresses
 
 
 @dataclass
@@ -177,7 +155,6 @@ class Mesh:
         self._on_rejected: Callable[[bytes, OutputRejected], None] = lambda node_id, event: None
         self.port: int | None = None
         self.relay_counters = RelayCounters()
-        self.punch_counters = PunchCounters()
         # What address each peer says it sees us at (gossip Observed): behind a NAT, our public mapping.
         self._seen_at: dict[bytes, PeerAddress] = {}
         self.changed = asyncio.Event()  # set whenever a member joins, is lost or leaves
@@ -185,7 +162,10 @@ class Mesh:
         self._lan = LanDialer(
             self._lan_record,
             lambda node_id: not (node_id in self._peers or node_id in self._saved.removed or self._leaving),
-            self._redial) if lan else None
+            lambda node_id, addresses: self._dialer.redial(node_id, addresses)) if lan else None
+        self._dialer = Dialer(identity.node_id, self._transport,
+                              lambda: {node_id: peer.connection for node_id, peer in self._peers.items()},
+                              self._spawn, say, self.name_of, self._unreachable, self._gossiped_addresses)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -198,6 +178,7 @@ class Mesh:
                 raise
             self.port = await self._transport.start(LISTEN_HOST, 0)
             self._say(f"UDP port {DEFAULT_QUIC_PORT} is taken; listening for the mesh on {self.port} instead.")
+        self._dialer.port = self.port
         self._membership = Membership(self._self_info())
 
     def ticket(self) -> str:
@@ -217,30 +198,8 @@ class Mesh:
         return find_member(self._membership, which)
 
     async def join(self, ticket: Ticket) -> None:
-        """Connect to the node a ticket names; gossip brings in everyone else.
-
-        A member that does not answer is dialed again for JOIN_PATIENCE_S: it may be starting, or
-        too busy to answer within one dial's timeout. A wrong secret or key is final at once.
-        """
-        if ticket.node_id == self.identity.node_id:
-            raise UsageError("That ticket is this node's own. Use the ticket printed by another node.")
-        give_up_at = time.monotonic() + JOIN_PATIENCE_S
-        told = False
-        while True:
-            try:
-                await self._dial(ticket.node_id, ticket.addresses)
-                return
-            except PeerConnectionError as exc:
-                if time.monotonic() + JOIN_RETRY_S >= give_up_at:
-                    raise PeerConnectionError(
-                        f"{exc}. Nothing answered for {JOIN_PATIENCE_S:g} s: check that the member whose ticket "
-                        "this is still runs (`mesh-inference status` there) and that its UDP port is reachable "
-                        "from here, or ask a member for a fresh ticket (`mesh-inference ticket`).") from None
-                if not told:
-                    self._say(f"No answer from {short_id(ticket.node_id)} yet ({exc}); trying again for up to "
-                              f"{JOIN_PATIENCE_S:g} s.")
-                    told = True
-            await asyncio.sleep(JOIN_RETRY_S)
+        """Connect to the node a ticket names (dialer.py: patiently); gossip brings in everyone else."""
+        await self._dialer.join(ticket)
 
     async def run(self) -> None:
         """Heartbeats, fresh capacity figures in gossip and (with mDNS) LAN presence, until cancelled."""
@@ -248,7 +207,7 @@ class Mesh:
             if self._lan is not None:
                 tg.create_task(self._lan.run())
             tg.create_task(self._heartbeats())
-            tg.create_task(self._punch_again())
+            tg.create_task(self._dialer.punch_again())
 
     async def _heartbeats(self) -> None:
         assert self._membership is not None
@@ -270,18 +229,8 @@ class Mesh:
         """Dial every member remembered from an earlier run; how many."""
         remembered = [(n, a) for n, a in self._saved.members.items() if n != self.identity.node_id]
         for node_id, texts in remembered:
-            self._redial(node_id, _peer_addresses(texts))
+            self._dialer.redial(node_id, peer_addresses(texts))
         return len(remembered)
-
-    def _redial(self, node_id: bytes, addresses: list[PeerAddress]) -> None:
-        """Dial a member we knew (or saw on the LAN) in the background; silence is only logged."""
-        async def redial() -> None:
-            try:
-                await self._dial(node_id, addresses)
-            except MeshError as exc:
-                log.info("member %s did not answer at %s: %s", short_id(node_id), ", ".join(map(str, addresses)), exc)
-
-        self._spawn(redial())
 
     async def close(self, *, graceful: bool = True, for_good: bool = False) -> None:
         """Say goodbye to every peer, give them time to move off us, then close everything.
@@ -395,7 +344,7 @@ class Mesh:
         return MeshView(self.port, self._saved.epoch, tuple(sorted(self._saved.removed)),
                         self._transport.ignored_datagrams, self._transport.refused_connections,
                         self._transport.unadmitted_streams, self.model_sha256, mesh_id(self._saved.secret),
-                        self.relay_counters, self.punch_counters,
+                        self.relay_counters, self._dialer.punch_counters,
                         None if self._lan is None else tuple(self._lan.records()))
 
     def peer_views(self) -> tuple[PeerView, ...]:
@@ -511,87 +460,20 @@ class Mesh:
                       key=lambda entry: -entry[1])
         return tuple(sorted(held[:MAX_HELD_ENTRIES]))
 
-    async def _dial(self, node_id: bytes, addresses: list[PeerAddress] | tuple[PeerAddress, ...]) -> None:
-        # A member's loopback (or LAN) address with our own port is this node: machines in different
-        # homes all listen on the default port.
-        own = set(reachable_addresses(self.port)) if self.port is not None else set()
-        await self._transport.connect([(a.host, a.port) for a in addresses if a not in own], node_id)
+    def _unreachable(self, node_id: bytes, reason: str) -> None:
+        """A member we heard of could be reached neither directly nor relayed (dialer.py)."""
+        assert self._membership is not None
+        self._membership.peer_disconnected(node_id, time.monotonic(), reason)
+        self._process()
+
+    def _gossiped_addresses(self, node_id: bytes) -> tuple[str, ...] | None:
+        info = self._member_info(node_id)
+        return None if info is None else info.addresses
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _start_dial(self, action: Dial) -> None:
-        addresses = _peer_addresses(action.member.addresses)
-        node_id = action.member.node_id
-
-        async def dial() -> None:
-            if self.identity.node_id > node_id:
-                await asyncio.sleep(HIGHER_ID_DIAL_DELAY_S)
-                if node_id in self._peers:
-                    return
-            # Learned through a member, it may be behind a NAT: a dial to it is a punch.
-            self.punch_counters.attempts += 1
-            try:
-                await self._dial(node_id, addresses)
-                self.punch_counters.successes += 1
-                return
-            except MeshError as exc:
-                if node_id in self._peers:
-                    return  # it reached us meanwhile (its dial, or one of ours with newer addresses)
-                if await self._dial_through(action.learned_via, node_id, exc):
-                    return
-                log.warning("could not reach %s: %s", short_id(node_id), exc)
-                assert self._membership is not None
-                self._membership.peer_disconnected(node_id, time.monotonic(), str(exc))
-                self._process()
-
-        self._spawn(dial())
-
-    async def _dial_through(self, relay_id: bytes, node_id: bytes, direct_failure: MeshError) -> bool:
-        """After a failed direct dial: reach ``node_id`` relayed by ``relay_id``; whether that worked."""
-        relay = self._peers.get(relay_id)
-        if relay is None or relay.connection.closed or relay.connection.relayed or node_id in self._peers:
-            return node_id in self._peers
-        try:
-            await self._transport.connect_via(relay.connection, node_id)
-        except MeshError as exc:
-            if node_id in self._peers:
-                return True
-            log.info("could not reach %s through %s either: %s", short_id(node_id), self.name_of(relay_id), exc)
-            return False
-        log.info("reaching %s through %s (direct: %s)", short_id(node_id), self.name_of(relay_id), direct_failure)
-        return True
-
-    async def _punch_again(self) -> None:
-        """Relayed peers: dial their own addresses now and then (backing off), to move to a direct path."""
-        next_try: dict[bytes, tuple[float, float]] = {}  # node id -> (when, backoff)
-        while True:
-            now = time.monotonic()
-            relayed = {node_id: peer for node_id, peer in self._peers.items() if peer.connection.relayed}
-            for node_id in set(next_try) - set(relayed):
-                del next_try[node_id]
-            for node_id in relayed:
-                when, backoff = next_try.setdefault(node_id, (now + PUNCH_RETRY_FIRST_S, PUNCH_RETRY_FIRST_S))
-                if now >= when:
-                    backoff = min(PUNCH_RETRY_MAX_S, backoff * 2)
-                    next_try[node_id] = (now + backoff, backoff)
-                    self._spawn(self._punch(node_id))
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-
-    async def _punch(self, node_id: bytes) -> None:
-        assert self._membership is not None
-        member = next((m for m in self._membership.members() if m.info.node_id == node_id), None)
-        if member is None:
-            return
-        self.punch_counters.attempts += 1
-        try:
-            await self._dial(node_id, _peer_addresses(member.info.addresses))
-        except MeshError as exc:
-            log.info("%s is still out of direct reach: %s", short_id(node_id), exc)
-            return
-        self.punch_counters.successes += 1
 
     def _process(self) -> None:
         """Carry out what membership asks for, and act on what happened."""
@@ -604,7 +486,7 @@ class Mesh:
                     if peer is not None and not peer.connection.closed:
                         peer.connection.send_control(encode_message(msg))
                 case Dial():
-                    self._start_dial(action)
+                    self._dialer.start(action)
                 case Disconnect(node_id=node_id, reason=reason):
                     if (peer := self._peers.get(node_id)) is not None:
                         self._spawn(peer.close_when_idle(reason))
