@@ -12,14 +12,17 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mesh_sidecar.llama.capacity import Capacity, held_key
 from mesh_sidecar.llama.build import B2B, ensure_binaries
 from mesh_sidecar.ports import free_tcp_port
-from tests.conftest import N_PREDICT, _quiet, api_healthy, complete, start_bare_rpc_server
+from tests.conftest import N_PREDICT, _quiet, api_healthy, complete, kill_worker, start_bare_rpc_server
+from tests.test_failover import FAILOVER_TIMEOUT_S, LONG, Received, receive
 from tests.netns import API_PORT, Lab, can_make_namespaces, ns_complete, start_in, ticket_of
 from tests.waiting import wait_until
 
@@ -192,3 +195,39 @@ def test_two_serving_nodes_answer_at_once(b2b_binaries, reference_text, tmp_path
         for node in nodes:
             node.stop_with_children()
         lab.close()
+
+
+def test_a_worker_gone_mid_stream_does_not_leave_the_next_one_waiting(b2b_binaries, start_node):
+    """The next worker waits for the first one's push (AWAIT_TENSOR); when the first dies there, the
+    serving node restarts llama-server, and the next worker must let go of the old connection (and
+    the buffers it holds) at once, not after the wait's own timeout (120 s), while the stream goes on."""
+    a = start_node("a", "--b2b")
+    b = start_node("b", "--b2b", "--join", a.ticket())
+    c = start_node("c", "--b2b", "--join", a.ticket(), "--min-peers", "2", serve=True)
+    order = [n["name"] for n in c.status()["serving"]["plan"]["nodes"]]
+    assert len(order) == 3 and order[-1] == "c"
+    first, second = ({"a": a, "b": b}[name] for name in order[:2])
+    first_rpc = psutil.Process(next(p["pid"] for p in first.status()["processes"] if p["name"] == "ggml-rpc-server"))
+    stopped = threading.Event()
+
+    def stop_first_once_started(received: Received) -> None:
+        if not stopped.is_set() and len(received.text()) > 100:
+            stopped.set()
+            first_rpc.suspend()  # its push never comes: the second worker is left in AWAIT_TENSOR
+
+    result: dict[str, Received] = {}
+    asker = threading.Thread(target=lambda: result.update(survived=receive(c.serve_port, "/v1/completions", LONG,
+                                                                           stop_first_once_started)))
+    asker.start()
+    wait_until(stopped.is_set, 60, "the stream is under way")
+    killed_at = time.monotonic()
+    kill_worker(first)
+    went_away = wait_until(
+        lambda: "the client went away waiting for push" in (second.home / "logs" / "rpc-server.log").read_text(),
+        60, f"{second.home.name}'s rpc-server lets go of the dead llama-server's connection")
+    print(f"\n{second.home.name}'s rpc-server let go {time.monotonic() - killed_at:.1f} s after the kill")
+    assert went_away
+    asker.join(FAILOVER_TIMEOUT_S)
+    survived = result["survived"]
+    assert survived.events[-1]["choices"][0]["finish_reason"] == "length"
+    assert [n["name"] for n in c.status()["serving"]["plan"]["nodes"]] == [second.home.name, "c"]

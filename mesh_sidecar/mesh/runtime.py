@@ -263,6 +263,11 @@ class Mesh:
                        if m.state is MemberState.CONNECTED and m.info.node_id in self._peers),
                       key=lambda info: info.node_id)
 
+    def reaches(self, node_id: bytes) -> bool:
+        """Whether this node holds a connection to ``node_id`` (a member that is leaving keeps its own
+        until what runs through it has ended; a lost one has none)."""
+        return node_id in self._peers
+
     @property
     def self_info(self) -> MemberInfo:
         """What this node announces about itself now."""

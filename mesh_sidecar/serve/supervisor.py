@@ -13,7 +13,7 @@ The serving node's loop::
                           | a worker returned a corrupt layer output (output_guard.py)
                           | membership changed and the plan (or the tier) would change
                           | a bigger tier has fitted long enough
-        drain (bounded), stop llama-server
+        drain (bounded; none when a member of the plan is unreachable), stop llama-server
 
 llama.cpp aborts on any RPC transport error and an idle llama-server only
 notices at its next request, so a lost member of the plan is a reason to
@@ -289,13 +289,21 @@ class ServingSupervisor:
             self._say(f"{reason}; replanning...")
             if failover:
                 self._metrics.failovers.inc()
-            await self._proxy.drain(DRAIN_TIMEOUT_S)
+            await self._proxy.drain(0.0 if self._plan_unreachable() else DRAIN_TIMEOUT_S)
             if self.llama_server is not None:
                 await self.llama_server.stop()
                 self.llama_server = None
                 self.restarts += 1
                 self._metrics.restarts.inc()
                 await asyncio.sleep(RESTART_DELAY_S)
+
+    def _plan_unreachable(self) -> bool:
+        """Whether a member of the plan has no connection left: what runs through it cannot finish, so
+        a drain would only wait (with --b2b llama-server waits on the workers after it instead of
+        failing); the proxy continues those requests on the new plan. A member leaving gracefully
+        keeps its connection until its requests are done, and is drained as before."""
+        return self.plan is not None and any(
+            node.node_id != self._identity.node_id and not self._mesh.reaches(node.node_id) for node in self.plan.nodes)
 
     def request_restart(self, reason: str) -> None:
         """Restart llama-server at once (the proxy saw it stall)."""
