@@ -31,9 +31,9 @@ pytestmark = [pytest.mark.slow]
 # The issue's bound: with b2b the serving node's links carry under this share of the activation bytes.
 MAX_ORCHESTRATOR_SHARE = 0.2
 LOAD_TIMEOUT_S = 240
-# Longer than llama-server's ubatch (512): the prompt goes through in two graphs, so a worker's
-# output for the second arrives while the next worker may still be on the first (b2b applies
-# each push in the serving node's command order, or the text would differ).
+# Longer than llama-server's ubatch (512; this one is 1,392 tokens): the prompt goes through in
+# three graphs, so a worker's output for one may arrive while the next worker is still on the one
+# before (b2b applies each push in the serving node's command order, or the text would differ).
 LONG_PROMPT = "Count on: " + ", ".join(str(n) for n in range(300))
 LONG_N_PREDICT = 8
 _REWRITE = re.compile(r"tunnel from (\S+): EndpointRewritten\(peer_id=(\d+), original='([^']*)', "
