@@ -1,7 +1,7 @@
 """Churn benchmark: requests one after another while workers crash, leave and rejoin.
 
 Three nodes on loopback (distinct ``--home`` and ``--port``, as in
-``tests/test_failover.py``): workers a and b, and the serving node c (``--join``
+``tests/integration/test_failover.py``): workers a and b, and the serving node c (``--join``
 a's ticket, ``--min-peers 2``, ``--serve PORT``). First, undisturbed, one plain
 and one streamed reference answer per prompt. Then ``--requests`` requests run
 one after another (plain and streamed alternately, a few prompts; greedy, fixed
@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.waiting import wait_until
+from tests.helpers.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "churn.json"
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
 
         report = {
             "benchmark": "churn",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "model": model.name,
             "cpu_count": os.cpu_count(),
             "prompts": list(PROMPTS),

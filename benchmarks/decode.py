@@ -1,10 +1,10 @@
 """Decode benchmark: the same three hosts, stock llama.cpp RPC over TCP vs. the QUIC mesh.
 
-Three hosts a, b and c live in network namespaces on one bridge (``tests/netns.py``).
+Three hosts a, b and c live in network namespaces on one bridge (``tests/helpers/netns.py``).
 Two setups split the same model over the same three hosts, in the same order, and
 answer the same greedy prompt from host c:
 
-- mesh: three ``mesh_sidecar`` nodes as in ``tests/test_mesh_netns.py`` (a works,
+- mesh: three ``mesh_sidecar`` nodes as in ``tests/integration/test_mesh_netns.py`` (a works,
   b joins a, c joins b and serves the API on :8080 with ``--min-peers 2``);
 - direct: a plain ``ggml-rpc-server -H <host ip> -p 50052`` on every host (the stock
   way, over TCP, only inside this private lab) and on c a ``llama-server`` with
@@ -22,7 +22,7 @@ wall time is the aggregate decode rate. Each report entry holds the mesh/direct 
 the medians (decode tok/s, TTFT, aggregate tok/s) and, with ``--b2b``, b2b over stock mesh.
 
 The comparison runs once per link profile (``--profiles``, names from
-``tests/netns.py`` ``LINK_PROFILES``), each on a fresh lab: the plain bridge, tbf
+``tests/helpers/netns.py`` ``LINK_PROFILES``), each on a fresh lab: the plain bridge, tbf
 rate limits on every link, or the delay switch that holds every frame between
 hosts for a fixed time (both setups cross it alike).
 
@@ -45,13 +45,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from pathlib import Path
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
 from typing import Any
 
-from tests.waiting import wait_until
+from tests.helpers.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "decode.json"
@@ -338,7 +339,7 @@ def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
         argv = host.exec_argv(str(binaries.rpc_server), "-H", host.ip, "-p", str(DIRECT_RPC_PORT))
         watched.append((f"direct rpc-server {name}", started.popen(f"rpc {name}", argv, log), log))
     for name in "abc":
-        wait_until(lambda: _listening(lab_hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name} listens")
+        wait_until(partial(_listening, lab_hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name} listens")
     endpoints = [f"{lab_hosts[n].ip}:{DIRECT_RPC_PORT}" for n in order]
     # The very argv the mesh gives its llama-server, but with TCP endpoints instead of tunnels.
     argv = lab_hosts["c"].exec_argv(*llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT))
@@ -379,7 +380,7 @@ def _streams_summary(reps: list[dict]) -> dict[str, Any]:
         "count": len(reps[0]["streams"]),
         "completion_tokens": tokens,
         "wall_s": _stats([r["wall_s"] for r in reps]),
-        "aggregate_tok_s": _stats([sum(t) / r["wall_s"] for t, r in zip(tokens, reps)]),
+        "aggregate_tok_s": _stats([sum(t) / r["wall_s"] for t, r in zip(tokens, reps, strict=True)]),
         "texts": [s["text"] for s in reps[0]["streams"]],
     }
 
@@ -433,14 +434,17 @@ def _print(report: dict[str, Any]) -> None:
                 *((f"{streams['count']} streams tok/s (med)", "streams /direct") if streams else ())):
         table.add_column(col, justify="right" if col != "setup" else "left")
     setups = [("direct", d), ("mesh", m)] + ([("mesh --b2b", report["mesh_b2b"])] if "mesh_b2b" in report else [])
+
+    def over_direct(name: str, s: dict[str, Any], *figure: str) -> str:
+        return f"{_ratio({name: s, 'direct': d}, name, 'direct', *figure):.2f}" if name != "direct" else ""
+
     for name, s in setups:
-        def over_direct(*figure: str) -> str:
-            return f"{_ratio({name: s, 'direct': d}, name, 'direct', *figure):.2f}" if name != "direct" else ""
         table.add_row(name, f"{s['prompt_tok_s']['median']:.1f}", f"{s['decode_tok_s']['median']:.1f}",
                       f"{s['decode_tok_s']['min']:.1f}–{s['decode_tok_s']['max']:.1f}",
-                      f"{s['ttft_ms']['median']:.1f}", over_direct("decode_tok_s"), over_direct("ttft_ms"),
-                      *((f"{s['streams']['aggregate_tok_s']['median']:.1f}", over_direct("streams", "aggregate_tok_s"))
-                        if streams else ()))
+                      f"{s['ttft_ms']['median']:.1f}", over_direct(name, s, "decode_tok_s"),
+                      over_direct(name, s, "ttft_ms"),
+                      *((f"{s['streams']['aggregate_tok_s']['median']:.1f}",
+                         over_direct(name, s, "streams", "aggregate_tok_s")) if streams else ()))
     console.print(table)
     if "b2b_over_stock" in report:
         console.print(f"decode mesh --b2b / stock mesh: {report['b2b_over_stock']:.2f}")
@@ -521,10 +525,10 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
                 started: Started, b2b: bool = False) -> dict[str, Any]:
     """The mesh, then the direct setup (and with ``b2b`` the mesh on the b2b build), on a fresh lab
     with this link profile; its report entry."""
-    from tests.netns import LINK_PROFILES, Lab
+    from tests.helpers.netns import LINK_PROFILES, Lab
 
     workdir.mkdir(parents=True)
-    began = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    began = datetime.now(UTC).isoformat(timespec="seconds")
     lab = Lab(**LINK_PROFILES[profile], sniff=False)  # the sniffer's per-frame loop would compete for the CPU
     try:
         hosts = {name: lab.add_host(name) for name in "abc"}
@@ -537,7 +541,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         if b2b:
             started.stop_all()
             print(f"[{profile}] mesh with --b2b: workers pass activations to each other...", flush=True)
-            b2b_result, b2b_order, b2b_info = run_mesh(hosts, started, workdir, spec, model,
+            b2b_result, _, b2b_info = run_mesh(hosts, started, workdir, spec, model,
                                                        ("--speculation", "off"), "mesh-b2b", ("--b2b",))
     finally:
         started.stop_all()
@@ -547,7 +551,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         "link": LINK_PROFILES[profile],
         # To match against whatever else ran on the machine meanwhile.
         "began": began,
-        "ended": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "ended": datetime.now(UTC).isoformat(timespec="seconds"),
         "order": order,
         "direct": {**_summary(direct_result), **direct_info},
         "mesh": {**_summary(mesh_result), **mesh_info},
@@ -565,7 +569,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         # Informational only: llama.cpp's batched decoding is not batch-invariant, so concurrent
         # greedy streams may part ways between two runs of the same setup too.
         entry["stream_texts_identical"] = [m == d for m, d in zip(entry["mesh"]["streams"]["texts"],
-                                                                   entry["direct"]["streams"]["texts"])]
+                                                                   entry["direct"]["streams"]["texts"], strict=True)]
     if b2b:
         entry["mesh_b2b"] = {**_summary(b2b_result), **b2b_info}
         entry["mesh_b2b_tunnels"] = _tunnel_bytes(b2b_result)
@@ -646,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.path.insert(0, str(REPO_ROOT))
     from mesh_sidecar.llama.build import B2B, ensure_binaries
-    from tests.netns import LINK_PROFILES
+    from tests.helpers.netns import LINK_PROFILES
 
     profiles = args.profiles.split(",")
     unknown = [p for p in profiles if p not in LINK_PROFILES]
@@ -660,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps, "streams": args.streams}
     report = {
         "benchmark": "decode",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": model.name,
         "prompt": PROMPT,
         "n_predict": args.n_predict,
@@ -680,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         for profile in profiles:
             try:
                 entry = run_profile(profile, binaries, model, spec, workdir / profile, started, args.b2b)
-            except Exception as exc:  # one profile failing (a start timeout, a crash) keeps the others' figures
+            except Exception as exc:  # noqa: BLE001 - a profile failing (timeout, crash) keeps the others' figures
                 print(f"[{profile}] failed: {exc!r}", file=sys.stderr, flush=True)
                 report["profiles"].append({"profile": profile, "error": repr(exc)})
                 failed = True

@@ -1,6 +1,6 @@
 """Failover benchmark: how long a stream waits after a worker dies, continuation vs replay.
 
-Three nodes on loopback, as in ``tests/test_failover.py`` and ``benchmarks/churn.py``:
+Three nodes on loopback, as in ``tests/integration/test_failover.py`` and ``benchmarks/churn.py``:
 workers a and b, and the serving node c (``--min-peers 2``, ``--serve PORT``). For
 each resume mode (``MESH_RESUME=replay``, the way before continuation, then the
 default, continuation) and each delivered length (``--delivered``, default 50 and
@@ -33,16 +33,24 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.churn import (REPO_ROOT, START_TIMEOUT_S, Node, Started, free_tcp_port, free_udp_port, start_node,
-                              stop_node)
+from benchmarks.churn import (
+    REPO_ROOT,
+    START_TIMEOUT_S,
+    Node,
+    Started,
+    free_tcp_port,
+    free_udp_port,
+    start_node,
+    stop_node,
+)
 from mesh_sidecar.environment import RESUME_BY_REPLAY, RESUME_ENV
-from tests.waiting import wait_until
+from tests.helpers.waiting import wait_until
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "failover.json"
 MODES = (RESUME_BY_REPLAY, "continue")
@@ -127,7 +135,8 @@ def run_mode(mode: str, delivered: list[int], after: int, reps: int, workdir: Pa
                            START_TIMEOUT_S, "c's API is ready")
                 result = {"mode": mode, **measure(c, b, n, after)}
                 print(f"{mode:>8}  {n:>5} delivered  death -> next token "
-                      f"{result['death_to_next_token_s'] or float('nan'):6.2f} s  ({result['tokens_in_flight']} in flight; "
+                      f"{result['death_to_next_token_s'] or float('nan'):6.2f} s  "
+                      f"({result['tokens_in_flight']} in flight; "
                       f"last prompt {result['last_prompt_tokens']} tokens in {result['last_prompt_s']:.2f} s)  "
                       f"error: {result['error']}", flush=True)
                 results.append(result)
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{statistics.median(gaps):.1f} s" if gaps else "failed")
         print(f"| {n} | {cells[0]} | {cells[1]} |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"when": datetime.now(timezone.utc).isoformat(), "results": results}, indent=2))
+    args.json.write_text(json.dumps({"when": datetime.now(UTC).isoformat(), "results": results}, indent=2))
     return 0
 
 

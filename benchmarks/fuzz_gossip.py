@@ -13,8 +13,8 @@ that decodes must encode again and decode to itself (what we accept, we can rela
 
 from __future__ import annotations
 
-from mesh_sidecar.wire.frames import MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from mesh_sidecar.wire import gossip
+from mesh_sidecar.wire.frames import MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from mesh_sidecar.wire.rpc_hello import RpcVersion
 
 from .fuzzing import Input, chunks, run
@@ -71,7 +71,8 @@ def fuzz_one(data: bytes) -> None:
 def seeds() -> list[bytes]:
     """Every sample as one frame, and all of them as one stream."""
     payloads = [gossip.encode_message(msg) for msg in SAMPLES]
-    by_frame = [bytes((_FRAME, msg.TYPE)) + payload[gossip.MESSAGE_HEADER_BYTES:] for msg, payload in zip(SAMPLES, payloads)]
+    by_frame = [bytes((_FRAME, msg.TYPE)) + payload[gossip.MESSAGE_HEADER_BYTES:]
+                for msg, payload in zip(SAMPLES, payloads, strict=True)]
     return [*by_frame, bytes((_STREAM, 6)) + b"".join(encode_frame(p) for p in payloads)]
 
 

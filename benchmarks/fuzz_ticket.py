@@ -16,7 +16,7 @@ import base64
 import hashlib
 
 from mesh_sidecar.wire.ticket import TICKET_PREFIX, decode_ticket, encode_ticket
-from tests.test_ticket import SAMPLE
+from tests.unit.test_ticket import SAMPLE
 
 from .fuzzing import Input, run
 

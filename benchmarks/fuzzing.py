@@ -15,7 +15,7 @@ Without a corpus directory on the command line, the corpus is
 handshakes, so mutations start deep inside each format) are written there, and what a run
 finds stays there for the next run to start from.
 
-The targets import nothing from atheris, so the tests run them too (tests/test_fuzz.py).
+The targets import nothing from atheris, so the tests run them too (tests/unit/test_fuzz.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Link profiles measured: ping RTT and one TCP stream's throughput between two lab hosts.
 
-For each link profile of ``tests/netns.py`` (``LINK_PROFILES``), a lab with hosts a
+For each link profile of ``tests/helpers/netns.py`` (``LINK_PROFILES``), a lab with hosts a
 and b: ICMP echo from a to b (``--pings`` of them, 10 ms apart, after one more that
 waits for ARP), then one TCP stream from a to b for ``--seconds`` (a Python sender
 writing 256 KiB at a time, a Python receiver counting bytes from the first to EOF).
@@ -23,7 +23,7 @@ import struct
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.decode import lacks_root
@@ -111,7 +111,7 @@ def _last_json(proc: subprocess.Popen, timeout: float) -> dict:
 
 def measure(profile: str, pings: int, seconds: float) -> dict:
     """Pings on one lab, the TCP stream on a fresh one: the switch's figures for each stay apart."""
-    from tests.netns import LINK_PROFILES, Lab
+    from tests.helpers.netns import LINK_PROFILES, Lab
 
     def on_lab(work):
         lab = Lab(**LINK_PROFILES[profile], sniff=False)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(profile, args.pings, args.seconds))
     _print(rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"benchmark": "links", "date": datetime.now(timezone.utc).isoformat(
+    args.json.write_text(json.dumps({"benchmark": "links", "date": datetime.now(UTC).isoformat(
         timespec="seconds"), "cpu_count": os.cpu_count(), "profiles": rows}, indent=2) + "\n")
     print(f"written {args.json}")
     return 0

@@ -1,6 +1,6 @@
 """Load benchmark: how long a model load takes and how many bytes it ships, stock vs. weight cache.
 
-Three hosts a, b, c in network namespaces (``tests/netns.py``); c serves, a and b
+Three hosts a, b, c in network namespaces (``tests/helpers/netns.py``); c serves, a and b
 are workers, ``--min-peers 2``. The model is the synthetic ``cache-test`` GGUF by
 default (every per-layer matrix above llama.cpp's 10 MiB by-hash threshold), or
 ``--model PATH``. Setups, one after the other, each on a fresh lab:
@@ -38,13 +38,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import (DIRECT_API_PORT, DIRECT_RPC_PORT, MESH_API_PORT, QUIC_PORT, REPO_ROOT, START_TIMEOUT_S,
-                               Started, _listening, _resolve_model, _quiet, _status, lacks_root, run_benchmark, write_report)
-from tests.waiting import wait_until
+from benchmarks.decode import (
+    DIRECT_API_PORT,
+    DIRECT_RPC_PORT,
+    MESH_API_PORT,
+    QUIC_PORT,
+    REPO_ROOT,
+    START_TIMEOUT_S,
+    Started,
+    _listening,
+    _quiet,
+    _resolve_model,
+    _status,
+    lacks_root,
+    run_benchmark,
+    write_report,
+)
+from tests.helpers.waiting import wait_until
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "load.json"
 _TICKET_MARK = "Node ticket: "
@@ -105,7 +120,7 @@ def run_direct(hosts, started: Started, workdir: Path, binaries, model: Path, ro
         started.popen(f"rpc {name}", host.exec_argv(str(binaries.rpc_server), "-H", host.ip, "-p",
                                                     str(DIRECT_RPC_PORT)), workdir / f"direct-rpc-{name}-{round_}.out")
     for name in "abc":
-        wait_until(lambda: _listening(hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name}")
+        wait_until(partial(_listening, hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name}")
     endpoints = [f"{hosts[n].ip}:{DIRECT_RPC_PORT}" for n in "abc"]
     rx_before = {n: _rx_bytes(hosts[n]) for n in "ab"}
     _warm_page_cache(model)
@@ -197,14 +212,15 @@ def main(argv: list[str] | None = None) -> int:
                                          "(default: the synthetic cache-test model)")
     parser.add_argument("--reps", type=int, default=3, help="rounds of the three setups (default 3)")
     parser.add_argument("--profile", default="unshaped",
-                        help="link profile from tests/netns.py LINK_PROFILES, e.g. 1gbit, 100mbit (default unshaped)")
+                        help="link profile from tests/helpers/netns.py LINK_PROFILES, e.g. 1gbit, 100mbit "
+                             "(default unshaped)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
     if lacks_root():
         return 2
     from benchmarks.synthetic_model import CACHE_TEST, ensure_synthetic_model
     from mesh_sidecar.llama.build import ensure_binaries
-    from tests.netns import LINK_PROFILES, Lab
+    from tests.helpers.netns import LINK_PROFILES, Lab
 
     if args.profile not in LINK_PROFILES:
         parser.error(f"unknown --profile {args.profile!r}; choose from {', '.join(LINK_PROFILES)}")
@@ -212,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     model = _resolve_model(args.model).resolve() if args.model else ensure_synthetic_model(CACHE_TEST)
     started = Started()
     workdir = Path(tempfile.mkdtemp(prefix="bench-load-"))
-    report: dict[str, Any] = {"benchmark": "load", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    report: dict[str, Any] = {"benchmark": "load", "date": datetime.now(UTC).isoformat(timespec="seconds"),
                               "model": model.name, "model_bytes": model.stat().st_size, "cpu_count": os.cpu_count(),
                               "reps": args.reps, "profile": args.profile, "link": LINK_PROFILES[args.profile]}
     runs = {"direct": lambda h, i: run_direct(h, started, workdir, binaries, model, i),

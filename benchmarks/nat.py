@@ -1,6 +1,6 @@
 """NAT benchmark: machines in different homes, direct (punched) and relayed, in the NAT lab.
 
-The lab of ``tests/natlab.py``: a public member p on an "internet" bridge and two
+The lab of ``tests/helpers/natlab.py``: a public member p on an "internet" bridge and two
 homes behind masquerade routers, h1 and h2; h2 serves the API with the model split
 over the three. Run twice on fresh labs: routers that keep one mapping per local
 port (h1 and h2 punch through, ``direct``), and h2's router picking a new port per
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decode import PROMPT, Started, _run_client, cpu_seconds, lacks_root, run_benchmark, write_report
-from tests.natlab import NatMesh, peer, start_nat_mesh, stop_nat_mesh
-from tests.netns import API_PORT
+from tests.helpers.natlab import NatMesh, peer, start_nat_mesh, stop_nat_mesh
+from tests.helpers.netns import API_PORT
 
 GIB_BYTES = 1 << 30
 DEFAULT_JSON = Path("benchmarks/results/nat.json")
@@ -36,7 +36,8 @@ def measure(mesh: NatMesh, reps: int, n_predict: int) -> dict[str, Any]:
     spec = {"port": API_PORT, "prompt": PROMPT, "n_predict": n_predict, "reps": reps, "status_home": None}
     relay_before = p.status()["mesh"]["relay"]["relayed_bytes"]
     cpu_before = cpu_seconds(p.proc.pid)
-    result = _run_client(mesh.homes[1].host, spec, [(name, node.proc, node.output) for name, node in mesh.nodes.items()])
+    watched = [(name, node.proc, node.output) for name, node in mesh.nodes.items()]
+    result = _run_client(mesh.homes[1].host, spec, watched)
     cpu_s = cpu_seconds(p.proc.pid) - cpu_before
     relayed_bytes = p.status()["mesh"]["relay"]["relayed_bytes"] - relay_before
     row = peer(mesh.nodes["h2"], "h1")

@@ -1,6 +1,6 @@
 """Relay benchmark: one tunnel (TCP -> QUIC -> TCP) vs. a plain TCP connection, same two hosts.
 
-Two hosts a and b live in network namespaces on one bridge (``tests/netns.py``). On b a
+Two hosts a and b live in network namespaces on one bridge (``tests/helpers/netns.py``). On b a
 target server listens on 127.0.0.1 (for the tunnel) and on b's bridge address (for plain
 TCP). From a, one client connection at a time measures:
 
@@ -58,7 +58,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -188,11 +188,13 @@ def _node(spec: dict[str, Any]) -> None:
 
 
 async def _node_main(spec: dict[str, Any]) -> None:
+    from mesh_sidecar.identity import generate_identity
     from mesh_sidecar.net import quic, transport
     from mesh_sidecar.net.connection import PeerConnection
-    from mesh_sidecar.identity import generate_identity
+    from mesh_sidecar.net.peer_streams import serve_peer_stream
+    from mesh_sidecar.net.tunnel import TunnelListener, serve_inbound_stream
     from mesh_sidecar.ports import LOOPBACK
-    from mesh_sidecar.net.tunnel import StreamKind, TunnelListener, serve_inbound_stream, serve_peer_stream
+    from mesh_sidecar.wire.stream_kind import StreamKind
 
     workdir = Path(spec["workdir"])
     stop = asyncio.Event()
@@ -266,7 +268,7 @@ def _udp_drops(hosts) -> dict[str, int]:
         lines = [line.split() for line in subprocess.run(
             host.exec_argv("cat", "/proc/net/snmp"), capture_output=True, text=True, check=True).stdout.splitlines()
             if line.startswith("Udp:")]
-        row = dict(zip(lines[0][1:], map(int, lines[1][1:])))
+        row = dict(zip(lines[0][1:], map(int, lines[1][1:]), strict=True))
         drops[host.name] = row["RcvbufErrors"] + row["SndbufErrors"]
     return drops
 
@@ -398,7 +400,7 @@ def _set_mtu(lab, mtu: int) -> None:
 
 def _start_mesh(bench: Bench, library: str) -> tuple[dict, dict]:
     """Node b, then node a dialing it with a tunnel, both on ``library``; their ready files."""
-    from tests.waiting import wait_until
+    from tests.helpers.waiting import wait_until
 
     hosts, started, args = bench.hosts, bench.started, bench.args
     name, _, path = library.partition(":")
@@ -522,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--profile needs py-spy: .venv/bin/pip install py-spy", file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO_ROOT))
-    from tests.netns import Lab
+    from tests.helpers.netns import Lab
 
     started = Started()
     labs: list = []  # closed by run_benchmark, however the run ends
@@ -563,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
 
         report = {
             "benchmark": "relay",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "cpu_count": os.cpu_count(),
             "load_average_at_start": load_at_start,
             "load_average_at_end": os.getloadavg(),

@@ -1,7 +1,7 @@
 """Speculative benchmark: over slow links, does a local draft beat plain RPC?
 
 Three hosts in network namespaces, the delay switch adding 0, 5 and 20 ms one
-way (``tests/netns.py``). The target is the padded model of
+way (``tests/helpers/netns.py``). The target is the padded model of
 ``benchmarks/spec_models.py`` (the real SmolLM2 blocks plus damped copies: 60
 blocks, one tokenizer); the draft is SmolLM2 itself, on c's CPU. Per profile,
 in one run and on the same lab:
@@ -23,12 +23,22 @@ import argparse
 import os
 import sys
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import (PROMPT, REPO_ROOT, Started, _quiet, _summary, lacks_root, run_benchmark, run_direct,
-                               run_mesh, write_report)
+from benchmarks.decode import (
+    PROMPT,
+    REPO_ROOT,
+    Started,
+    _quiet,
+    _summary,
+    lacks_root,
+    run_benchmark,
+    run_direct,
+    run_mesh,
+    write_report,
+)
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "speculative.json"
 DEFAULT_PROFILES = "0ms,5ms,20ms"
@@ -42,7 +52,7 @@ def _acceptance(result: dict[str, Any]) -> float | None:
 
 def run_profile(profile: str, binaries, target: Path, draft: Path, spec: dict[str, Any], workdir: Path,
                 started: Started) -> dict[str, Any]:
-    from tests.netns import LINK_PROFILES, Lab
+    from tests.helpers.netns import LINK_PROFILES, Lab
 
     workdir.mkdir(parents=True)
     lab = Lab(**LINK_PROFILES[profile], sniff=False)
@@ -111,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps}
     started = Started()
     workdir = Path(tempfile.mkdtemp(prefix="bench-spec-"))
-    report: dict[str, Any] = {"benchmark": "speculative", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    report: dict[str, Any] = {"benchmark": "speculative", "date": datetime.now(UTC).isoformat(timespec="seconds"),
                               "target": target.name, "draft": draft.name, "n_predict": args.n_predict,
                               "reps": args.reps, "cpu_count": os.cpu_count(), "profiles": []}
 

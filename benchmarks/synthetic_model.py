@@ -38,8 +38,8 @@ import gguf
 import numpy as np
 
 from mesh_sidecar.home import cache_root
-from mesh_sidecar.progress import ProgressCallback
 from mesh_sidecar.llama.model import ensure_model
+from mesh_sidecar.progress import ProgressCallback
 
 RPC_HASH_THRESHOLD_BYTES = 10 * 1024 * 1024  # llama.cpp ggml-rpc: larger tensors go as SET_TENSOR_HASH
 WEIGHT_STD = 0.02

@@ -43,7 +43,7 @@ class NodeHome:
     root: Path
 
     @classmethod
-    def resolve(cls, home: Path | None) -> "NodeHome":
+    def resolve(cls, home: Path | None) -> NodeHome:
         """``--home`` if given, else ``MESH_HOME``, else the per-user default."""
         chosen = home or environment.home_dir() or DEFAULT_HOME
         return cls(chosen.expanduser().resolve())

@@ -58,7 +58,7 @@ class NodeIdentity:
     def certificate(self) -> x509.Certificate:
         """A self-signed certificate over this node's key, for the QUIC handshake."""
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.short_id)])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         return (
             x509.CertificateBuilder()
             .subject_name(name)

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Self
+from typing import BinaryIO, Protocol, Self
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,19 @@ class CappedLogFile:
         self.close()
 
 
+class LineSink(Protocol):
+    """Where :func:`pump_lines` copies lines to: a :class:`CappedLogFile`, or one that also watches them."""
+
+    path: Path  # named in the warning when a write fails
+
+    def write_line(self, line: bytes | str) -> None: ...
+
+
 def _cut(line: bytes, max_line: int) -> bytes:
     return line[:max_line] + TRUNCATED_MARK if len(line) > max_line else line
 
 
-async def pump_lines(reader: asyncio.StreamReader, log_file: CappedLogFile,
+async def pump_lines(reader: asyncio.StreamReader, log_file: LineSink,
                      max_line: int = MAX_LINE_BYTES) -> None:
     """Copy ``reader``'s lines into ``log_file`` until end of file.
 
@@ -169,7 +177,7 @@ def log_files(logs_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: (p.name != SIDECAR_LOG_NAME, p.name))
 
 
-def _last_lines(f, end: int, n: int) -> tuple[list[bytes], bytes, bool]:
+def _last_lines(f: BinaryIO, end: int, n: int) -> tuple[list[bytes], bytes, bool]:
     """The last ``n`` complete lines of the open binary file ``f`` before offset ``end``.
 
     Also the text after the last newline (a line still being written), and
@@ -212,7 +220,7 @@ class _Followed:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.f = None
+        self.f: BinaryIO | None = None
         self.ino: int | None = None
         self.pos = 0
         self.partial = b""

@@ -20,44 +20,44 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any
 
+import httpx
 import typer
-from typer.core import TyperGroup
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.console import Group
+from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
 from .. import environment
-from ..node import control
-from ..node.control import read_plan, read_status
-from ..net.discovery import LAN_BROWSE_S, browse_lan
 from ..errors import MeshError, ReceiptError, UsageError
 from ..home import DEFAULT_HOME, NodeHome
-from ..logs import follow as follow_logs
-from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
 from ..identity import load_or_create_identity, short_id
+from ..llama import weight_cache
 from ..llama.build import B2B, STOCK, ensure_binaries
+from ..llama.model import check_gguf, ensure_model, model_sha256
+from ..llama.weight_cache import WeightCache
+from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
+from ..logs import follow as follow_logs
 from ..mesh.runtime import DEFAULT_QUIC_PORT
 from ..mesh.saved import MESH_FILE_NAME, SavedMesh
-from ..llama.model import check_gguf, ensure_model, model_sha256
-from ..node.node import DEFAULT_CTX_SIZE, Node, NodeOptions
+from ..net.discovery import LAN_BROWSE_S, browse_lan
+from ..node import control
+from ..node.control import read_plan, read_status
+from ..node.lifecycle import DEFAULT_CTX_SIZE, Node, NodeOptions
 from ..ports import LOOPBACK, check_tcp_port_free
 from ..progress import PlainProgress, ProgressCallback
+from ..serve import receipt as receipts
+from ..serve import speculation
 from ..serve.access import ApiAccess
-from ..serve.supervisor import PlanAnnouncement
+from ..serve.supervisor import PlanAnnouncement, ServeOptions
 from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
 from ..units import MIB, format_gib, parse_size
 from ..wire.ticket import decode_ticket
 from .views import plan_table
-from ..serve import receipt as receipts
-from ..serve import speculation
-from ..llama import weight_cache
-from ..llama.weight_cache import WeightCache
 
 STATUS_WATCH_INTERVAL_S = 1.0
 MESH_ERROR_EXIT_STATUS = 1
@@ -69,7 +69,8 @@ err_console = Console(stderr=True)
 class _MeshCommands(TyperGroup):
     """The command group every command runs through: a ``MeshError`` becomes its message and exit status."""
 
-    def invoke(self, ctx: typer.Context):
+    # The base Context's module depends on typer's version (click's, later typer's own copy): any of them.
+    def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except MeshError as exc:
@@ -86,7 +87,7 @@ app = typer.Typer(
 )
 
 HomeOption = Annotated[
-    Optional[Path], typer.Option("--home", help=f"This node's state directory (default: {environment.HOME_ENV}, "
+    Path | None, typer.Option("--home", help=f"This node's state directory (default: {environment.HOME_ENV}, "
                                                 f"else {DEFAULT_HOME}).")
 ]
 CtxOption = Annotated[int, typer.Option("--ctx-size", min=256, help="Context length llama-server gets (tokens).")]
@@ -94,7 +95,7 @@ B2bOption = Annotated[bool, typer.Option(
     "--b2b", help="Use the b2b build of llama.cpp (patches/README.md): workers pass activations straight to "
                   "each other. Give it to every node; a node without it still works with the others.")]
 LlamaBinOption = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option("--llama-bin", help="Directory with your own ggml-rpc-server and llama-server (e.g. a CUDA "
                                      f"build); default: {environment.LLAMA_BIN_ENV}, else the pinned build."),
 ]
@@ -107,21 +108,21 @@ class _LazyProgress:
     """
 
     def __init__(self) -> None:
-        self._progress: Progress | None = None
-        self._task = None
+        self._bar: tuple[Progress, TaskID] | None = None  # made at the first report
 
     def __call__(self, message: str, done: int, total: int) -> None:
-        if self._progress is None:
-            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                      console=err_console, transient=True)
-            self._progress.start()
-            self._task = self._progress.add_task("", total=None)
-        self._progress.update(self._task, description=message, completed=done, total=total or None)
+        if self._bar is None:
+            progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                console=err_console, transient=True)
+            progress.start()
+            self._bar = progress, progress.add_task("", total=None)
+        progress, task = self._bar
+        progress.update(task, description=message, completed=done, total=total or None)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+        if self._bar is not None:
+            self._bar[0].stop()
 
 
 @contextmanager
@@ -194,7 +195,7 @@ def _configure_logging(home: NodeHome, verbose: bool) -> None:
 
 def _say(message: object) -> None:
     if isinstance(message, PlanAnnouncement):
-        message = plan_table(message.plan_json, title=message.title)
+        message = plan_table(message.plan_json)
     # Never wrapped: tickets and commands must stay copy-pasteable.
     console.print(message, highlight=False, soft_wrap=True)
 
@@ -202,45 +203,49 @@ def _say(message: object) -> None:
 @app.callback(invoke_without_command=True)
 def run_node(
     ctx: typer.Context,
-    serve: Annotated[Optional[int], typer.Option("--serve", help="Serve the OpenAI-compatible API on this port.")] = None,
-    model: Annotated[Optional[list[Path]], typer.Option(
+    serve: Annotated[int | None, typer.Option("--serve", help="Serve the OpenAI-compatible API on this port.")] = None,
+    model: Annotated[list[Path] | None, typer.Option(
         "--model", help="GGUF model file (default: SmolLM2-135M-Instruct). With --serve, give it several times for "
                         "model tiers: the node serves the largest that the mesh can hold now.")] = None,
-    name: Annotated[Optional[str], typer.Option("--name", help="A name for this node (default: the host name).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="A name for this node (default: the host name).")] = None,
     home: HomeOption = None,
     llama_bin: LlamaBinOption = None,
     b2b: B2bOption = False,
-    join: Annotated[Optional[str], typer.Option("--join", help="Join the mesh of the node that printed this ticket.")] = None,
-    port: Annotated[Optional[int], typer.Option("--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
-    min_peers: Annotated[int, typer.Option("--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
+    join: Annotated[str | None, typer.Option(
+        "--join", help="Join the mesh of the node that printed this ticket.")] = None,
+    port: Annotated[int | None, typer.Option(
+        "--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
+    min_peers: Annotated[int, typer.Option(
+        "--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
     step_up_after_s: Annotated[float, typer.Option(
         "--step-up-after-s", min=0,
         help="With several --model: switch to a bigger tier only once it has fitted the mesh this many seconds "
              "without a break (smaller ones are switched to at once).")] = STEP_UP_AFTER_S,
     step_up_interval_s: Annotated[float, typer.Option(
         "--step-up-interval-s", min=0,
-        help="With several --model: at least this many seconds between a model switch and a step up.")] = STEP_UP_INTERVAL_S,
-    max_memory: Annotated[Optional[str], typer.Option(
+        help="With several --model: at least this many seconds between a model switch and a step up.",
+    )] = STEP_UP_INTERVAL_S,
+    max_memory: Annotated[str | None, typer.Option(
         "--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G (G means GiB).")] = None,
     ctx_size: CtxOption = DEFAULT_CTX_SIZE,
-    api_key: Annotated[Optional[str], typer.Option(
+    api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar=environment.API_KEY_ENV, show_default=False,
         help=f"With --serve: clients must send 'Authorization: Bearer KEY'. Prefer the {environment.API_KEY_ENV} "
              "variable: a command-line argument is visible to every local user in ps.")] = None,
-    cors_origin: Annotated[Optional[str], typer.Option(
+    cors_origin: Annotated[str | None, typer.Option(
         "--cors-origin", help="With --serve: let web pages from this origin call the API "
                               "(e.g. https://chat.example.org). Default: no CORS headers.")] = None,
     use_weight_cache: Annotated[bool, typer.Option(
         "--weight-cache/--no-weight-cache",
         help="Keep a cache of received weights (and seed it from --model) so loads send only hashes; "
              "costs disk space about the size of the model.")] = True,
-    draft_model: Annotated[Optional[str], typer.Option(
+    draft_model: Annotated[str | None, typer.Option(
         "--draft-model", help="With --serve: a small GGUF with the same tokenizer that drafts tokens on this "
                               "node's CPU for speculative decoding; 'auto' picks the smallest cached one.")] = None,
     speculation_mode: Annotated[str, typer.Option(
         "--speculation", help="With --serve: 'auto' (a draft model if given, else n-gram lookup on slow "
                               "links) or 'off' (plain decoding).")] = "auto",
-    receipt: Annotated[Optional[Path], typer.Option(
+    receipt: Annotated[Path | None, typer.Option(
         "--receipt", help="With --serve: write a signed receipt (plan, model hashes, RTTs, speeds, output hash) "
                           "for every request into this directory; check one with `mesh-inference verify`.")] = None,
     fetch_model: Annotated[bool, typer.Option(
@@ -284,15 +289,15 @@ def run_node(
     # Said before the weight cache is seeded, so the seeding lines belong to this node.
     console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
     cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
-    options = NodeOptions(home=node_home, name=node_name, model=model_path,
-                          binaries=binaries, serve_port=serve, join=ticket, quic_port=port,
-                          min_peers=min_peers, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                          api_access=api_access, model_sha256=sha256, more_models=more_models,
-                          step_up=StepUpRules(step_up_after_s, step_up_interval_s), weight_cache=cache,
-                          weight_cache_tool=tool, fetch_model=fetch_model, draft_model=draft_path,
-                          receipts=receipt.expanduser().resolve() if receipt else None,
-                          speculate=speculation_mode == "auto", mdns=not no_mdns,
-                          plain_progress=not console.is_terminal)
+    serving = ServeOptions(port=serve, models=((model_path, sha256), *more_models), ctx_size=ctx_size,
+                           min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
+                           access=api_access, draft_model=draft_path,
+                           receipts=receipt.expanduser().resolve() if receipt else None,
+                           speculate=speculation_mode == "auto") if serve is not None else None
+    options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, serving=serving,
+                          join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
+                          model_sha256=sha256, weight_cache=cache, weight_cache_tool=tool, fetch_model=fetch_model,
+                          mdns=not no_mdns, plain_progress=not console.is_terminal)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
 
 
@@ -329,7 +334,8 @@ async def _run_until_signal(node: Node) -> None:
 @app.command()
 def setup(
     llama_bin: LlamaBinOption = None,
-    model: Annotated[Optional[Path], typer.Option("--model", help="Check this GGUF instead of fetching the default.")] = None,
+    model: Annotated[Path | None, typer.Option(
+        "--model", help="Check this GGUF instead of fetching the default.")] = None,
     b2b: B2bOption = False,
 ) -> None:
     """Build the pinned llama.cpp (once) and fetch the default model. Prints the binaries' directory last."""
@@ -400,8 +406,8 @@ def _status_view(snapshot: dict) -> Group:
         parts.append(Text(f"LAN discovery (mDNS): on; {sum(r['this_mesh'] for r in lan)} member(s) and "
                           f"{len(others)} other mesh(es) seen (`mesh-inference --lan` lists them)"))
     if snapshot["peers"]:
-        peers = Table("peer", "id", "address", "path", "state", "health", "rtt ms (p50/p95)", "datagram B", "tunnel port",
-                      "rpc-server", "offers GiB", "MiB to/from")
+        peers = Table("peer", "id", "address", "path", "state", "health", "rtt ms (p50/p95)", "datagram B",
+                      "tunnel port", "rpc-server", "offers GiB", "MiB to/from")
         for peer in snapshot["peers"]:
             offers = peer["capacity"].get("usable_bytes")
             rtt = "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}"
@@ -472,7 +478,7 @@ def verify(
     replay: Annotated[bool, typer.Option("--replay", help="Also run the request again on the mesh of the node "
                                          "in --home and compare the output's hash.")] = False,
     home: HomeOption = None,
-    api_key: Annotated[Optional[str], typer.Option(
+    api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar=environment.API_KEY_ENV, show_default=False,
         help="The serving node's API key, if it has one.")] = None,
 ) -> None:
@@ -488,7 +494,7 @@ def verify(
                   f"{body['output']['n_tokens']} tokens, output sha256 {body['output']['token_ids_sha256'][:16]}...",
                   highlight=False)
     if replay:
-        again = receipts.replay(body, read_status(NodeHome.resolve(home)), api_key)
+        again = _replay(body, read_status(NodeHome.resolve(home)), api_key)
         if again != body["output"]["token_ids_sha256"]:
             raise ReceiptError(f"Replay gave other output (sha256 {again[:16]}... instead of "
                                f"{body['output']['token_ids_sha256'][:16]}...): a different model, plan or "
@@ -496,10 +502,29 @@ def verify(
         console.print("Replay OK: the mesh reproduced the same output token ids.", highlight=False)
 
 
+RECEIPT_REPLAY_TIMEOUT_S = 300.0
+
+
+def _replay(body: dict, node_status: dict, api_key: str | None) -> str:
+    """Send a receipt's request again to the node's API; the output digest of its answer."""
+    serving = node_status.get("serving")
+    if not serving:
+        raise ReceiptError("The node in --home does not serve the API: replay against a serving node.")
+    replay = receipts.replay_request(body, api_key)
+    url = f"http://{LOOPBACK}:{serving['api']['port']}{replay.path}"
+    try:
+        response = httpx.post(url, json=replay.body, headers=replay.headers, timeout=RECEIPT_REPLAY_TIMEOUT_S)
+        response.raise_for_status()
+        return receipts.replayed_digest(response.json())
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ReceiptError(f"The replay request to {url} failed: {exc}") from exc
+
+
 @app.command()
 def logs(
     home: HomeOption = None,
-    process: Annotated[Optional[str], typer.Option("--process", "-p", help="Only this process: sidecar, rpc-server, llama-server.")] = None,
+    process: Annotated[str | None, typer.Option(
+        "--process", "-p", help="Only this process: sidecar, rpc-server, llama-server.")] = None,
     lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="How many recent lines to show.")] = 40,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until Ctrl-C.")] = False,
 ) -> None:
@@ -525,8 +550,9 @@ def logs(
 @app.command()
 def plan(
     home: HomeOption = None,
-    model: Annotated[Optional[Path], typer.Option("--model", help="Plan for this GGUF instead of the node's model.")] = None,
-    ctx_size: Annotated[Optional[int], typer.Option("--ctx-size", min=256, help="Plan for this context length.")] = None,
+    model: Annotated[Path | None, typer.Option(
+        "--model", help="Plan for this GGUF instead of the node's model.")] = None,
+    ctx_size: Annotated[int | None, typer.Option("--ctx-size", min=256, help="Plan for this context length.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object, for scripts.")] = False,
 ) -> None:
     """Show how the running node would spread the model over the mesh now, without launching."""

@@ -12,9 +12,10 @@ from ..units import format_gib
 def plan_table(plan: dict[str, Any], title: str = "Plan") -> Table:
     """node, layers, weights GiB, KV GiB, free GiB: seed 001's startup summary; then the model tiers."""
     model = f"{plan['model']}, " if plan.get("model") else ""
+    refused = [f"{node['name']} refused: {node['detail']}." for node in plan.get("refused", [])]
     table = Table("node", "id", "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB",
                   title=f"{title}: {model}{plan['n_layers']} layers", title_justify="left",
-                  caption=_tiers_caption(plan), caption_justify="left")
+                  caption="\n".join(filter(None, [_tiers_caption(plan), *refused])) or None, caption_justify="left")
     for node in plan["nodes"]:
         start, end = node["layers"]
         output = " + output" if node.get("output_bytes") else ""
@@ -27,9 +28,6 @@ def plan_table(plan: dict[str, Any], title: str = "Plan") -> Table:
     for node in plan.get("refused", []):
         table.add_row(node["name"], node["id"][:8], f"refused: {node['reason']}", "-", "-", "-",
                       format_gib(node["free_bytes"]))
-    refusals = [f"{node['name']} refused: {node['detail']}." for node in plan.get("refused", [])]
-    if refusals:
-        table.caption = "\n".join(filter(None, [table.caption, *refusals]))
     return table
 
 

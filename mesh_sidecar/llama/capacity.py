@@ -57,7 +57,7 @@ class Device:
 
 def parse_device_listing(text: str) -> tuple[Device, ...]:
     """The devices in an rpc-server's startup output (empty if it has not printed them yet)."""
-    devices = []
+    devices: list[Device] = []
     in_listing = False
     for line in text.splitlines():
         if line.strip() == "Devices:":
@@ -92,7 +92,7 @@ class Capacity:
                 *self.held[:MAX_HELD_ENTRIES])
 
     @classmethod
-    def from_gossip(cls, pairs: Mapping[str, int]) -> "Capacity":
+    def from_gossip(cls, pairs: Mapping[str, int]) -> Capacity:
         """From a member's announced pairs; a member that announced none offers nothing."""
         return cls(pairs.get(USABLE_KEY, 0), pairs.get(FREE_RAM_KEY, 0), pairs.get(DEVICE_FREE_KEY, 0),
                    pairs.get(MAX_MEMORY_KEY, 0),

@@ -19,7 +19,7 @@ of one micro-batch, the attention mask); :func:`estimate_model` derives a margin
 for them, checked against what llama.cpp logs (docs/memory-estimate.md has the
 formulas and the measured numbers).
 
-Pure apart from reading the GGUF's header (:mod:`.gguf_header`).
+Pure apart from reading the GGUF's header (:mod:`.gguf_file`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import ModelError
-from ..wire.gguf_header import GGUFHeader, read_header
 from ..units import MIB
+from ..wire.gguf_header import GGUFHeader
+from .gguf_file import read_header
 from .model import check_gguf
 
 # --- KV cache ---------------------------------------------------------------
@@ -209,9 +211,9 @@ def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) 
                 f"{path} is a '{arch}' model whose cache ({arch}.{key}) is not a plain K/V cache; "
                 "the memory estimate only knows attention K/V caches, so this model cannot be planned."
             )
-    n_layers = meta.integer(f"{arch}.block_count", required=True)
-    n_embd = meta.integer(f"{arch}.embedding_length", required=True)
-    n_head = meta.first(f"{arch}.attention.head_count", required=True)
+    n_layers = meta.required_integer(f"{arch}.block_count")
+    n_embd = meta.required_integer(f"{arch}.embedding_length")
+    n_head = meta.first(f"{arch}.attention.head_count")
     if n_layers < 1 or n_embd < 1 or n_head < 1:
         raise ModelError(f"{path} declares {n_layers} blocks, embedding {n_embd}, {n_head} heads: "
                          "not a model the estimate can size.")
@@ -251,7 +253,7 @@ def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) 
     cells = kv_cells(n_ctx)
     # The planner charges every layer the same K/V, so take the largest layer's.
     kv_per_layer = max(cells * h * (k + v) * KV_BYTES_PER_ELEMENT
-                       for h, k, v in zip(head_kv, key_length, value_length))
+                       for h, k, v in zip(head_kv, key_length, value_length, strict=True))
     n_vocab = _vocab_size(header, meta, arch)
     margin = compute_margin(n_ctx=n_ctx, n_embd=n_embd, n_ff=_ffn_width(meta, arch, n_layers, n_embd),
                             n_vocab=n_vocab, n_ubatch=n_ubatch)
@@ -298,30 +300,38 @@ class _Metadata:
         self._fields = header.fields
         self._path = path
 
-    def value(self, key: str):
+    def value(self, key: str) -> Any:
         return self._fields.get(key)
 
     def string(self, key: str) -> str | None:
         value = self.value(key)
         return value if isinstance(value, str) else None
 
-    def integer(self, key: str, *, required: bool = False) -> int | None:
+    def integer(self, key: str) -> int | None:
+        """The integer at ``key``; None if there is none."""
         value = self.value(key)
         if value is None:
-            if required:
-                raise ModelError(f"{self._path} lacks the metadata key {key}, which the memory estimate "
-                                 "needs; the GGUF may come from an old or unusual converter.")
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ModelError(f"{self._path}: metadata key {key} is {value!r}, expected an integer.")
         return int(value)
 
-    def first(self, key: str, *, required: bool = False) -> int | None:
-        """An integer, or the first entry of a per-layer array."""
+    def required_integer(self, key: str) -> int:
+        """The integer at ``key``; ModelError if there is none."""
+        value = self.integer(key)
+        if value is None:
+            raise ModelError(f"{self._path} lacks the metadata key {key}, which the memory estimate "
+                             "needs; the GGUF may come from an old or unusual converter.")
+        return value
+
+    def first(self, key: str) -> int:
+        """A required integer, or the first entry of a per-layer array."""
         value = self.value(key)
         if isinstance(value, list):
-            return int(value[0]) if value else None
-        return self.integer(key, required=required)
+            if not value:
+                raise ModelError(f"{self._path}: metadata key {key} is an empty array, expected integers.")
+            return int(value[0])
+        return self.required_integer(key)
 
     def per_layer(self, key: str, n_layers: int, *, default: int) -> list[int]:
         """A per-layer value: an array of n_layers entries, one integer for all, or ``default``."""
@@ -332,4 +342,4 @@ class _Metadata:
             if len(value) != n_layers:
                 raise ModelError(f"{self._path}: {key} has {len(value)} entries for {n_layers} blocks.")
             return [int(v) for v in value]
-        return [self.integer(key)] * n_layers
+        return [self.required_integer(key)] * n_layers

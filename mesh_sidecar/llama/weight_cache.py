@@ -31,10 +31,10 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import SetupError
-from ..wire.gguf_header import read_header
 from ..home import cache_root
-from ..units import MIB
 from ..progress import ProgressCallback
+from ..units import MIB
+from .gguf_file import read_header
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from ..identity import short_id
 from ..net.addresses import reachable_addresses
 from ..net.connection import PeerConnection
 from ..net.transport import MeshTransport
+from ..wire.gossip import MemberInfo
 from ..wire.ticket import PeerAddress, Ticket
 from .membership import Dial
 from .status import PunchCounters
@@ -55,8 +56,8 @@ class Dialer:
 
     ``connections`` maps a member's id to the connection this node keeps with it (the runtime's
     peers); ``spawn`` runs a task the runtime owns; ``lost(node_id, reason)`` reports a member that
-    could be reached neither directly nor relayed; ``addresses_of(node_id)`` is what gossip last
-    said of a member's addresses (None: not a member).
+    could be reached neither directly nor relayed; ``info_of(node_id)`` is what gossip last
+    said of a member (None: not a member).
     """
 
     def __init__(
@@ -68,16 +69,21 @@ class Dialer:
         say: Callable[[str], None],
         name_of: Callable[[bytes], str],
         lost: Callable[[bytes, str], None],
-        addresses_of: Callable[[bytes], tuple[str, ...] | None],
+        info_of: Callable[[bytes], MemberInfo | None],
+        *,
+        join_retry_s: float = JOIN_RETRY_S,
+        join_patience_s: float = JOIN_PATIENCE_S,
     ) -> None:
         self._node_id = node_id
+        self._join_retry_s = join_retry_s
+        self._join_patience_s = join_patience_s
         self._transport = transport
         self._connections = connections
         self._spawn = spawn
         self._say = say
         self._name_of = name_of
         self._lost = lost
-        self._addresses_of = addresses_of
+        self._info_of = info_of
         self.port: int | None = None  # ours: a member's address with it on our own interfaces is us
         self.punch_counters = PunchCounters()
 
@@ -90,28 +96,35 @@ class Dialer:
     async def join(self, ticket: Ticket) -> None:
         """Connect to the node a ticket names.
 
-        A member that does not answer is dialed again for JOIN_PATIENCE_S: it may be starting, or
+        A member that does not answer is dialed again for ``join_patience_s``: it may be starting, or
         too busy to answer within one dial's timeout. A wrong secret or key is final at once.
         """
         if ticket.node_id == self._node_id:
             raise UsageError("That ticket is this node's own. Use the ticket printed by another node.")
-        give_up_at = time.monotonic() + JOIN_PATIENCE_S
+        give_up_at = time.monotonic() + self._join_patience_s
         told = False
         while True:
             try:
                 await self.dial(ticket.node_id, ticket.addresses)
                 return
             except PeerConnectionError as exc:
-                if time.monotonic() + JOIN_RETRY_S >= give_up_at:
+                if time.monotonic() + self._join_retry_s >= give_up_at:
                     raise PeerConnectionError(
-                        f"{exc}. Nothing answered for {JOIN_PATIENCE_S:g} s: check that the member whose ticket "
+                        f"{exc}. Nothing answered for {self._join_patience_s:g} s: check that the member whose ticket "
                         "this is still runs (`mesh-inference status` there) and that its UDP port is reachable "
                         "from here, or ask a member for a fresh ticket (`mesh-inference ticket`).") from None
                 if not told:
                     self._say(f"No answer from {short_id(ticket.node_id)} yet ({exc}); trying again for up to "
-                              f"{JOIN_PATIENCE_S:g} s.")
+                              f"{self._join_patience_s:g} s.")
                     told = True
-            await asyncio.sleep(JOIN_RETRY_S)
+            await asyncio.sleep(self._join_retry_s)
+
+    def rejoin(self, members: Mapping[bytes, tuple[str, ...]]) -> int:
+        """Dial every member remembered from an earlier run (mesh.json); how many."""
+        remembered = [(n, a) for n, a in members.items() if n != self._node_id]
+        for node_id, texts in remembered:
+            self.redial(node_id, peer_addresses(texts))
+        return len(remembered)
 
     def redial(self, node_id: bytes, addresses: list[PeerAddress]) -> None:
         """Dial a member we knew (or saw on the LAN) in the background; silence is only logged."""
@@ -182,12 +195,12 @@ class Dialer:
             await asyncio.sleep(PUNCH_CHECK_S)
 
     async def _punch(self, node_id: bytes) -> None:
-        addresses = self._addresses_of(node_id)
-        if addresses is None:
+        info = self._info_of(node_id)
+        if info is None:
             return
         self.punch_counters.attempts += 1
         try:
-            await self.dial(node_id, peer_addresses(addresses))
+            await self.dial(node_id, peer_addresses(info.addresses))
         except MeshError as exc:
             log.info("%s is still out of direct reach: %s", short_id(node_id), exc)
             return

@@ -41,7 +41,7 @@ from .events import (
     MemberUpdated,
     SecretRotated,
 )
-from .health import LOOP_STALL_S, PeerHealth
+from .health import DEGRADED_AFTER_S, LOOP_STALL_S, LOST_AFTER_S, PeerHealth
 
 # A lost member that a connected peer still lists (so it is up, and only our path to it failed:
 # a dial that timed out on a busy machine, a path that broke) is dialed again on a heartbeat
@@ -131,8 +131,11 @@ class Membership:
     off, for as long as a connected peer's latest list still names it.
     """
 
-    def __init__(self, self_info: MemberInfo) -> None:
+    def __init__(self, self_info: MemberInfo, *, degraded_after_s: float = DEGRADED_AFTER_S,
+                 lost_after_s: float = LOST_AFTER_S) -> None:
         self._self = self_info
+        self._degraded_after_s = degraded_after_s  # each peer's PeerHealth thresholds
+        self._lost_after_s = lost_after_s
         self._records: dict[bytes, _Record] = {}
         # Connected, but its MemberList (so its info) has not arrived yet.
         self._unidentified: set[bytes] = set()
@@ -171,6 +174,16 @@ class Membership:
             for r in self._records.values()
         )
 
+    def info_of(self, node_id: bytes) -> MemberInfo | None:
+        """What member ``node_id`` last announced, if we know of it (not this node)."""
+        record = self._records.get(node_id)
+        return None if record is None else record.info
+
+    def name_of(self, node_id: bytes) -> str:
+        """The name of ``node_id`` (this node's too), or its short id while we know no info of it."""
+        info = self._self if node_id == self._self.node_id else self.info_of(node_id)
+        return short_id(node_id) if info is None else info.name
+
     def health(self, node_id: bytes) -> PeerHealth | None:
         """The heartbeat record of our connection to ``node_id`` (for reading), if we hold one."""
         return self._health.get(node_id)
@@ -182,7 +195,8 @@ class Membership:
             raise ValueError("a node cannot connect to itself")
         if self._left or self._is_connected(node_id):
             return
-        self._health[node_id] = PeerHealth(node_id)
+        self._health[node_id] = PeerHealth(node_id, degraded_after_s=self._degraded_after_s,
+                                           lost_after_s=self._lost_after_s)
         record = self._records.get(node_id)
         if record is None:
             self._unidentified.add(node_id)

@@ -1,7 +1,8 @@
 """The mesh as `mesh-inference status` shows it: typed views, and the one place they become JSON.
 
-The mesh runtime builds a :class:`PeerView` per member it knows of and a
-:class:`MeshView` of its own side (``Mesh.peer_views``, ``Mesh.mesh_view``).
+:func:`peer_views` builds a :class:`PeerView` per member the mesh knows of from
+its membership and its peer table; the mesh runtime adds a :class:`MeshView` of
+its own side (``Mesh.peer_views``, ``Mesh.mesh_view``).
 Code that decides things (the serving supervisor, metrics, the dashboard) reads
 these typed values; :func:`peer_json` and :func:`mesh_json` turn them into the
 dicts that ``status --json`` prints and tests read, in milliseconds where the
@@ -11,17 +12,20 @@ JSON names them so.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..identity import short_id
+from ..net.connection import PeerConnection
 from ..net.discovery import LanRecord, lan_record_json
 from ..net.relay import RelayCounters
 from ..net.tunnel import TunnelCounters
+from ..wire.ticket import PeerAddress
+from .exclusion import Exclusion, exclusion_between
 from .health import HealthState
-from .membership import MemberState
-from .refusal import Refusal
+from .membership import Membership, MemberState, MemberStatus
+from .peers import Peer
 
 
 def rtt_ms(seconds: float | None) -> float | None:
@@ -57,7 +61,7 @@ class PeerView:
     capacity: dict[str, int]
     model_sha256: str  # "" when it holds no model file
     secret_epoch: int
-    refused: Refusal | None  # why the serving node (this one, or it) leaves it (or this one) out
+    excluded: Exclusion | None  # why the serving node (this one, or it) leaves it (or this one) out
     learned_via: bytes | None
     # Bytes and RPC commands through its tunnels both ways, as of this view (a copy).
     tunnel: TunnelCounters = field(default_factory=TunnelCounters)
@@ -118,8 +122,8 @@ def peer_json(view: PeerView) -> dict[str, Any]:
         "capacity": dict(view.capacity),
         "model_sha256": view.model_sha256 or None,
         "secret_epoch": view.secret_epoch,
-        "refused": None if view.refused is None else view.refused.reason,
-        "refused_detail": None if view.refused is None else view.refused.detail,
+        "refused": None if view.excluded is None else view.excluded.reason,
+        "refused_detail": None if view.excluded is None else view.excluded.detail,
         "learned_via": short_id(view.learned_via) if view.learned_via else None,
         # Our tunnel to its rpc-server...
         "bytes_to_peer": view.tunnel.bytes_to_peer,
@@ -152,3 +156,44 @@ def mesh_json(view: MeshView) -> dict[str, Any]:
             "punch": dataclasses.asdict(view.punch),
             "lan": None if view.lan is None else [
                 {**lan_record_json(r), "this_mesh": r.mesh_id == view.mesh_id} for r in view.lan]}
+
+
+def peer_views(membership: Membership, peers: Mapping[bytes, Peer],
+               relay_of: Callable[[PeerConnection], bytes | None]) -> tuple[PeerView, ...]:
+    """Every member ``membership`` knows of, as it stands now; ``peers``: those we hold a connection to,
+    ``relay_of``: the member relaying a connection (net/transport.py)."""
+
+    def address_in_use(peer: Peer) -> str:
+        """Where our packets to ``peer`` go: its address, or for a relayed path the relay's."""
+        relay_id = relay_of(peer.connection)
+        via = peers.get(relay_id) if relay_id is not None else None
+        return str(PeerAddress(*(via or peer).connection.remote_address))
+
+    def view(member: MemberStatus) -> PeerView:
+        info, state = member.info, member.state
+        peer = peers.get(info.node_id)
+        # Heartbeats run on an identified connection; a member that left keeps its until it closes.
+        health = membership.health(info.node_id) if peer is not None else None
+        relay_id = relay_of(peer.connection) if peer is not None else None
+        return PeerView(
+            node_id=info.node_id, name=info.name, state=state,
+            address=address_in_use(peer) if peer is not None else (info.addresses or [None])[0],
+            path=None if peer is None else PATH_RELAYED if peer.connection.relayed else PATH_DIRECT,
+            via=membership.name_of(relay_id) if relay_id is not None else None,
+            health=(health.state if health is not None
+                    else HealthState.LOST if state is MemberState.LOST else None),
+            rtt_last_s=health.rtt_last_s if health else None,
+            rtt_p50_s=health.rtt_p50_s if health else None,
+            rtt_p95_s=health.rtt_p95_s if health else None,
+            quic_rtt_s=peer.connection.rtt if peer else None,
+            datagram_bytes=peer.connection.datagram_size if peer else None,
+            missed_heartbeats=health.missed if health else None,
+            tunnel_port=peer.tunnel.port if peer else None,
+            rpc_server_up=info.rpc_ready, serving=info.serving, capacity=dict(info.capacity),
+            model_sha256=info.model_sha256, secret_epoch=info.secret_epoch,
+            excluded=exclusion_between(membership.self_info, info),
+            learned_via=member.learned_via,
+            tunnel=TunnelCounters() if peer is None else dataclasses.replace(peer.tunnel.counters),
+        )
+
+    return tuple(view(member) for member in membership.members())

@@ -1,10 +1,10 @@
 """A serving node's verdicts on its workers: corrupt layer outputs, or too slow.
 
 Pure. Both are announced in the serving node's gossip (``corrupt_outputs``, ``slow_workers``)
-with the member's run id, so the member hears why (refusal.py) and a restart (a new run id)
+with the member's run id, so the member hears why (exclusion.py) and a restart (a new run id)
 clears them. Corrupt output stays until then: hardware that returned garbage once is not
 trusted again in that run. Slowness is often passing (another program took the GPU), so a
-slow verdict also ends after SLOW_REFUSAL_S and the member is tried again.
+slow verdict also ends after SLOW_EXCLUSION_S and the member is tried again.
 
 At most MAX_JUDGED_MEMBERS verdicts are kept, the newest, whatever their kind (gossip's limit).
 """
@@ -12,7 +12,7 @@ At most MAX_JUDGED_MEMBERS verdicts are kept, the newest, whatever their kind (g
 from __future__ import annotations
 
 from ..wire.gossip import MAX_JUDGED_MEMBERS, CorruptOutput, MemberInfo, SlowWorker
-from .refusal import CORRUPT_OUTPUT, SLOW, SLOW_REFUSAL_S
+from .exclusion import CORRUPT_OUTPUT, SLOW, SLOW_EXCLUSION_S
 
 
 class Verdicts:
@@ -34,7 +34,7 @@ class Verdicts:
         self._add(verdict, None)
 
     def slow_found(self, verdict: SlowWorker, now: float) -> None:
-        self._add(verdict, now + SLOW_REFUSAL_S)
+        self._add(verdict, now + SLOW_EXCLUSION_S)
 
     def _add(self, verdict: CorruptOutput | SlowWorker, ends_at: float | None) -> None:
         kept = [(v, end) for v, end in self._found if v.node_id != verdict.node_id]

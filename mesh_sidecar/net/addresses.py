@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import psutil
 
@@ -11,7 +13,21 @@ from ..ports import LOOPBACK
 from ..wire.ticket import MAX_TICKET_ADDRESSES, PeerAddress
 
 
-def reachable_addresses(port: int, ipv6: bool = False) -> tuple[PeerAddress, ...]:
+class InterfaceAddress(Protocol):
+    """One address of a network interface, as ``psutil.net_if_addrs`` lists it."""
+
+    @property
+    def family(self) -> int: ...
+
+    @property
+    def address(self) -> str: ...
+
+
+def reachable_addresses(
+    port: int,
+    ipv6: bool = False,
+    interfaces: Callable[[], Mapping[str, Sequence[InterfaceAddress]]] = psutil.net_if_addrs,
+) -> tuple[PeerAddress, ...]:
     """Addresses to put in this node's ticket: interface IPs, then 127.0.0.1 last.
 
     Loopback comes last and always survives the cap, so a second node on the same
@@ -19,10 +35,11 @@ def reachable_addresses(port: int, ipv6: bool = False) -> tuple[PeerAddress, ...
     IPv6 addresses come after IPv4; link-local ones never, since their scope id
     names an interface on *this* machine. The mesh listens on IPv4 only for now, so
     it leaves them out: a ticket must not list addresses nobody can dial.
+    ``interfaces`` lists this machine's interfaces and their addresses.
     """
     ipv4: list[PeerAddress] = []
     global_ipv6: list[PeerAddress] = []
-    for entries in psutil.net_if_addrs().values():
+    for entries in interfaces().values():
         for entry in entries:
             if entry.family not in (socket.AF_INET, socket.AF_INET6):
                 continue

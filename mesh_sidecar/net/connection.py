@@ -24,7 +24,11 @@ Admission, before any other use of a connection:
   logged once where it was decided ("refused 10.0.0.3:4433: wrong mesh secret")
   and once where it was received ("refused by 10.0.0.3:4433: ...").
 
-Lifetime. The transport's ``on_peer(connection)`` runs once per admitted
+The connection talks to the transport that made it through ConnectionHost
+(its route table, its task group, its socket or relay circuits), and to its
+streams through their StreamTable (streams.py).
+
+Lifetime. The host's ``serve_peer(connection)`` runs once per admitted
 connection, as a task the transport owns; when it returns the connection is
 closed. Peer-opened streams wait until ``set_stream_handler`` is called, then
 each runs its handler as a task the connection owns. Closing a connection
@@ -42,7 +46,8 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..errors import (
     AuthError,
@@ -56,13 +61,11 @@ from ..identity import short_id
 from ..wire import auth
 from ..wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from . import path_mtu
-from .endpoint import Address, format_address
+from .endpoint import Address, Datagram, format_address
 from .relay import is_virtual
 from .quic import QuicConnection, events
-from .streams import MeshStreamReader, MeshStreamWriter, StreamCode
-
-if TYPE_CHECKING:
-    from .transport import MeshTransport
+from .routes import RouteTable
+from .streams import MeshStreamReader, MeshStreamWriter, StreamCode, StreamPair, StreamTable
 
 logger = logging.getLogger(__name__)
 
@@ -81,20 +84,65 @@ class CloseCode(enum.IntEnum):
     HANDLER_FAILED = 3
 
 
+@dataclass
+class AdmissionCounters:
+    """Inbound connections that never got in, for status."""
+
+    refused_connections: int = 0  # failed admission (wrong secret, key, silence)
+    unadmitted_streams: int = 0  # streams opened by peers never admitted: not served, counted
+
+
+class ConnectionHost(Protocol):
+    """What a connection needs from the transport that made it (transport.py)."""
+
+    @property
+    def node_id(self) -> bytes:
+        """This node's id."""
+        ...
+
+    @property
+    def routes(self) -> RouteTable[PeerConnection]:
+        """Where datagrams go by connection id; a connection adds and retires its own ids."""
+        ...
+
+    @property
+    def admission(self) -> AdmissionCounters:
+        ...
+
+    def admits(self, node_id: bytes) -> bool:
+        """Whether a peer that proved ``node_id`` may be admitted (not removed from the mesh)."""
+        ...
+
+    def send_datagrams(self, datagrams: list[Datagram]) -> None:
+        """Over UDP, or into a relay circuit."""
+        ...
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coroutine`` as a task the transport owns."""
+        ...
+
+    async def serve_peer(self, connection: PeerConnection) -> None:
+        """An admitted connection's whole life; returning closes it."""
+        ...
+
+    def finished(self, connection: PeerConnection) -> None:
+        """``connection`` is gone: forget it and its routes."""
+        ...
+
+
 class PeerConnection:
     """One connection to a peer node; handed out only once the peer is admitted."""
 
     def __init__(
         self,
-        transport: MeshTransport,
+        host: ConnectionHost,
         quic: QuicConnection,
         handshake: auth.ClientHandshake | auth.ServerHandshake,
         *,
         initiator: bool,
     ) -> None:
-        self._transport = transport
-        self._send_datagrams = transport.send_datagrams  # the UDP socket, or a relay circuit
-        self._loop = transport._loop
+        self._host = host
+        self._loop = asyncio.get_running_loop()
         self._quic = quic
         self._handshake = handshake
         self.initiator = initiator
@@ -107,12 +155,10 @@ class PeerConnection:
         self._control: deque[bytes] = deque()
         self._control_ready = asyncio.Event()
         self._control_consumed = 0
-        self._streams: dict[int, tuple[MeshStreamReader, MeshStreamWriter]] = {}
-        self._unclaimed: deque[tuple[MeshStreamReader, MeshStreamWriter]] = deque()
+        self._streams = StreamTable(quic, self._transmit_soon)
+        self._unclaimed: deque[StreamPair] = deque()
         self._stream_handler: StreamHandler | None = None
-        self._blocked_writers: set[MeshStreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._connection_ids: set[bytes] = set()
         self._timer: asyncio.Handle | None = None
         self._timer_at: float | None = None
         self._auth_timer = self._loop.call_at(handshake.deadline, self._auth_timed_out)
@@ -122,6 +168,17 @@ class PeerConnection:
         self._size_probe_due = False
 
     # public ------------------------------------------------------------------
+
+    @property
+    def admitted(self) -> bool:
+        """Whether the peer proved its key and the mesh secret (connection ids and streams flow before)."""
+        return self._admitted
+
+    @property
+    def peer_address(self) -> tuple | None:
+        """The address its datagrams come from as the QUIC library holds it (a circuit's virtual one when
+        relayed), None before the first."""
+        return self._quic.get_peer_address()
 
     @property
     def remote_address(self) -> Address:
@@ -147,7 +204,7 @@ class PeerConnection:
     @property
     def preferred(self) -> bool:
         """True if the simultaneous-dial rule keeps this connection: the lower id's dial."""
-        own_id = self._transport.node_id
+        own_id = self._host.node_id
         dialer, other = (own_id, self.peer_id) if self.initiator else (self.peer_id, own_id)
         return dialer < other
 
@@ -179,7 +236,7 @@ class PeerConnection:
             await self._control_ready.wait()
         message = self._control.popleft()
         self._control_consumed += FRAME_HEADER.size + len(message)
-        self._grant(CONTROL_STREAM_ID, self._control_consumed)
+        self._streams.grant(CONTROL_STREAM_ID, self._control_consumed)
         return message
 
     async def open_stream(self) -> tuple[MeshStreamReader, MeshStreamWriter]:
@@ -187,7 +244,7 @@ class PeerConnection:
         self._check_open()
         stream_id = self._quic.get_next_available_stream_id()
         self._quic.send_stream_data(stream_id, b"")  # creates it, sends nothing
-        return self._add_stream(stream_id)
+        return self._streams.add(stream_id)
 
     def set_stream_handler(self, handler: StreamHandler) -> None:
         """Run ``handler(reader, writer)`` for each stream the peer opens, also those already waiting."""
@@ -200,26 +257,31 @@ class PeerConnection:
             return
         self._quic.close(error_code=code, reason_phrase=reason)
         self._shutdown(reason)
-        self._pump()
+        self.pump()
 
     async def wait_closed(self) -> None:
         await self._terminated.wait()
 
-    # QUIC plumbing -----------------------------------------------------------
+    # for the transport ---------------------------------------------------------
 
-    def _datagram_received(self, data: bytes, address: tuple) -> None:
+    async def wait_admission(self) -> MeshError | None:
+        """Wait until the peer is admitted (None) or refused (why)."""
+        await self._settled.wait()
+        return self._failure
+
+    def datagram_received(self, data: bytes, address: tuple) -> None:
         """Feed one datagram; the transport pumps once after the batch it came in."""
         self._quic.receive_datagram(data, address, now=self._loop.time())
 
-    def _pump(self) -> int:
-        """Handle aioquic's events, send its datagrams, re-arm its timer; returns datagrams sent."""
+    def pump(self) -> int:
+        """Handle the QUIC library's events, send its datagrams, re-arm its timer; returns datagrams sent."""
         self._handle_events()
         if self._terminated.is_set():
             return 0
         datagrams = self._quic.datagrams_to_send(now=self._loop.time())
         if self._size_probe_due:
             datagrams += self._size_probe()
-        self._send_datagrams(datagrams)
+        self._host.send_datagrams(datagrams)
         when = self._quic.get_timer()
         # Compared with the deadline we asked for: uvloop hands back a plain Handle for one already due.
         if self._timer is not None and when != self._timer_at:
@@ -227,15 +289,14 @@ class PeerConnection:
             self._timer = None
         if when is not None and self._timer is None:
             self._timer, self._timer_at = self._loop.call_at(when, self._on_timer), when
-        for writer in list(self._blocked_writers):
-            writer._check_unblocked()
+        self._streams.wake_writers()
         return len(datagrams)
 
     def _on_timer(self) -> None:
         self._timer = None
         self._quic.handle_timer(now=self._loop.time())
         self._check_black_hole()
-        self._pump()
+        self.pump()
 
     def _transmit_soon(self) -> None:
         # Coalesce the writes of one loop iteration into one pass over aioquic.
@@ -245,7 +306,7 @@ class PeerConnection:
 
     def _flush(self) -> None:
         self._transmit_scheduled = False
-        self._pump()
+        self.pump()
 
     def _handle_events(self) -> None:
         while (event := self._quic.next_event()) is not None:
@@ -261,11 +322,9 @@ class PeerConnection:
 
     def _handle_event(self, event: events.QuicEvent) -> None:
         if isinstance(event, events.ConnectionIdIssued):
-            self._connection_ids.add(event.connection_id)
-            self._transport._routes[event.connection_id] = self
+            self._host.routes.route(event.connection_id, self)
         elif isinstance(event, events.ConnectionIdRetired):
-            self._connection_ids.discard(event.connection_id)
-            self._transport._routes.pop(event.connection_id, None)
+            self._host.routes.retire(event.connection_id)
         elif isinstance(event, events.ConnectionTerminated):
             self._on_terminated(event)
         elif self.close_reason is not None:
@@ -281,10 +340,7 @@ class PeerConnection:
         elif isinstance(event, events.StopSendingReceived):
             if event.stream_id == CONTROL_STREAM_ID:
                 raise MalformedMessageError("peer stopped reading the control stream")
-            entry = self._streams.get(event.stream_id)
-            if entry is not None:  # aioquic has already reset our sending side
-                entry[1]._fail(ConnectionResetError(f"peer stopped reading (code {event.error_code})"))
-                self._send_finished(entry[1])
+            self._streams.stopped_by_peer(event.stream_id, event.error_code)
 
     # admission ---------------------------------------------------------------
 
@@ -300,7 +356,7 @@ class PeerConnection:
 
     def _admit(self) -> None:
         assert self._handshake.peer_id is not None
-        if self._handshake.peer_id in self._transport._removed:
+        if not self._host.admits(self._handshake.peer_id):
             # Proofs checked first, so only the removed node's own key hears this.
             self._refuse(AuthError(f"{auth.REMOVED} ({short_id(self._handshake.peer_id)})"))
             return
@@ -320,12 +376,12 @@ class PeerConnection:
 
     def _auth_timed_out(self) -> None:
         if not self._admitted and self.close_reason is None:
-            self._refuse(auth.timeout_error())
-            self._pump()
+            self._refuse(auth.timeout_error(self._handshake.timeout_s))
+            self.pump()
 
     def _refuse(self, error: MeshError) -> None:
         logger.warning("refused %s: %s", self._name(), error)
-        self._transport.refused_connections += not self.initiator
+        self._host.admission.refused_connections += not self.initiator
         self._failure = error
         self._quic.close(error_code=CloseCode.AUTH_REFUSED, reason_phrase=str(error))
         self._shutdown(str(error))
@@ -382,23 +438,19 @@ class PeerConnection:
         if stream_id == CONTROL_STREAM_ID:
             self._on_control_data(data, fin)
             return
-        entry = self._streams.get(stream_id)
-        if entry is None:
+        pair = self._streams.get(stream_id)
+        if pair is None:
             peer_opened = (stream_id & 1 == 0) != self.initiator  # bit 0 clear: client-opened
             if not peer_opened:
                 return  # late bytes for a stream we already forgot
             if stream_id & 2:
                 raise MalformedMessageError("peer opened a unidirectional stream")
-            entry = self._add_stream(stream_id)
+            pair = self._streams.add(stream_id)
             if self._admitted and self._stream_handler is not None:
-                self._spawn(self._serve_stream(*entry))
+                self._spawn(self._serve_stream(*pair))
             else:
-                self._unclaimed.append(entry)
-        reader = entry[0]
-        reader._feed(data, fin)
-        if fin:
-            reader.finished = True
-            self._forget_if_done(stream_id)
+                self._unclaimed.append(pair)
+        self._streams.received(pair[0], data, fin)
 
     def _on_control_data(self, data: bytes, fin: bool) -> None:
         self._decoder.feed(data)
@@ -415,54 +467,12 @@ class PeerConnection:
     def _on_stream_reset(self, stream_id: int, error_code: int) -> None:
         if stream_id == CONTROL_STREAM_ID:
             raise MalformedMessageError("peer reset the control stream")
-        entry = self._streams.get(stream_id)
-        if entry is None:
-            return
-        reader = entry[0]
-        reader._fail(ConnectionResetError(f"stream reset by peer (code {error_code})"))
-        reader.finished = True
-        self._forget_if_done(stream_id)
-
-    def _add_stream(self, stream_id: int) -> tuple[MeshStreamReader, MeshStreamWriter]:
-        reader = MeshStreamReader(self, stream_id)
-        entry = reader, MeshStreamWriter(self, stream_id, reader)
-        self._streams[stream_id] = entry
-        return entry
-
-    def _send_finished(self, writer: MeshStreamWriter) -> None:
-        writer.finished = True
-        self._forget_if_done(writer.stream_id)
-
-    def _forget_if_done(self, stream_id: int) -> None:
-        entry = self._streams.get(stream_id)
-        if entry is not None and entry[0].finished and entry[1].finished:
-            del self._streams[stream_id]
-
-    def _grant(self, stream_id: int, consumed: int) -> None:
-        if self.close_reason is None and self._quic.grant_window(stream_id, consumed):
-            self._transmit_soon()
-
-    def _stop_receiving(self, stream_id: int, error_code: int) -> None:
-        if self.close_reason is None:
-            self._quic.stop_stream(stream_id, error_code)
-            self._transmit_soon()
-
-    def _abort_stream(self, writer: MeshStreamWriter, error_code: int) -> None:
-        if self.close_reason is not None:
-            return
-        self._quic.reset_stream(writer.stream_id, error_code)
-        if not writer._reader.finished:
-            self._stop_receiving(writer.stream_id, error_code)
-        error = ConnectionResetError(f"stream aborted locally (code {error_code})")
-        writer._reader._fail(error)
-        writer._fail(error)
-        self._send_finished(writer)
-        self._transmit_soon()
+        self._streams.reset_by_peer(stream_id, error_code)
 
     # tasks and teardown --------------------------------------------------------
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        task = self._transport._spawn(coroutine)
+        task = self._host.spawn(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -470,11 +480,11 @@ class PeerConnection:
         for uid in itertools.count():
             await asyncio.sleep(KEEPALIVE_INTERVAL_S)
             self._quic.send_ping(uid)
-            self._pump()
+            self.pump()
 
     async def _serve_peer(self) -> None:
         try:
-            await self._transport._on_peer(self)
+            await self._host.serve_peer(self)
         except MeshError as exc:
             if not self.closed:
                 logger.warning("closing %s: %s", self._name(), exc)
@@ -506,15 +516,11 @@ class PeerConnection:
         self._auth_timer.cancel()
         if self._admitted:
             logger.info("closed %s: %s", self._name(), reason)
-        for reader, writer in self._streams.values():
-            reader._fail(ConnectionResetError(f"connection to {self._name()} closed: {reason}"))
-            writer._fail(ConnectionResetError(f"connection to {self._name()} closed: {reason}"))
-        self._streams.clear()
+        self._streams.close(f"connection to {self._name()} closed: {reason}")
         if not self._admitted and not self.initiator:
             # Never served: a stranger's tunnel or relay request goes nowhere, but is counted.
-            self._transport.unadmitted_streams += len(self._unclaimed)
+            self._host.admission.unadmitted_streams += len(self._unclaimed)
         self._unclaimed.clear()
-        self._blocked_writers.clear()
         self._control_ready.set()
         if not self._admitted and self._failure is None:
             self._failure = ConnectionClosedError(f"closed before admission: {reason}")
@@ -529,16 +535,17 @@ class PeerConnection:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for connection_id in self._connection_ids:
-            if self._transport._routes.get(connection_id) is self:
-                del self._transport._routes[connection_id]
-        self._transport._connections.discard(self)
-        self._transport._connection_finished(self)
+        self._host.finished(self)
         self._terminated.set()
 
-    def _discard(self, reason: str) -> None:
+    def discard(self, reason: str) -> None:
         """Close and forget at once, without the closing period (dial gave up, node stopping)."""
         self.close(reason)
+        self._finalize()
+
+    def forget(self, reason: str) -> None:
+        """Forget a connection whose first datagram drew no reply, sending nothing."""
+        self._shutdown(reason)
         self._finalize()
 
     def _check_open(self) -> None:

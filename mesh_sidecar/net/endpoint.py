@@ -114,7 +114,8 @@ class UdpEndpoint:
     def _send_segments(self, segments: list[bytes], size: int, address: tuple) -> bool:
         """One sendmsg() with UDP_SEGMENT; False (send them one by one) if that cannot be done now."""
         assert self._udp is not None and self._sock is not None
-        if self._udp.get_write_buffer_size():
+        # asyncio's datagram transports have it; typeshed's DatagramTransport does not say so.
+        if self._udp.get_write_buffer_size():  # type: ignore[attr-defined]
             return False  # asyncio holds earlier datagrams: keep the order
         try:
             segment_size = [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]

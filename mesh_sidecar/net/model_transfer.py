@@ -28,9 +28,9 @@ from pathlib import Path
 from ..errors import MalformedMessageError, ModelError, ProtocolVersionError
 from ..progress import ProgressCallback
 from ..llama.model import file_sha256
+from ..wire.stream_kind import StreamKind
 from .connection import PeerConnection
 from .streams import MeshStreamReader, MeshStreamWriter
-from .tunnel import StreamKind
 
 log = logging.getLogger(__name__)
 

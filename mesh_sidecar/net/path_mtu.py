@@ -52,7 +52,7 @@ def set_dont_fragment(sock: socket.socket) -> None:
         pass  # not Linux: the kernel's default; probes may then arrive as fragments
 
 
-def route_mtu(address: tuple) -> int | None:
+def route_mtu(address: tuple[str, int] | tuple[str, int, int, int]) -> int | None:
     """The MTU of the local interface the route to ``address`` leaves by (None if unknown)."""
     ipv6 = ":" in address[0]
     with socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_DGRAM) as sock:

@@ -19,6 +19,8 @@ of quic.PRE_AUTH_RECEIVE_WINDOW_BYTES. An Initial packet that draws no reply
 Lifetime. ``on_peer(connection)`` runs once per admitted connection, inbound
 or outbound, as a task the transport owns; when it returns the connection is
 closed (connection.py). ``close()`` closes every connection and stops every task.
+The transport is each connection's ConnectionHost: it owns the route table
+(routes.py) the connections add their ids to, and the task group they run in.
 
 Simultaneous dials: two nodes may dial each other at once and get two admitted
 connections. The transport keeps both and says which to keep:
@@ -44,14 +46,14 @@ from ..errors import (
     TransportStoppedError,
     UsageError,
 )
-from ..identity import NodeIdentity, short_id
+from ..identity import NODE_ID_BYTES, NodeIdentity, short_id
 from ..wire import auth
-from ..identity import NODE_ID_BYTES
-from .connection import PeerConnection
+from ..wire.stream_kind import StreamKind
+from .connection import AdmissionCounters, PeerConnection
 from .endpoint import Address, Datagram, UdpEndpoint, format_address
 from .relay import RelayCircuit, request_circuit, virtual_address
+from .routes import RouteTable
 from .streams import MeshStreamReader, MeshStreamWriter
-from .tunnel import StreamKind
 from .quic import QuicConnection, opens_connection, parse_header, quic_configuration
 
 logger = logging.getLogger(__name__)
@@ -68,20 +70,30 @@ PeerHandler = Callable[[PeerConnection], Awaitable[None]]
 class MeshTransport:
     """Listens and dials on one UDP port; hands each admitted connection to ``on_peer``."""
 
-    def __init__(self, identity: NodeIdentity, mesh_secret: bytes, on_peer: PeerHandler) -> None:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        mesh_secret: bytes,
+        on_peer: PeerHandler,
+        *,
+        dial_timeout_s: float = DIAL_TIMEOUT_S,
+        auth_timeout_s: float = auth.AUTH_TIMEOUT_S,
+        max_unauthenticated_peers: int = MAX_UNAUTHENTICATED_PEERS,
+    ) -> None:
         if len(mesh_secret) != auth.MESH_SECRET_BYTES:
             raise UsageError(f"the mesh secret must be {auth.MESH_SECRET_BYTES} bytes, not {len(mesh_secret)}")
         self._identity = identity
         self._secret = mesh_secret
         self._on_peer = on_peer
+        self._dial_timeout_s = dial_timeout_s
+        self._auth_timeout_s = auth_timeout_s
+        self._max_unauthenticated_peers = max_unauthenticated_peers
         self._server_configuration = quic_configuration(identity, is_client=False)
         self._client_configuration = quic_configuration(identity, is_client=True)
         self._removed: set[bytes] = set()
-        self._routes: dict[bytes, PeerConnection] = {}
-        self._connections: set[PeerConnection] = set()
+        self._routes: RouteTable[PeerConnection] = RouteTable()
         self.ignored_datagrams = 0
-        self.refused_connections = 0  # inbound ones that failed admission (wrong secret, key, silence)
-        self.unadmitted_streams = 0  # streams opened by peers never admitted: not served, counted
+        self._admission = AdmissionCounters()
         self._ignored_since_log = 0
         self._ignored_logged_at: float | None = None
         self._endpoint = UdpEndpoint(self._datagrams_received)
@@ -97,6 +109,18 @@ class MeshTransport:
     def node_id(self) -> bytes:
         return self._identity.node_id
 
+    @property
+    def routes(self) -> RouteTable[PeerConnection]:
+        return self._routes
+
+    @property
+    def admission(self) -> AdmissionCounters:
+        """Inbound connections refused, and the streams their peers opened unanswered."""
+        return self._admission
+
+    def admits(self, node_id: bytes) -> bool:
+        return node_id not in self._removed
+
     def set_secret(self, mesh_secret: bytes) -> None:
         """Admit new connections with this secret from now on; live ones stay."""
         if len(mesh_secret) != auth.MESH_SECRET_BYTES:
@@ -110,7 +134,7 @@ class MeshTransport:
     @property
     def connections(self) -> frozenset[PeerConnection]:
         """Every connection not yet terminated, admitted or not."""
-        return frozenset(self._connections)
+        return self._routes.connections
 
     async def start(self, host: str, port: int) -> int:
         """Bind the UDP port (0: any free one) and return its number."""
@@ -145,7 +169,7 @@ class MeshTransport:
         writer.write(bytes((StreamKind.RELAY_REQUEST,)))
         await request_circuit(reader, writer, expected_id)
         circuit = self._open_circuit(relay.peer_id, expected_id, reader, writer)
-        self._spawn(self._run_circuit(circuit))
+        self.spawn(self._run_circuit(circuit))
         host, port = circuit.address
         try:
             return await self._dial(host, port, expected_id)
@@ -176,13 +200,14 @@ class MeshTransport:
             await circuit.run()
         finally:
             self._circuits.pop(circuit.address, None)
-            for connection in list(self._connections):
-                if connection._quic.get_peer_address() == circuit.address:
+            for connection in self._routes.connections:
+                if connection.peer_address == circuit.address:
                     connection.close("the relay's path ended")
 
-    def _connection_finished(self, connection: PeerConnection) -> None:
-        """A connection is gone: the relay circuit it ran over goes too."""
-        address = connection._quic.get_peer_address()
+    def finished(self, connection: PeerConnection) -> None:
+        """A connection is gone: its routes go, and so does the relay circuit it ran over."""
+        self._routes.remove(connection)
+        address = connection.peer_address
         if address is not None and (circuit := self._circuits.pop(tuple(address)[:2], None)) is not None:
             circuit.close()
 
@@ -227,8 +252,8 @@ class MeshTransport:
         if self._closed:
             return
         self._closed = True
-        for connection in list(self._connections):
-            connection._discard("node shutting down")
+        for connection in self._routes.connections:
+            connection.discard("node shutting down")
         self._stopping.set()
         if self._supervisor is not None:
             await self._supervisor
@@ -240,9 +265,13 @@ class MeshTransport:
             started.set_result(None)
             await self._stopping.wait()
 
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coroutine`` in the transport's task group (until ``close``)."""
         assert self._tasks is not None
         return self._tasks.create_task(coroutine)
+
+    async def serve_peer(self, connection: PeerConnection) -> None:
+        await self._on_peer(connection)
 
     async def _dial(self, host: str, port: int, expected_id: bytes) -> PeerConnection:
         where = format_address((host, port))
@@ -255,22 +284,21 @@ class MeshTransport:
         now = self._loop.time()
         quic = QuicConnection(configuration=self._client_configuration)
         nonce = secrets.token_bytes(auth.NONCE_BYTES)
-        handshake = auth.ClientHandshake(self._identity, self._secret, expected_id, nonce, now)
+        handshake = auth.ClientHandshake(self._identity, self._secret, expected_id, nonce, now, self._auth_timeout_s)
         connection = PeerConnection(self, quic, handshake, initiator=True)
-        self._add(connection, quic.host_cid)
+        self._routes.add(connection, quic.host_cid)
         quic.connect(infos[0][4], now=now)
-        connection._pump()
+        connection.pump()
         try:
-            async with asyncio.timeout(DIAL_TIMEOUT_S):
-                await connection._settled.wait()
+            async with asyncio.timeout(self._dial_timeout_s):
+                failure = await connection.wait_admission()
         except TimeoutError:
-            connection._discard("no answer")
-            raise DialTimeoutError(f"{where}: no answer within {DIAL_TIMEOUT_S:g} s") from None
+            connection.discard("no answer")
+            raise DialTimeoutError(f"{where}: no answer within {self._dial_timeout_s:g} s") from None
         except asyncio.CancelledError:
-            connection._discard("dial cancelled")
+            connection.discard("dial cancelled")
             raise
-        if connection._failure is not None:
-            failure = connection._failure
+        if failure is not None:
             raise type(failure)(f"{where}: {failure}") from failure
         return connection
 
@@ -280,7 +308,7 @@ class MeshTransport:
             if (connection := self._datagram_received(data, addr)) is not None:
                 fed[connection] = None
         for connection in fed:
-            connection._pump()
+            connection.pump()
 
     def _datagram_received(self, data: bytes, addr: tuple) -> PeerConnection | None:
         """Route one datagram; the connection it was fed to, which the caller pumps."""
@@ -291,7 +319,7 @@ class MeshTransport:
             return None
         connection = self._routes.get(header.destination_cid)
         if connection is not None:
-            connection._datagram_received(data, addr)
+            connection.datagram_received(data, addr)
             return connection
         if opens_connection(header, len(data), self._server_configuration) and not self._closed:
             self._accept(header.destination_cid, data, addr)
@@ -311,8 +339,8 @@ class MeshTransport:
             self._ignored_since_log = 0
 
     def _accept(self, original_connection_id: bytes, data: bytes, addr: tuple) -> None:
-        waiting = sum(1 for c in self._connections if not c.initiator and not c._admitted)
-        if waiting >= MAX_UNAUTHENTICATED_PEERS:
+        waiting = sum(1 for c in self._routes.connections if not c.initiator and not c.admitted)
+        if waiting >= self._max_unauthenticated_peers:
             logger.debug("dropped a new connection from %s: %d peers already authenticating", addr, waiting)
             return
         now = self._loop.time()
@@ -321,16 +349,9 @@ class MeshTransport:
             original_destination_connection_id=original_connection_id,
         )
         nonce = secrets.token_bytes(auth.NONCE_BYTES)
-        handshake = auth.ServerHandshake(self._identity, self._secret, nonce, now)
+        handshake = auth.ServerHandshake(self._identity, self._secret, nonce, now, self._auth_timeout_s)
         connection = PeerConnection(self, quic, handshake, initiator=False)
-        self._add(connection, original_connection_id, quic.host_cid)
+        self._routes.add(connection, original_connection_id, quic.host_cid)
         quic.receive_datagram(data, addr, now=now)
-        if not connection._pump():
-            connection._shutdown("no client hello")  # nothing readable: forget it quietly
-            connection._finalize()
-
-    def _add(self, connection: PeerConnection, *connection_ids: bytes) -> None:
-        self._connections.add(connection)
-        for connection_id in connection_ids:
-            connection._connection_ids.add(connection_id)
-            self._routes[connection_id] = connection
+        if not connection.pump():
+            connection.forget("no client hello")  # nothing readable: forget it quietly

@@ -16,14 +16,14 @@ half-closes travel as FIN. When the peer is lost, the listener
 closes and live connections are ended at once (reset when data was still in
 flight), so llama-server gets an error, not a hang.
 
-Every stream a peer opens starts with one StreamKind byte, so RPC tunnels and
-other uses (model files, model_transfer.py) share the connection;
-``serve_peer_stream`` reads it and hands the stream on.
+A tunnel's stream starts with the StreamKind.RPC byte (wire/stream_kind.py);
+peer_streams.py hands it to ``serve_inbound_stream`` on the other side.
 
-Given a judge (the serving node's, serve/output_guard.py), a listener checks the float
-tensors P's rpc-server returns (wire/rpc_outputs.py) before llama-server reads them; on a
-fault it keeps the reply back, resets the connection (llama-server aborts rather than
-compute on garbage) and reports it through ``on_rejected``.
+Given OutputChecks at construction (the serving node's, mesh/serving.py), a listener
+asks them for a check on each connection it accepts; a check measures the float tensors
+P's rpc-server returns (wire/rpc_outputs.py) before llama-server reads them, and on a fault
+the listener keeps the reply back, resets the connection (llama-server aborts rather
+than compute on garbage) and reports it through ``OutputChecks.rejected``.
 
 A listener also times how long the peer owes replies (reply_waits.py): when tokens stall,
 that names the worker holding them up.
@@ -32,19 +32,20 @@ that names the worker holding them up.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..errors import MeshError, WireError
 from ..identity import short_id
 from ..ports import LOOPBACK, loopback_client_uid
 from ..wire.rpc_framing import RpcStreamFilter
-from ..wire.rpc_outputs import CheckOff, Judge, OutputRejected, RpcOutputCheck
+from ..wire.rpc_outputs import CheckOff, OutputRejected, RpcOutputCheck
+from ..wire.stream_kind import StreamKind
 from .connection import PeerConnection
 from .reply_waits import ReplyWaits
 from .streams import MeshStreamReader, MeshStreamWriter
@@ -55,32 +56,18 @@ RELAY_CHUNK_BYTES = 256 * 1024
 
 Reader = asyncio.StreamReader | MeshStreamReader
 Writer = asyncio.StreamWriter | MeshStreamWriter
-StreamServer = Callable[[MeshStreamReader, MeshStreamWriter], Awaitable[None]]
 
 
-class StreamKind(enum.IntEnum):
-    """The first byte of every stream a peer opens: what it is for."""
+class OutputChecks(Protocol):
+    """The serving node's check of what peers' rpc-servers return through their tunnels."""
 
-    RPC = 1  # a tunnel to our rpc-server
-    MODEL_FILE = 2  # a model file request (model_transfer.py)
-    RELAY_REQUEST = 3  # relay my packets to a member you reach (relay.py)
-    RELAY_DELIVERY = 4  # packets relayed to you from a member (relay.py)
+    def check_for(self, node_id: bytes) -> RpcOutputCheck | None:
+        """A check for one new tunnel connection to ``node_id``'s rpc-server, or None to relay unchecked."""
+        ...
 
-
-async def serve_peer_stream(reader: MeshStreamReader, writer: MeshStreamWriter,
-                            servers: Mapping[StreamKind, StreamServer], peer_name: str) -> None:
-    """Read a stream's kind byte and hand it to the server for that kind."""
-    try:
-        kind = (await reader.readexactly(1))[0]
-    except (asyncio.IncompleteReadError, ConnectionError):
-        writer.abort()
-        return
-    server = servers.get(kind)  # type: ignore[call-overload]
-    if server is None:
-        log.warning("stream from %s of unknown kind %d: closed", peer_name, kind)
-        writer.abort()
-        return
-    await server(reader, writer)
+    def rejected(self, node_id: bytes, event: OutputRejected) -> None:
+        """A reply from ``node_id`` failed its check; its tunnel connection is being reset."""
+        ...
 
 
 @dataclass
@@ -170,12 +157,9 @@ async def _relay_checked(reader: Reader, writer: Writer, check: RpcOutputCheck,
 class TunnelListener:
     """127.0.0.1:<port> that leads to one peer's rpc-server."""
 
-    def __init__(self, peer: PeerConnection) -> None:
+    def __init__(self, peer: PeerConnection, checks: OutputChecks | None = None) -> None:
         self.peer = peer
-        # Set by the serving node: connections accepted from then on check the float tensors
-        # the peer returns with ``judge`` and report a rejection to ``on_rejected``.
-        self.judge: Judge | None = None
-        self.on_rejected: Callable[[OutputRejected], None] = lambda event: None
+        self._checks = checks
         self.counters = TunnelCounters()
         self.reply_waits = ReplyWaits()
         self.port: int | None = None
@@ -230,14 +214,15 @@ class TunnelListener:
                 return
             self.counters.streams += 1
             quic_writer.write(bytes([StreamKind.RPC]))
-            if self.judge is None:
+            node_id, checks = self.peer.peer_id, self._checks
+            check = checks.check_for(node_id) if checks is not None else None
+            if checks is None or check is None:
                 await _run_pair(
                     _relay(tcp_reader, quic_writer, self._count_out),
                     _relay(quic_reader, tcp_writer, self._count_in),
                     quic_writer, tcp_writer,
                 )
                 return
-            check = RpcOutputCheck(self.judge)
 
             def to_peer(data: bytes) -> None:
                 check.receive_from_client(data)
@@ -246,7 +231,8 @@ class TunnelListener:
 
             await _run_pair(
                 _relay(tcp_reader, quic_writer, self._count_bytes_out, to_peer),
-                _relay_checked(quic_reader, tcp_writer, check, self.on_rejected, self._count_in),
+                _relay_checked(quic_reader, tcp_writer, check, lambda event: checks.rejected(node_id, event),
+                               self._count_in),
                 quic_writer, tcp_writer,
             )
         finally:

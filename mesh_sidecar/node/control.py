@@ -20,8 +20,8 @@ from aiohttp import web
 
 from ..errors import MeshError, PlanError, UsageError
 from ..home import NodeHome, write_private_file
-from ..serve.planner import Plan
 from ..ports import LOOPBACK
+from ..serve.planner import Plan
 
 STATUS_PATH = "/status"
 PLAN_PATH = "/plan"

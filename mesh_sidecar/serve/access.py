@@ -14,16 +14,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from .. import environment
 from ..errors import UsageError
 from ..units import MIB
 from .dashboard import KEYLESS_PATHS
+from .receipt import CONTINUE_AT_HEADER
 
 # About two million tokens of text: far beyond any context, small enough to hold in memory.
 MAX_REQUEST_BODY_BYTES = 8 * MIB
-# Not forwarded: the client's key is for this proxy; llama-server has none.
-CLIENT_ONLY_HEADERS = frozenset({"authorization"})
+# Not forwarded: the client's key is for this proxy (llama-server has none), and where to continue
+# an answer is the proxy's to carry out.
+CLIENT_ONLY_HEADERS = frozenset({"authorization", CONTINUE_AT_HEADER.lower()})
 # Open without a key: readiness only, and load balancers and scripts probe it keyless.
 # /metrics is not open: it reveals usage (request counts, paths, speeds). Nor is the dashboard's
 # state; its page and files hold no data.
@@ -67,7 +70,7 @@ class ApiAccess:
 OPEN_ACCESS = ApiAccess()  # no key, no CORS: the default
 
 
-def guard(access: ApiAccess) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def guard(access: ApiAccess) -> Middleware:
     """The middleware that turns away requests without the key, and bodies over the limit."""
 
     @web.middleware

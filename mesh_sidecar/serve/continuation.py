@@ -97,10 +97,10 @@ def _prompt_parts(prompt: Any) -> list[Any] | None:
     """One completion prompt as a list of text and token ids (None: several prompts, or media)."""
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, int)) for p in prompt):
-        # A list with a number in it is one prompt mixing text and ids; a list of texts is several prompts.
-        if len(prompt) == 1 or any(isinstance(p, int) for p in prompt):
-            return list(prompt)
+    # A list with a number in it is one prompt mixing text and ids; a list of texts is several prompts.
+    if (isinstance(prompt, list) and prompt and all(isinstance(p, (str, int)) for p in prompt)
+            and (len(prompt) == 1 or any(isinstance(p, int) for p in prompt))):
+        return list(prompt)
     return None
 
 
@@ -115,8 +115,9 @@ def _budget(request: dict[str, Any]) -> int | None:
 
 def _probabilities_asked(path: str, request: dict[str, Any]) -> int:
     """llama-server's n_probs for ``request``: how many top tokens each token's logprobs list."""
-    if isinstance(request.get("n_probs"), int):
-        return request["n_probs"]
+    n_probs = request.get("n_probs")
+    if isinstance(n_probs, int):
+        return n_probs
     logprobs = request.get("logprobs")
     if path == CHAT_PATH:
         return request.get("top_logprobs", DEFAULT_CHAT_TOP_LOGPROBS) if logprobs else 0

@@ -12,15 +12,12 @@ layer map of the current plan, live tokens per second, RTTs and recent events.
 The files are plain HTML/CSS/JS shipped in ``dashboard/`` (package data): no
 build step, no CDN, no external fonts.
 
-Also here, the two live figures the page shows that ``status`` had no place for:
-``TokenRate`` (the proxy feeds it streamed events) and ``RecentEvents`` (the
-node feeds it every line it says to the user).
+The live tokens per second and the recent events it shows come from the node's
+status (activity.py keeps them).
 """
 
 from __future__ import annotations
 
-import re
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,11 +25,9 @@ from typing import Any
 
 from aiohttp import web
 
+from ..identity import short_id
 from ..llama.capacity import USABLE_KEY
 from ..mesh.status import PeerView, rtt_ms
-from .replay import DATA_PREFIX, DONE
-from ..identity import short_id
-from ..wire.ticket import TICKET_PREFIX
 
 PAGE_PATH = "/mesh"
 STATE_PATH = "/mesh/state"
@@ -48,72 +43,6 @@ PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",  # a new version of the sidecar serves its own page at once
 }
-
-TOKEN_RATE_WINDOW_S = 2.0
-# A rate over a shorter span than this is noise (one token just arrived).
-TOKEN_RATE_MIN_SPAN_S = 0.5
-RECENT_EVENTS_KEPT = 50
-# Tickets admit machines to the mesh: the state endpoint is keyless unless --api-key is set, so
-# events never carry one (`mesh-inference ticket` prints it through the token-guarded control endpoint).
-_TICKET = re.compile(re.escape(TICKET_PREFIX) + r"[a-z2-7]+")
-TICKET_PLACEHOLDER = "<ticket: see mesh-inference ticket>"
-
-
-class TokenRate:
-    """Tokens streamed per second just now (all streams together), and the last request's decode speed.
-
-    llama-server sends one token per server-sent event, so streamed ``data:``
-    events are counted over the last TOKEN_RATE_WINDOW_S and divided by the time
-    they span (at least TOKEN_RATE_MIN_SPAN_S): a stream shows its speed within
-    half a second, and the figure falls to 0 one window after the last token.
-    Callers pass ``now`` from ``time.monotonic()``.
-    """
-
-    def __init__(self, window_s: float = TOKEN_RATE_WINDOW_S) -> None:
-        self._window_s = window_s
-        self._times: deque[float] = deque()
-        self.last_request_tokens_per_second: float | None = None  # as llama-server timed it
-
-    def streamed(self, event: bytes, now: float) -> None:
-        """One server-sent event relayed to a client; counted if it is a data event other than [DONE]."""
-        line = event.strip()
-        if line.startswith(DATA_PREFIX) and line[len(DATA_PREFIX):] != DONE:
-            self._times.append(now)
-            self._forget(now)
-
-    def finished(self, tokens_per_second: float) -> None:
-        """A request ended and llama-server reported its decode speed."""
-        self.last_request_tokens_per_second = tokens_per_second
-
-    def per_second(self, now: float) -> float:
-        self._forget(now)
-        if not self._times:
-            return 0.0
-        return len(self._times) / max(now - self._times[0], TOKEN_RATE_MIN_SPAN_S)
-
-    def to_json(self, now: float) -> dict[str, float | None]:
-        return {"tokens_per_second_now": round(self.per_second(now), 1),
-                "last_request_tokens_per_second": self.last_request_tokens_per_second}
-
-    def _forget(self, now: float) -> None:
-        while self._times and self._times[0] <= now - self._window_s:
-            self._times.popleft()
-
-
-class RecentEvents:
-    """The last RECENT_EVENTS_KEPT lines a node said to its user, with their times, tickets left out."""
-
-    def __init__(self, kept: int = RECENT_EVENTS_KEPT) -> None:
-        self._events: deque[tuple[float, str]] = deque(maxlen=kept)
-
-    def add(self, when: float, message: Any) -> None:
-        """``message`` as given to the node's ``say``: a string, or a typed message (the plan) as its ``str``."""
-        text = str(message)
-        self._events.append((when, _TICKET.sub(TICKET_PLACEHOLDER, text)))
-
-    def to_json(self) -> list[dict[str, Any]]:
-        """Oldest first; ``time`` in seconds since the epoch."""
-        return [{"time": round(when, 3), "message": text} for when, text in self._events]
 
 
 @dataclass(frozen=True)
@@ -164,7 +93,7 @@ def state_from(snapshot: dict[str, Any], peer_views: Sequence[PeerView]) -> dict
         "members": [asdict(m) for m in (this, *peers)],
         "plan": None if plan is None else {
             "n_layers": plan["n_layers"],
-            "segments": [asdict(Segment(n["id"], n["name"], *n["layers"], bool(n["output_bytes"])))
+            "segments": [asdict(Segment(n["id"], n["name"], n["layers"][0], n["layers"][1], bool(n["output_bytes"])))
                          for n in plan["nodes"]],
             "left_out": [n["name"] for n in plan["left_out"]],
             "refused": [{"name": n["name"], "reason": n["reason"], "detail": n["detail"]} for n in plan["refused"]],

@@ -52,7 +52,7 @@ from ..units import format_gib
 if TYPE_CHECKING:
     # Only its interface is used here, so planning needs no GGUF reading.
     from ..llama.estimate import ModelEstimate
-    from ..mesh.refusal import Refusal
+    from ..mesh.exclusion import Exclusion
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,8 @@ class Plan:
     nodes: tuple[PlannedNode, ...]
     left_out: tuple[NodeCapacity, ...]  # in member order
     n_layers: int
-    # Members not offered to the planner at all, and why (mesh/refusal.py).
-    refused: tuple[tuple[NodeCapacity, Refusal], ...] = ()
+    # Members not offered to the planner at all, and why (mesh/exclusion.py).
+    refused: tuple[tuple[NodeCapacity, Exclusion], ...] = ()
     model: str = ""  # the planned model's file name; "" when planned without a name
     tiers: tuple[TierFit, ...] = ()  # every tier considered, largest first
 
@@ -286,7 +286,7 @@ def _place(
 ) -> tuple[PlannedNode, ...]:
     nodes = []
     start = 0
-    for i, (member, count) in enumerate(zip(participants, counts)):
+    for i, (member, count) in enumerate(zip(participants, counts, strict=True)):
         end = start + count
         is_last = i == len(participants) - 1
         nodes.append(

@@ -22,8 +22,9 @@ the token ids it delivered (continuation.py), or, where continuation does not
 cover the request, replayed; either way it goes on on the same connection with
 exactly the text that was still missing. A plain request that continuation
 covers is streamed from llama-server and assembled here, so it is continued
-the same way. ``_exchange`` does this for any failover: llama-server dead, or
-its stream stalled. A stream that falls far behind a token's expected time (pace.py)
+the same way. Which of these happens is decided by the request's recovery
+machine (recovery.py, no I/O); ``_exchange`` carries out its decisions, for any
+failover: llama-server dead, or its stream stalled. A stream that falls far behind a token's expected time (pace.py)
 is a stall too, once a worker is found holding it up: the serving loop replans
 without that worker (``on_slow``) and the stream continues on the new plan.
 When the next llama-server runs another model (a smaller tier, tiers.py), a
@@ -51,28 +52,45 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from aiohttp import web
 
-from .dashboard import TokenRate
 from .. import environment
 from ..errors import MeshError, ServiceUnavailableError
+from ..ports import LOOPBACK
 from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, ApiAccess, cors, guard, openai_error
+from .activity import TokenRate
+from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly, Continuation, streamed, uncovered
 from .metrics import Metrics
 from .pace import Slow, StreamPace, TokenPace
-from ..ports import LOOPBACK
-from .continuation import (CONTINUE_PATH, DETOKENIZE_PATH, TEMPLATE_PATH, Assembly, Continuation, streamed,
-                           uncovered)
-from .receipt import OutputTap, ask_for_token_ids
-from .replay import GENERATION_PATHS, EventSplitter, Replay, StreamLedger, pin_seed
-from .tiers import DEFAULT_MODEL_NAMES, TierView, models_list, refusal_for
+from .receipt import CONTINUE_AT_HEADER, OutputTap, ask_for_token_ids, parse_continue_at
+from .recovery import (
+    MAX_FAILOVERS_PER_REQUEST,
+    Ask,
+    Broken,
+    Cut,
+    Decision,
+    Failed,
+    GiveUp,
+    Prepare,
+    Prepared,
+    PrepareFailed,
+    Refused,
+    RequestRecovery,
+    Shape,
+    Step,
+    Unavailable,
+    UpstreamReady,
+    WaitForUpstream,
+)
+from .replay import GENERATION_PATHS, EventSplitter, pin_seed
+from .tiers import DEFAULT_MODEL_NAMES, TierView, models_list, why_not_served
 
 log = logging.getLogger(__name__)
 
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
-MAX_FAILOVERS_PER_REQUEST = 2
 # A stream with no byte for this long is stuck (a member stopped answering without being lost
 # yet): llama-server is restarted and the stream continued. Most stalls are judged sooner,
 # against a token's expected time (pace.py); this covers prompts and a node's first request.
@@ -102,10 +120,37 @@ class Generation:
     request: dict
     output: OutputTap
     model: str  # the id of the model that answered
+    continued_at: tuple[int, ...] = ()  # the tokens delivered at each continuation after a failover
 
 
 GenerationHook = Callable[[Generation], None]
 ModelCatalog = Callable[[], Sequence[TierView]]  # every tier, the one in service first
+
+
+@dataclass(frozen=True)
+class ProxyOptions:
+    """How the API port behaves."""
+
+    access: ApiAccess = OPEN_ACCESS
+    upstream_key: str | None = field(default=None, repr=False)  # llama-server's own key
+    stall_timeout_s: float = STALL_TIMEOUT_S
+    hold_timeout_s: float = HOLD_TIMEOUT_S
+    max_failovers: int = MAX_FAILOVERS_PER_REQUEST
+    # False: a stream begun is replayed after a failover, never continued (MESH_RESUME=replay).
+    continue_streams: bool = field(default_factory=lambda: not environment.resume_by_replay())
+
+
+@dataclass(frozen=True)
+class ServingHooks:
+    """What the proxy tells the serving loop, and asks it."""
+
+    on_stall: Callable[[str], None] = lambda reason: None  # no byte for the stall timeout: restart
+    # A stream far behind the expected token time: True when a worker was found to blame
+    # (the serving loop replans without it), False to go on waiting.
+    on_slow: Callable[[Slow], bool] = lambda slow: False
+    links_rtt_s: Callable[[], float] = lambda: 0.0  # the plan's workers' round trips, summed
+    on_generation: GenerationHook | None = None  # each generation answered with 200 (receipts)
+    catalog: ModelCatalog | None = None  # the tiers: /v1/models, and requests naming a model
 
 
 @dataclass(frozen=True)
@@ -115,6 +160,19 @@ class Upstream:
     url: str
     epoch: int  # bumped on every serve/refuse, so a retry can wait for a newer one
     model: str  # the id of the model it serves
+
+
+@dataclass
+class _ClientSide:
+    """The client's side of one request: what it was sent so far, and what reads the answer on its way."""
+
+    request: web.Request
+    headers: dict[str, str]  # forwarded to llama-server
+    tap: OutputTap | None  # token ids and timings, logprobs the client did not ask for stripped
+    assembly: Assembly | None  # a plain answer made from llama-server's stream
+    started: float  # monotonic time the request arrived
+    response: web.StreamResponse | None = None  # a stream's response, once begun
+    first_text_seen: bool = False
 
 
 def _requested_model(body: bytes) -> str:
@@ -164,42 +222,33 @@ def _sse_error(message: str, code: str) -> bytes:
 class ApiProxy:
     """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
 
-    def __init__(self, metrics: Metrics, on_stall: Callable[[str], None],
-                 stall_timeout_s: float = STALL_TIMEOUT_S, access: ApiAccess = OPEN_ACCESS,
-                 upstream_key: str | None = None, on_generation: GenerationHook | None = None,
-                 catalog: ModelCatalog | None = None, on_slow: Callable[[Slow], bool] = lambda slow: False,
-                 links_rtt_s: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, metrics: Metrics, options: ProxyOptions = ProxyOptions(),
+                 hooks: ServingHooks = ServingHooks()) -> None:
         self.metrics = metrics
-        self._catalog = catalog
-        self._access = access
-        self._on_generation = on_generation
-        self._on_stall = on_stall
-        self._stall_timeout_s = stall_timeout_s
-        # A stream far behind the expected token time: True when a worker was found to blame
-        # (the serving loop replans without it), False to go on waiting.
-        self._on_slow = on_slow
-        self._links_rtt_s = links_rtt_s  # the plan's workers' round trips, summed
+        self._options = options
+        self._hooks = hooks
         self._pace = TokenPace()
         self._prompts_waiting = 0  # upstream requests that have not yet sent their first byte
-        self._continue_streams = not environment.resume_by_replay()
+        upstream_key = options.upstream_key
         self._client = httpx.AsyncClient(
             timeout=UPSTREAM_TIMEOUT,
             headers={"Authorization": f"Bearer {upstream_key}"} if upstream_key else None)
         self._runner: web.AppRunner | None = None
         self._upstream: str | None = None
         self._model = ""  # the id of the model self._upstream serves
-        self._refusal: str | None = None
+        self._why_unavailable: str | None = None  # while refusing: the reason clients are told
         # Bumped on every serve/refuse: "a new llama-server" even on the same port, so a request
         # that saw one fail waits for a later one.
         self._upstream_epoch = 0
         self._settled = asyncio.Event()  # set while serving or refusing
-        self._changed = asyncio.Condition()  # notified on every serve/refuse
+        # Set on every serve/refuse, then replaced: any number of waiters see each change.
+        self._changed = asyncio.Event()
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.token_rate = TokenRate()
-        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES, middlewares=[guard(access)])
-        self.app.on_response_prepare.append(cors(access))
+        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES, middlewares=[guard(options.access)])
+        self.app.on_response_prepare.append(cors(options.access))
         self.app.router.add_route("*", "/v1/{tail:.*}", self._forward)
         self.app.router.add_route("GET", "/health", self._forward)
         self.app.router.add_route("GET", "/metrics", self._metrics)
@@ -217,15 +266,12 @@ class ApiProxy:
     def hold(self) -> None:
         self._settled.clear()
 
-    def _set(self, upstream: str | None, refusal: str | None) -> None:
-        self._upstream, self._refusal = upstream, refusal
+    def _set(self, upstream: str | None, why_unavailable: str | None) -> None:
+        self._upstream, self._why_unavailable = upstream, why_unavailable
         self._upstream_epoch += 1
         self._settled.set()
-        asyncio.ensure_future(self._notify())
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def drain(self, timeout_s: float) -> None:
         """Hold new requests and wait up to ``timeout_s`` for those in flight to finish."""
@@ -250,21 +296,19 @@ class ApiProxy:
 
     async def _upstream_for(self, failed: int | None) -> Upstream:
         """A llama-server newer than the ``failed`` epoch; waits while holding."""
-        deadline = time.monotonic() + HOLD_TIMEOUT_S
-        async with self._changed:
-            while not self._settled.is_set() or self._upstream_epoch == failed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ServiceUnavailableError(MODEL_LOADING_MESSAGE, MODEL_LOADING_CODE)
-                try:
-                    await asyncio.wait_for(self._changed.wait(), remaining)
-                except TimeoutError:
-                    pass
+        deadline = time.monotonic() + self._options.hold_timeout_s
+        while not self._settled.is_set() or self._upstream_epoch == failed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServiceUnavailableError(MODEL_LOADING_MESSAGE, MODEL_LOADING_CODE)
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                pass
         if self._upstream is None:
-            raise ServiceUnavailableError(self._refusal or "No llama-server is running.", "insufficient_capacity")
+            raise ServiceUnavailableError(self._why_unavailable or "No llama-server is running.",
+                                          "insufficient_capacity")
         return Upstream(self._upstream, self._upstream_epoch, self._model)
-
-    # --- access: key, CORS, body size -------------------------------------------------
 
     # --- request handling -------------------------------------------------------------
 
@@ -283,27 +327,33 @@ class ApiProxy:
         if request.path == "/health" and not self._settled.is_set():
             # Health checks want an answer now, not a held request.
             return self._count(request, openai_error(503, MODEL_LOADING_MESSAGE, "unavailable", MODEL_LOADING_CODE))
-        if request.path == MODELS_PATH and request.method == "GET" and self._catalog is not None:
-            return self._count(request, web.json_response(models_list(self._catalog(), int(time.time()))))
+        if request.path == MODELS_PATH and request.method == "GET" and self._hooks.catalog is not None:
+            return self._count(request, web.json_response(models_list(self._hooks.catalog(), int(time.time()))))
+        try:
+            continue_at = parse_continue_at(request.headers.get(CONTINUE_AT_HEADER))
+        except ValueError as exc:
+            return self._count(request, openai_error(400, str(exc), "invalid_request_error", "invalid_header"))
         body = await request.read()
-        streaming = False
+        shape = Shape.WHOLE
         tapped: Tapped | None = None
         continuation: Continuation | None = None
         assembly: Assembly | None = None
         if request.method == "POST" and request.path in GENERATION_PATHS:
             # The catalog plans every tier: asked for only when a request names a model.
             requested = _requested_model(body)
-            if (self._catalog is not None and requested not in DEFAULT_MODEL_NAMES
-                    and (why := refusal_for(requested, self._catalog()))):
+            if (self._hooks.catalog is not None and requested not in DEFAULT_MODEL_NAMES
+                    and (why := why_not_served(requested, self._hooks.catalog()))):
                 return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
             body, streaming = pin_seed(body)
-            if self._on_generation is not None or self._continue_streams:
+            shape = Shape.STREAM if streaming else Shape.WHOLE
+            continues = self._options.continue_streams
+            if self._hooks.on_generation is not None or continues:
                 tapped = _tapped(body, request.path)
-            if tapped is not None and self._continue_streams and uncovered(request.path, tapped.sent) is None:
+            if tapped is not None and continues and uncovered(request.path, tapped.sent) is None:
                 if not streaming:
-                    tapped, assembly = _streamed(tapped, request.path), Assembly(request.path)
+                    tapped, assembly, shape = _streamed(tapped, request.path), Assembly(request.path), Shape.ASSEMBLED
                 continuation = Continuation(request.path, tapped.sent)
-            elif self._on_generation is None:
+            elif self._hooks.on_generation is None:
                 tapped = None  # neither receipts nor a continuation need token ids: none asked for
             if tapped is not None:
                 body = tapped.body
@@ -313,13 +363,16 @@ class ApiProxy:
             upstream = await self._upstream_for(None)
         except ServiceUnavailableError as exc:
             return self._count(request, openai_error(503, str(exc), "unavailable", exc.code))
+        recovery = RequestRecovery(request.rel_url.path_qs, body, shape, upstream.model, continuation,
+                                   continue_at, self._options.max_failovers)
+        client = _ClientSide(request, headers, tapped.tap if tapped else None, assembly, time.monotonic())
         self._in_flight += 1
         self._idle.clear()
         try:
-            response, answered_by = await self._exchange(request, upstream, headers, body, streaming,
-                                                         tapped.tap if tapped else None, continuation, assembly)
-            if self._on_generation is not None and tapped is not None and response.status == 200:
-                self._report(Generation(request.path, tapped.meant, tapped.tap, answered_by.model))
+            response, answered_by = await self._exchange(recovery, client, upstream)
+            if self._hooks.on_generation is not None and tapped is not None and response.status == 200:
+                self._report(Generation(request.path, tapped.meant, tapped.tap, answered_by.model,
+                                        tuple(recovery.continued_at)))
             return self._count(request, response)
         finally:
             self._in_flight -= 1
@@ -331,113 +384,121 @@ class ApiProxy:
         return response
 
     def _report(self, generation: Generation) -> None:
-        assert self._on_generation is not None
+        assert self._hooks.on_generation is not None
         try:
-            self._on_generation(generation)
+            self._hooks.on_generation(generation)
         except Exception:  # a receipt must never cost the client its answer
             log.exception("could not record the generation for %s", generation.path)
 
-    async def _exchange(self, request: web.Request, at: Upstream, headers: dict[str, str], body: bytes,
-                        streaming: bool, tap: OutputTap | None = None, continuation: Continuation | None = None,
-                        assembly: Assembly | None = None) -> tuple[web.StreamResponse, Upstream]:
-        """Send to llama-server; on any failure (death, stall) wait for the next one and retry,
-        continue or replay. With an ``assembly``, llama-server streams what the client gets whole.
+    async def _exchange(self, recovery: RequestRecovery, client: _ClientSide,
+                        at: Upstream) -> tuple[web.StreamResponse, Upstream]:
+        """Carry out the request's recovery (recovery.py): ask llama-server, and after a failover wait for
+        the next one, prepare a continuation, retry, replay or give up, as the machine decides.
 
         Also returns the llama-server that answered last.
         """
-        started = time.monotonic()
-        first_text_seen = False
-        response: web.StreamResponse | None = None
-        ledger = StreamLedger()
-        replay: Replay | None = None
-        target, asked = request.rel_url.path_qs, body  # what goes to llama-server: the request, or its continuation
-        continuing = False
-        failovers = 0
+        decision: Decision = recovery.start()
+        planned_cut = False  # the next continuation reproduces a receipt's, it is no failover
         while True:
-            try:
-                upstream = await self._client.send(self._client.build_request(
-                    request.method, at.url + target, headers=headers, content=asked), stream=True)
+            if isinstance(decision, GiveUp):
+                return await self._give_up(client.response, decision), at
+            if isinstance(decision, WaitForUpstream):
                 try:
-                    if continuing and upstream.status_code != 200:
-                        log.warning("llama-server refused a continuation (%d: %s); replaying instead",
-                                    upstream.status_code, (await upstream.aread())[:200])
-                        target, asked, continuing, replay = request.rel_url.path_qs, body, False, self._replay(ledger)
-                        continue
-                    if (assembly is None and not streaming) or (assembly is not None and upstream.status_code != 200):
-                        # Read it all before answering: a failure then can still be retried whole.
-                        content = await self._read_whole(upstream)
-                        self._observe_timings(content)
-                        if tap is not None and upstream.status_code == 200:
-                            content = tap.content(content)
-                        return web.Response(status=upstream.status_code, body=content,
-                                            headers=self._headers(upstream)), at
-                    if response is None and assembly is None:
-                        response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
-                        await response.prepare(request)
-                    splitter = EventSplitter()
-                    async for chunk in self._unless_stalled(upstream.aiter_raw(), request.path):
-                        for event in self._reshaped(splitter.feed(chunk), continuation if continuing else None):
-                            out = event if replay is None else replay.filter(event)
-                            if out is None:
-                                continue
-                            if replay is None:
-                                ledger.record(event)
-                                if continuation is not None:
-                                    continuation.record(event)
-                            if not first_text_seen and ledger.delivered and response is not None:
-                                first_text_seen = True
-                                self.metrics.first_token.observe(time.monotonic() - started)
-                            self._observe_timings(out)
-                            if assembly is not None:
-                                assembly.add(tap.event(out) if tap is not None else out)
-                            else:
-                                assert response is not None
-                                await response.write(tap.event(out) if tap is not None else out)
-                            self.token_rate.streamed(out, time.monotonic())
-                    if assembly is not None:
-                        return self._assembled(assembly), at
-                    assert response is not None
-                    await response.write_eof()
-                    return response, at
-                finally:
-                    await upstream.aclose()
-            except httpx.TransportError as exc:
-                failovers += 1
-                if failovers > MAX_FAILOVERS_PER_REQUEST:
-                    return await self._give_up(response, f"llama-server failed again ({exc!r})"), at
-                log.warning("llama-server failed under %s (%r); waiting for the next one", request.path, exc)
-                self.metrics.retries.inc()
-                try:
-                    next_at = await self._wait_elsewhere(at.epoch)
+                    at = await self._wait_elsewhere(at.epoch)
                 except ServiceUnavailableError as unavailable:
-                    return await self._give_up(response, str(unavailable), unavailable.code), at
-                if assembly is not None and ledger.delivered and next_at.model != at.model:
-                    # Nothing reached the client: the new model answers it whole, as any plain request.
-                    ledger, assembly = StreamLedger(), Assembly(request.path)
-                    continuation = Continuation(request.path, continuation.sent) if continuation else None
-                    if tap is not None:
-                        tap.forget()
-                    target, asked, continuing, replay = request.rel_url.path_qs, body, False, None
-                elif ledger.delivered and next_at.model != at.model:
-                    return await self._give_up(response, (
-                        f"The mesh lost capacity and now serves {next_at.model!r} instead of {at.model!r}; "
-                        "a stream cannot continue on another model. Send the request again."),
-                        "model_switched"), at
-                at = next_at
-                if response is not None or ledger.delivered:
-                    # Once replayed, the continuation's record of token ids stops: replay again.
-                    if (replay is None and continuation is not None
-                            and (resumed := await self._continuation(continuation, at))):
-                        target, asked, continuing = CONTINUE_PATH, resumed, True
-                        self.metrics.resumed.labels("continued").inc()
-                    else:
-                        target, asked, continuing, replay = request.rel_url.path_qs, body, False, self._replay(ledger)
-            except MeshError as exc:  # ReplayMismatchError, an oversized event
-                return await self._give_up(response, str(exc)), at
-            except ConnectionResetError:
-                # The client went away (often right after [DONE]): nothing left to deliver.
-                assert response is not None
-                return response, at
+                    decision = recovery.handle(Unavailable(str(unavailable), unavailable.code))
+                else:
+                    decision = recovery.handle(UpstreamReady(at.model))
+                continue
+            if isinstance(decision, Prepare):
+                decision = recovery.handle(await self._prepare(decision, at))
+                continue
+            self._note(decision, client, counted=not planned_cut)
+            outcome = await self._ask(decision, recovery, client, at)
+            if isinstance(outcome, web.StreamResponse):
+                return outcome, at
+            planned_cut = isinstance(outcome, Cut)
+            decision = recovery.handle(outcome)
+
+    def _note(self, ask: Ask, client: _ClientSide, counted: bool) -> None:
+        """What a step means for the client's side: metrics, logs, the token ids and assembly kept."""
+        path = client.request.path
+        if ask.step is Step.CONTINUED:
+            log.info("continuing a stream from %d delivered tokens", ask.resume_tokens)
+            if client.tap is not None:
+                client.tap.keep(ask.resume_tokens)  # the rest, held back, is generated again
+            if counted:
+                self.metrics.resumed.labels("continued").inc()
+        elif ask.step is Step.REPLAYED:
+            log.info("replaying a stream: %s", ask.why)
+            self.metrics.resumed.labels("replayed").inc()
+        elif ask.step is Step.SWITCHED:
+            client.assembly = Assembly(path)
+            if client.tap is not None:
+                client.tap.forget()
+
+    async def _ask(self, ask: Ask, recovery: RequestRecovery, client: _ClientSide,
+                   at: Upstream) -> web.StreamResponse | Failed | Refused | Cut | Broken:
+        """Send one ask and relay its answer: the client's response once done, or what went wrong."""
+        request = client.request
+        try:
+            upstream = await self._client.send(self._client.build_request(
+                request.method, at.url + ask.target, headers=client.headers, content=ask.body), stream=True)
+            try:
+                if ask.step is Step.CONTINUED and upstream.status_code != 200:
+                    detail = (await upstream.aread())[:200].decode(errors="replace")
+                    log.warning("llama-server refused a continuation (%d: %s)", upstream.status_code, detail)
+                    return Refused(upstream.status_code, detail)
+                if recovery.shape is Shape.WHOLE or (upstream.status_code != 200 and client.assembly is not None):
+                    # Read it all before answering: a failure then can still be retried whole.
+                    content = await self._read_whole(upstream)
+                    self._observe_timings(content)
+                    if client.tap is not None and upstream.status_code == 200:
+                        content = client.tap.content(content)
+                    return web.Response(status=upstream.status_code, body=content, headers=self._headers(upstream))
+                if client.response is None and client.assembly is None:
+                    client.response = web.StreamResponse(status=upstream.status_code, headers=self._headers(upstream))
+                    await client.response.prepare(request)
+                    recovery.began()
+                splitter = EventSplitter()
+                async for chunk in self._unless_stalled(upstream.aiter_raw(), request.path):
+                    for event in splitter.feed(chunk):
+                        for out in recovery.relay(event):
+                            await self._deliver(out, recovery, client)
+                        if recovery.cut_due():
+                            return Cut()
+                if client.assembly is not None:
+                    return self._assembled(client.assembly)
+                assert client.response is not None
+                await client.response.write_eof()
+                return client.response
+            finally:
+                await upstream.aclose()
+        except httpx.TransportError as exc:
+            log.warning("llama-server failed under %s (%r); waiting for the next one", request.path, exc)
+            self.metrics.retries.inc()
+            return Failed(repr(exc))
+        except MeshError as exc:  # ReplayMismatchError, an oversized event
+            return Broken(str(exc))
+        except ConnectionResetError:
+            # The client went away (often right after [DONE]): nothing left to deliver.
+            if client.response is None:
+                raise
+            return client.response
+
+    async def _deliver(self, event: bytes, recovery: RequestRecovery, client: _ClientSide) -> None:
+        """One event to the client (or to the assembly of its plain answer)."""
+        if not client.first_text_seen and recovery.delivered and client.response is not None:
+            client.first_text_seen = True
+            self.metrics.first_token.observe(time.monotonic() - client.started)
+        self._observe_timings(event)
+        data = client.tap.event(event) if client.tap is not None else event
+        if client.assembly is not None:
+            client.assembly.add(data)
+        else:
+            assert client.response is not None
+            await client.response.write(data)
+        self.token_rate.streamed(event, time.monotonic())
 
     async def _read_whole(self, upstream: httpx.Response) -> bytes:
         # Its prompt and tokens pass unseen: while it runs, other streams' pauses may be its prompt.
@@ -453,39 +514,20 @@ class ApiProxy:
             return web.json_response(assembly.error, status=500)
         return web.json_response(assembly.response())
 
-    def _replay(self, ledger: StreamLedger) -> Replay:
-        self.metrics.resumed.labels("replayed").inc()
-        return Replay(ledger)
-
-    @staticmethod
-    def _reshaped(events: list[bytes], continuation: Continuation | None) -> list[bytes]:
-        """A continuation's events in the client's endpoint's format; others as they are."""
-        return events if continuation is None else [out for event in events for out in continuation.reshape(event)]
-
-    async def _continuation(self, continuation: Continuation, at: Upstream) -> bytes | None:
-        """The body that asks ``at`` to go on from the tokens delivered (None: replay instead)."""
-        if not continuation.resumable():
-            log.info("replaying a stream: %s", continuation.why_not or "no token to continue from")
-            return None
+    async def _prepare(self, prepare: Prepare, at: Upstream) -> Prepared | PrepareFailed:
+        """Ask ``at`` to render the chat prompt and spell the resume ids, for a continuation."""
         try:
             prompt = None
-            if (template := continuation.template_request()) is not None:
-                rendered = await self._client.post(at.url + TEMPLATE_PATH, json=template)
+            if prepare.template is not None:
+                rendered = await self._client.post(at.url + TEMPLATE_PATH, json=prepare.template)
                 rendered.raise_for_status()
                 answer = rendered.json()
                 prompt = answer.get("prompt") if isinstance(answer, dict) else None
-                if not isinstance(prompt, str):
-                    raise ValueError(f"{TEMPLATE_PATH} answered without a prompt")
-            spelled = await self._client.post(at.url + DETOKENIZE_PATH, json=continuation.detokenize_request())
+            spelled = await self._client.post(at.url + DETOKENIZE_PATH, json=prepare.detokenize)
             spelled.raise_for_status()
-            if not continuation.spells_delivered(spelled.json()):
-                log.info("replaying a stream: its token ids do not spell the text delivered")
-                return None
+            return Prepared(prompt, spelled.json())
         except (httpx.HTTPError, ValueError) as exc:
-            log.warning("replaying a stream: cannot prepare its continuation (%r)", exc)
-            return None
-        log.info("continuing a stream from %d delivered tokens", len(continuation.resume_ids))
-        return json.dumps(continuation.request(prompt)).encode()
+            return PrepareFailed(repr(exc))
 
     async def _unless_stalled(self, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
         """The chunks, until the stream falls far behind a token's expected time and a worker is found
@@ -516,13 +558,13 @@ class ApiProxy:
                     if now < judge_at:  # judged at most every PACE_CHECK_S: tokens come far faster
                         continue
                 judge_at = now + PACE_CHECK_S
-                expected_s = self._pace.expected_s(self._links_rtt_s())
+                expected_s = self._pace.expected_s(self._hooks.links_rtt_s())
                 if (slow := pace.judge(now, expected_s, self._prompts_waiting > 0)) is not None:
-                    if self._on_slow(slow):
+                    if self._hooks.on_slow(slow):
                         raise httpx.ReadTimeout(f"a worker held the stream up ({slow.describe()})")
                     pace.excuse(now)
-                elif now - pace.last_progress(began) >= self._stall_timeout_s:
-                    self._on_stall(f"No progress on a {path} stream for {self._stall_timeout_s:.0f} s")
+                elif now - pace.last_progress(began) >= self._options.stall_timeout_s:
+                    self._hooks.on_stall(f"No progress on a {path} stream for {self._options.stall_timeout_s:.0f} s")
                     raise httpx.ReadTimeout("llama-server stalled")
         finally:
             if waiting:
@@ -548,12 +590,12 @@ class ApiProxy:
         # Its CORS headers are dropped later, in _cors, with any others.
         return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
 
-    async def _give_up(self, response: web.StreamResponse | None, message: str,
-                       code: str = "upstream_failed") -> web.StreamResponse:
+    @staticmethod
+    async def _give_up(response: web.StreamResponse | None, give_up: GiveUp) -> web.StreamResponse:
         """An OpenAI-style error, or an error event ending a stream that had begun."""
         if response is None:
-            return openai_error(503 if code != "upstream_failed" else 502, message, "server_error", code)
-        await response.write(_sse_error(message, code))
+            return openai_error(give_up.status, give_up.message, "server_error", give_up.code)
+        await response.write(_sse_error(give_up.message, give_up.code))
         await response.write_eof()
         return response
 

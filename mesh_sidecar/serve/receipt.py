@@ -14,6 +14,15 @@ and its output hash compared.
 Token ids come from the response's ``logprobs`` (llama-server gives each
 token's id there); the proxy asks for them when receipts are on and strips them
 from what the client sees unless the client asked.
+
+An answer continued after a failover (recovery.py) says where: ``continued_at``,
+the tokens delivered at each continuation. The text after that point is the
+continuation's, which need not be an undisturbed run's (llama.cpp's arithmetic
+differs for tokens read as one batch), so a replay asks the proxy to continue at
+the same points (the CONTINUE_AT_HEADER), and an honest node's output is
+reproduced exactly.
+
+Pure: the replay's request is made here and sent by the CLI.
 """
 
 from __future__ import annotations
@@ -21,15 +30,40 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from typing import Any
-
-import httpx
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import PurePath
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AuthError, ReceiptError
 from ..identity import NodeIdentity, verify_signature
+from ..mesh.status import rtt_ms
+from .tiers import model_id
+
+if TYPE_CHECKING:
+    from ..mesh.status import PeerView
+    from .planner import Plan
 
 RECEIPT_VERSION = 1
 SIGNATURE_DOMAIN = b"mesh-inference/1 receipt|"
+# The proxy continues the answer at these token counts, as after a failover (comma-separated);
+# it stops at the proxy. Only a replay of a receipt sends it.
+CONTINUE_AT_HEADER = "Mesh-Continue-At"
+MAX_CONTINUE_POINTS = 16
+
+
+def parse_continue_at(value: str | None) -> tuple[int, ...]:
+    """The token counts of a CONTINUE_AT_HEADER (none for no header); ValueError saying what is wrong."""
+    if value is None or not value.strip():
+        return ()
+    try:
+        points = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(f"{CONTINUE_AT_HEADER} must be token counts separated by commas, not {value[:40]!r}") from None
+    if len(points) > MAX_CONTINUE_POINTS or any(point <= 0 for point in points):
+        raise ValueError(f"{CONTINUE_AT_HEADER} takes at most {MAX_CONTINUE_POINTS} positive token counts")
+    return points
 
 
 def canonical(body: dict[str, Any]) -> bytes:
@@ -109,6 +143,10 @@ class OutputTap:
         """Drop what was seen: the request is being asked again from the start."""
         self.token_ids, self.timings, self.response_id = [], {}, None
 
+    def keep(self, n_tokens: int) -> None:
+        """Keep only the first ``n_tokens`` ids: the answer is continued from there."""
+        del self.token_ids[n_tokens:]
+
     def content(self, data: bytes) -> bytes:
         response = self._take(data)
         if response is None or not self._strip:
@@ -139,23 +177,70 @@ class OutputTap:
         return response
 
 
-REPLAY_TIMEOUT_S = 300.0
+@dataclass(frozen=True)
+class ReplayRequest:
+    """A receipt's request as a replay sends it to a serving node's API."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
 
 
-def replay(body: dict[str, Any], node_status: dict[str, Any], api_key: str | None) -> str:
-    """Send the receipt's request again to the node's API; the sha256 of the output token ids."""
-    serving = node_status.get("serving")
-    if not serving:
-        raise ReceiptError("The node in --home does not serve the API: replay against a serving node.")
+def replay_request(body: dict[str, Any], api_key: str | None) -> ReplayRequest:
+    """The receipt's request again, unstreamed, asking for token ids, continued where the answer was."""
     request = dict(body["request"]["body"])
     request["stream"] = False
     ask_for_token_ids(request, body["request"]["path"])
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    url = f"http://127.0.0.1:{serving['api']['port']}{body['request']['path']}"
-    try:
-        response = httpx.post(url, json=request, headers=headers, timeout=REPLAY_TIMEOUT_S)
-        response.raise_for_status()
-        answer = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        raise ReceiptError(f"The replay request to {url} failed: {exc}") from exc
+    if continued_at := body.get("continued_at"):
+        headers[CONTINUE_AT_HEADER] = ",".join(str(point) for point in continued_at)
+    return ReplayRequest(body["request"]["path"], request, headers)
+
+
+def replayed_digest(answer: Any) -> str:
+    """The output digest of a replay's answer (ReceiptError when it is not one)."""
+    if not isinstance(answer, dict):
+        raise ReceiptError("The replay's answer is not a JSON object.")
     return output_digest([i for choice in answer.get("choices") or [] for i in token_ids(choice)])
+
+
+def signed_receipt(identity: NodeIdentity, node_name: str, *, path: str, request: dict[str, Any],
+                   output: OutputTap, answered_by: str, tiers: Sequence[tuple[PurePath, str]], in_service: PurePath,
+                   plan: Plan, draft: tuple[PurePath, str | None] | None, speculation: dict[str, Any] | None,
+                   peer_views: Sequence[PeerView], now: float, continued_at: Sequence[int] = ()) -> tuple[str, str]:
+    """One finished generation request's receipt (``--receipt DIR``), signed: its file name and its JSON text.
+
+    ``answered_by``: the id of the model that answered, one of ``tiers`` ((path, sha256) of every --model;
+    ``in_service`` when none has that id); ``draft``: the draft model's (path, sha256); ``peer_views``: the mesh's,
+    for the round trips to the plan's other members; ``now``: seconds since the epoch; ``continued_at``: the
+    tokens delivered at each continuation after a failover (recovery.py), where a replay continues too.
+    """
+    timings = output.timings
+    plan_ids = {n.node_id for n in plan.nodes}
+    drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
+    model, sha256 = next(((model, sha256) for model, sha256 in tiers if model_id(model.name) == answered_by),
+                         next((model, sha256) for model, sha256 in tiers if model == in_service))
+    created = datetime.fromtimestamp(now, UTC)
+    body: dict[str, Any] = {
+        "id": output.response_id,
+        "created": created.isoformat(timespec="milliseconds"),
+        "request": {"path": path, "body": request},
+        "served_by": {"id": identity.node_id.hex(), "name": node_name},
+        "plan": [{"id": n.node_id.hex(), "name": n.name, "layers": [n.start, n.end]} for n in plan.nodes],
+        "model": {"name": model.name, "id": model_id(model.name), "sha256": sha256},
+        "draft": {"name": draft[0].name, "sha256": draft[1]} if draft is not None else None,
+        "speculation": speculation,
+        # Heartbeat round trips to the plan's other members, as measured while this ran.
+        "edges_rtt_ms": {view.name: {"last": rtt_ms(view.rtt_last_s), "p50": rtt_ms(view.rtt_p50_s),
+                                     "p95": rtt_ms(view.rtt_p95_s)}
+                         for view in peer_views if view.node_id in plan_ids},
+        "tokens": {"prompt": timings.get("prompt_n"), "completion": timings.get("predicted_n")},
+        "tok_s": {"prompt": timings.get("prompt_per_second"), "decode": timings.get("predicted_per_second")},
+        "draft_acceptance": ({"drafted": drafted, "accepted": accepted, "rate": accepted / drafted}
+                             if drafted else None),
+        "output": {"token_ids_sha256": output_digest(output.token_ids), "n_tokens": len(output.token_ids)},
+    }
+    if continued_at:  # only then: the receipts of undisturbed answers keep their shape
+        body["continued_at"] = list(continued_at)
+    name = f"{created.strftime('%Y%m%d-%H%M%S')}-{output.response_id or 'request'}.json"
+    return name, json.dumps(sign(body, identity), indent=2)

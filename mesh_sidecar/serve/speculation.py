@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelError
-from ..wire.gguf_header import read_header
 from ..home import cache_root
+from ..llama.gguf_file import read_header
 
 AUTO = "auto"
 TOKENS_KEY = "tokenizer.ggml.tokens"

@@ -15,6 +15,10 @@ The serving node's loop::
                           | a bigger tier has fitted long enough
         drain (bounded; none when a member of the plan is unreachable), stop llama-server
 
+The decisions (which tier and plan, whether to replan, whom to blame for a slow
+stream) are replan.py's, pure over a snapshot; this module reads the live mesh
+and the loop clock into that snapshot and does what the decisions say.
+
 llama.cpp aborts on any RPC transport error and an idle llama-server only
 notices at its next request, so a lost member of the plan is a reason to
 restart at once. The API port never closes: requests wait while llama-server
@@ -26,40 +30,49 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import time
-from datetime import datetime, timezone
 import functools
 import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import dashboard
-from ..llama.capacity import Capacity
+from ..environment import output_check
 from ..errors import PlanError, PortInUseError, ProcessError
 from ..home import write_private_file
-from ..llama.estimate import ModelEstimate, estimate_model
 from ..identity import NodeIdentity, short_id
-from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
 from ..llama.build import LlamaBinaries
-from ..mesh.refusal import SLOW_REFUSAL_S, Refusal, refusal
+from ..llama.capacity import Capacity
+from ..llama.estimate import ModelEstimate, estimate_model
+from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
+from ..llama.model import model_sha256
+from ..mesh.exclusion import SLOW_EXCLUSION_S, Exclusion, exclusion_of
 from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
-from .metrics import Metrics
-from .output_guard import OutputGuard
-from .pace import SLOW_BLAME_SHARE, Slow
-from ..environment import output_check
-from ..wire.rpc_outputs import OutputRejected
-from .planner import NodeCapacity, Plan, TierAssessment, assess_tiers, choose_tier, tier_needs_bytes
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
+from ..wire.rpc_outputs import OutputRejected
+from . import dashboard, receipt
 from .access import OPEN_ACCESS, ApiAccess
-from .proxy import ApiProxy, Generation
-from . import receipt
-from ..llama.model import model_sha256
+from .metrics import Metrics
+from .output_guard import OutputGuard
+from .pace import Slow
+from .planner import NodeCapacity, Plan, assess_tiers
+from .proxy import ApiProxy, Generation, ProxyOptions, ServingHooks
+from .replan import (
+    Blame,
+    Replan,
+    ServingSnapshot,
+    StepUp,
+    Tier,
+    blame_slow,
+    choose_plan,
+    plan_largest,
+    replan_reason,
+    tier_index,
+)
 from .speculation import Speculation, choose
 from .tiers import StepUpGate, StepUpRules, TierView, model_id, tier_views
 
@@ -89,17 +102,50 @@ class PlanAnnouncement:
     """Said to the user when llama-server starts on a new plan; the CLI draws it as a table."""
 
     plan_json: dict[str, Any]  # Plan.to_json()
-    title: str
 
     def __str__(self) -> str:
         """One line, for the recent events (`status --json`, the dashboard) and logs."""
         nodes = ", ".join(f"{n['name']} [{n['layers'][0]}, {n['layers'][1]})" for n in self.plan_json["nodes"])
-        return f"{self.title}: {self.plan_json['n_layers']} layers over {nodes}"
+        title = f"Plan for {self.plan_json['model']}" if self.plan_json.get("model") else "Plan"
+        return f"{title}: {self.plan_json['n_layers']} layers over {nodes}"
 
 
-def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
-                     without: bytes | None = None) -> tuple[list[NodeCapacity], tuple[tuple[NodeCapacity, Refusal], ...]]:
-    """The members to plan over (less ``without``), and those refused with the reason.
+@dataclass(frozen=True)
+class ServeOptions:
+    """What the user asked of the serving node: ``--serve`` and the options that go with it."""
+
+    port: int  # --serve: the API port
+    models: tuple[tuple[Path, str], ...]  # (path, sha256) of every --model, in the order given: the tiers
+    ctx_size: int
+    min_peers: int = 0  # wait for this many peers before loading the model
+    step_up: StepUpRules = StepUpRules()  # with several tiers: when a bigger one may replace the one in service
+    access: ApiAccess = OPEN_ACCESS
+    draft_model: Path | None = None  # a draft model (same tokenizer) for speculative decoding on this node's CPU
+    receipts: Path | None = None  # write a signed run receipt per generation request here
+    speculate: bool = True  # let the node choose speculative decoding (False: never)
+
+
+@dataclass(frozen=True)
+class ServingHost:
+    """What the serving loop uses of the node it runs in."""
+
+    identity: NodeIdentity
+    name: str
+    mesh: Mesh
+    binaries: LlamaBinaries
+    rpc_port: int  # this node's own rpc-server, on loopback
+    logs: Path  # the node's log directory; llama-server's key goes beside it, in the node's home
+    metrics: Metrics
+    own_capacity: Callable[[], Capacity]  # what this node offers now
+    say: Callable[[Any], None]  # a line (or a PlanAnnouncement) for the user
+    node_status: Callable[[], dict[str, Any]]  # the node's status_snapshot(), for the dashboard
+    # A fresh reporter per llama-server start, told its load stages; None: loads are silent.
+    load_progress: Callable[[], ProgressCallback] | None = None
+
+
+def planning_members(mesh: Mesh, identity: NodeIdentity, name: str,
+                     own: Capacity) -> tuple[list[NodeCapacity], tuple[tuple[NodeCapacity, Exclusion], ...]]:
+    """The members to plan over, and those refused with the reason.
 
     Peers come first (by id) and this node last: llama.cpp puts the output
     layer on the last device, so the logits (vocabulary x 4 bytes a token)
@@ -107,13 +153,11 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
     """
     members, refused = [], []
     for info in mesh.connected_members():
-        if info.node_id == without:
-            continue
         # Less what the member's rpc-server holds for other serving nodes (they run their own models).
         member = NodeCapacity(info.node_id, info.name,
                               Capacity.from_gossip(dict(info.capacity)).usable_for(identity.node_id))
         # As if this node served, so `plan` on any node shows what serving there would leave out.
-        if (why := refusal(info, mesh.self_info)) is not None:
+        if (why := exclusion_of(info, mesh.self_info)) is not None:
             refused.append((member, why))
         else:
             members.append(member)
@@ -122,172 +166,103 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
     return members, tuple(refused)
 
 
-def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity,
-                   tiers: Sequence[tuple[Path, ModelEstimate]], at_most_bytes: int | None = None,
-                   without: bytes | None = None) -> tuple[int, Plan]:
-    """The index of the largest tier the members connected now (less ``without``) can hold, and its plan.
-
-    PlanError if they cannot hold any of ``tiers``. ``at_most_bytes``: see ``choose_tier``.
-    """
-    members, refused = planning_members(mesh, identity, name, own, without)
-    index, plan = choose_tier([(path.name, estimate) for path, estimate in tiers], members,
-                              at_most_bytes=at_most_bytes)
-    return index, dataclasses.replace(plan, refused=refused)
+def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier]) -> Plan:
+    """The plan of the largest of ``tiers`` the members connected now can hold; PlanError if none."""
+    members, refused = planning_members(mesh, identity, name, own)
+    return plan_largest(tiers, members, refused)[1]
 
 
 class ServingSupervisor:
     """Owns llama-server and the API port of a serving node."""
 
-    def __init__(
-        self,
-        *,
-        identity: NodeIdentity,
-        name: str,
-        mesh: Mesh,
-        binaries: LlamaBinaries,
-        models: Sequence[tuple[Path, str]],
-        ctx_size: int,
-        serve_port: int,
-        min_peers: int,
-        rpc_port: int,
-        own_capacity: Callable[[], Capacity],
-        logs: Path,
-        metrics: Metrics,
-        say: Callable[[Any], None],
-        node_status: Callable[[], dict[str, Any]],
-        access: ApiAccess = OPEN_ACCESS,
-        draft_model: Path | None = None,
-        receipts: Path | None = None,
-        speculate: bool = True,
-        load_progress: Callable[[], ProgressCallback] | None = None,
-        step_up: StepUpRules = StepUpRules(),
-    ) -> None:
-        self._identity = identity
-        # A fresh reporter per llama-server start, told its load stages; None: loads are silent.
-        self._load_progress = load_progress
-        self._name = name
-        self._mesh = mesh
-        self._binaries = binaries
-        # The tier list: (path, sha256) of every --model, in the order given.
-        self._models = tuple(models)
-        self.model = self._models[0][0]  # the tier in service (or last planned)
+    def __init__(self, options: ServeOptions, host: ServingHost) -> None:
+        self._options = options
+        self._host = host
+        self._identity = host.identity
+        self._mesh = host.mesh
+        self._metrics = host.metrics
+        self._say = host.say
+        self.model = options.models[0][0]  # the tier in service (or last planned)
         self._in_service: Path | None = None  # the tier llama-server was last started on
-        self._step_up = StepUpGate(step_up)
+        self._step_up = StepUpGate(options.step_up)
         self._recheck_at: float | None = None  # loop time to look again at a step up that must wait
         self.step_up_pending: tuple[str, float] | None = None  # (file name, loop time it may happen)
-        self._ctx_size = ctx_size
-        self._serve_port = serve_port
-        self._min_peers = min_peers
-        self._rpc_port = rpc_port
-        self._own_capacity = own_capacity
-        self._logs = logs
-        self._say = say
-        self._metrics = metrics
-        self._access = access
-        self._draft_model = draft_model
-        self._speculate = speculate
         self._draft_sha256: str | None = None
-        self._receipts = receipts
         self.speculation: Speculation | None = None
-        # llama-server's own key, known only to our proxy (see llama_server_argv).
-        upstream_key = secrets.token_hex(UPSTREAM_KEY_BYTES)
-        self._upstream_key_file = logs.parent / UPSTREAM_KEY_FILE
-        write_private_file(self._upstream_key_file, upstream_key + "\n")
-        self._proxy = ApiProxy(metrics, self.request_restart, access=access, upstream_key=upstream_key,
-                               on_generation=self._write_receipt if receipts is not None else None,
-                               catalog=self.tier_views, on_slow=self._on_slow, links_rtt_s=self._links_rtt_s)
-        dashboard.add_routes(self._proxy.app, node_status, mesh.peer_views)
+        # llama-server's own key, known only to our proxy (see llama_server_argv); its file is written in run().
+        self._upstream_key = secrets.token_hex(UPSTREAM_KEY_BYTES)
+        self._upstream_key_file = host.logs.parent / UPSTREAM_KEY_FILE
+        # Its hooks are this loop's own methods; it opens its port in run().
+        self._proxy = ApiProxy(self._metrics, ProxyOptions(access=options.access, upstream_key=self._upstream_key),
+                               ServingHooks(on_stall=self.request_restart, on_slow=self._on_slow,
+                                            links_rtt_s=self._links_rtt_s, catalog=self.tier_views,
+                                            on_generation=None if options.receipts is None else self._write_receipt))
         self._restart_reason: str | None = None
         self._slow_kept: set[bytes] = set()  # slow workers kept because the model needs them (said once)
         self._wakeup = asyncio.Event()
-        if output_check():
-            mesh.check_outputs(OutputGuard().judge, self._on_corrupt_output)
         self.llama_server: ChildProcess | None = None
         self.llama_port: int | None = None
         self.plan: Plan | None = None
-        self.refusal: str | None = None
+        self.outage: str | None = None  # why the API answers 503 now (no tier fits, llama-server did not start)
         self.restarts = 0
         self._start_failures = 0  # in a row; reset by a start that reaches the API
 
-    # --- planning ------------------------------------------------------------------
+    # --- reading the mesh for the decisions (replan.py) ------------------------------
 
-    def compute_plan(self, at_most_bytes: int | None = None, without: bytes | None = None) -> tuple[int, Plan]:
-        """The index in the tier list of the model to serve now, and its plan; ``at_most_bytes``: see choose_tier;
-        ``without``: a member left out of this plan."""
-        return plan_over_mesh(self._mesh, self._identity, self._name, self._own_for_planning(),
-                              self._tier_estimates(), at_most_bytes, without)
+    def _snapshot(self) -> ServingSnapshot:
+        """The connected members, the tiers and the plan in service, at the loop's time now."""
+        members, refused = planning_members(self._mesh, self._identity, self._host.name, self._own_for_planning())
+        tiers = tuple(Tier(path, cached_estimate(path, self._options.ctx_size)) for path, _ in self._options.models)
+        return ServingSnapshot(asyncio.get_running_loop().time(), tuple(members), refused, tiers,
+                               tier_index(tiers, self._in_service), self.plan)
 
     def _own_for_planning(self) -> Capacity:
-        own = self._own_capacity()
-        if self._draft_model is not None:
+        own = self._host.own_capacity()
+        if self._options.draft_model is not None:
             # The draft runs on this node's CPU, beside its share of the big model.
-            draft = cached_estimate(self._draft_model, self._ctx_size)
+            draft = cached_estimate(self._options.draft_model, self._options.ctx_size)
             own = dataclasses.replace(own, usable_bytes=max(0, own.usable_bytes - draft.total_bytes))
         return own
 
-    def _tier_estimates(self) -> list[tuple[Path, ModelEstimate]]:
-        return [(path, cached_estimate(path, self._ctx_size)) for path, _ in self._models]
-
-    def _needs_bytes(self, model: Path) -> int:
-        return tier_needs_bytes(cached_estimate(model, self._ctx_size))
-
-    def assess_tiers(self) -> TierAssessment:
-        """Every tier against the members connected now."""
-        members, _ = planning_members(self._mesh, self._identity, self._name, self._own_for_planning())
-        return assess_tiers([(path.name, estimate) for path, estimate in self._tier_estimates()], members)
-
     def tier_views(self) -> list[TierView]:
         """The tiers as clients see them (``/v1/models``), the one in service first."""
-        serving = self.llama_server is not None and self.refusal is None and self._in_service is not None
-        return tier_views(self.assess_tiers().fits, self._in_service.name if serving else None)
+        snapshot = self._snapshot()
+        assessed = assess_tiers([(tier.path.name, tier.estimate) for tier in snapshot.tiers], snapshot.members)
+        serving = self._in_service if self.llama_server is not None and self.outage is None else None
+        return tier_views(assessed.fits, serving.name if serving is not None else None)
 
-    def _step_up_allowed(self, tier: int) -> bool:
-        """Whether ``tier`` may replace the tier in service now (always, unless it is a bigger one)."""
-        if self._in_service is None or self._needs_bytes(self._models[tier][0]) <= self._needs_bytes(self._in_service):
-            self._step_up.bigger_gone()
-            self.step_up_pending = None
-            return True
-        now = asyncio.get_running_loop().time()
-        wait_s = self._step_up.bigger_fits(now)
-        if wait_s > 0:
-            self._recheck_at = now + wait_s
-            self.step_up_pending = (self._models[tier][0].name, now + wait_s)
-            return False
-        self.step_up_pending = None
-        return True
+    def _keep_step_up(self, look: StepUp) -> None:
+        """Keep the gate as a look at it left it; status says when a step up that must wait may happen."""
+        self._step_up = look.gate
+        self._recheck_at = look.ready_at
+        self.step_up_pending = None if look.waiting is None or look.ready_at is None else (look.waiting, look.ready_at)
 
     def _choose_speculation(self, plan: Plan) -> Speculation:
         remote = {n.node_id for n in plan.nodes if n.node_id != self._identity.node_id}
         known = [view.rtt_typical_s for view in self._mesh.peer_views()
                  if view.node_id in remote and view.rtt_typical_s is not None]
-        return choose(self._draft_model, rtt_ms(max(known)) if known else None, len(remote),
-                      allowed=self._speculate)
+        return choose(self._options.draft_model, rtt_ms(max(known)) if known else None, len(remote),
+                      allowed=self._options.speculate)
 
     def _endpoint(self, node_id: bytes) -> str:
         if node_id == self._identity.node_id:
-            return f"{LOOPBACK}:{self._rpc_port}"
+            return f"{LOOPBACK}:{self._host.rpc_port}"
         return self._mesh.tunnel_endpoint(node_id)
 
     # --- lifecycle -----------------------------------------------------------------
 
     async def run(self) -> None:
-        try:
-            await self._proxy.start(self._serve_port)
-        except OSError as exc:
-            raise PortInUseError(
-                f"Cannot listen on port {self._serve_port} ({exc.strerror}). "
-                "Stop the program holding it or choose another with --serve PORT."
-            ) from exc
-        for path, _ in self._models:
-            await estimate_off_loop(path, self._ctx_size)
-        if self._draft_model is not None:
-            self._draft_sha256 = await asyncio.to_thread(model_sha256, self._draft_model, lambda *_: None)
+        await self._open()
+        for path, _ in self._options.models:
+            await estimate_off_loop(path, self._options.ctx_size)
+        if self._options.draft_model is not None:
+            self._draft_sha256 = await asyncio.to_thread(model_sha256, self._options.draft_model, lambda *_: None)
         await self._wait_for_peers()
         while True:
             await self._apply_plan()
-            reason, failover = await self._trouble()
-            self._say(f"{reason}; replanning...")
-            if failover:
+            replan = await self._trouble()
+            self._say(f"{replan.reason}; replanning...")
+            if replan.failover:
                 self._metrics.failovers.inc()
             await self._proxy.drain(0.0 if self._plan_unreachable() else DRAIN_TIMEOUT_S)
             if self.llama_server is not None:
@@ -296,6 +271,19 @@ class ServingSupervisor:
                 self.restarts += 1
                 self._metrics.restarts.inc()
                 await asyncio.sleep(RESTART_DELAY_S)
+
+    async def _open(self) -> None:
+        """Before the first plan: llama-server's key file, the dashboard, the output check, the API port (holding)."""
+        write_private_file(self._upstream_key_file, self._upstream_key + "\n")
+        dashboard.add_routes(self._proxy.app, self._host.node_status, self._mesh.peer_views)
+        self._mesh.install_serving(OutputGuard().judge if output_check() else None, self._on_corrupt_output)
+        try:
+            await self._proxy.start(self._options.port)
+        except OSError as exc:
+            raise PortInUseError(
+                f"Cannot listen on port {self._options.port} ({exc.strerror}). "
+                "Stop the program holding it or choose another with --serve PORT."
+            ) from exc
 
     def _plan_unreachable(self) -> bool:
         """Whether a member of the plan has no connection left: what runs through it cannot finish, so
@@ -317,33 +305,28 @@ class ServingSupervisor:
         log.error("corrupt layer output from %s (%s): %s", name, short_id(node_id), event.fault.detail)
         self._say(f"{name} returned a corrupt layer output ({event.fault.detail}): it is left out as "
                   "corrupt_output until it restarts")
-        self._mesh.refuse_corrupt(node_id, event.fault.kind)
+        self._mesh.verdicts.exclude_corrupt(node_id, event.fault.kind)
         # The request in flight is retried (or its stream replayed) by the proxy on the new plan.
         self.request_restart(f"{name} returned a corrupt layer output")
 
     def _on_slow(self, slow: Slow) -> bool:
         """A stream fell far behind a token's time: leave out the worker whose replies held it up for most of
         it, when the model in service fits without it. True when llama-server is being replaced."""
-        plan = self.plan
-        if plan is None or self.llama_server is None:
+        if self.plan is None or self.llama_server is None:
             return False
-        workers = {n.node_id for n in plan.nodes if n.node_id != self._identity.node_id}
-        waits = {node_id: s for node_id, s in self._mesh.reply_waits_s(slow.since).items() if node_id in workers}
-        if not waits:
+        verdict = blame_slow(slow, self._mesh.verdicts.reply_waits_s(slow.since), self._snapshot(),
+                             {w.node_id for w in self._mesh.self_info.slow_workers})
+        if verdict.node_id is None:
             return False
-        node_id, owed_s = max(waits.items(), key=lambda wait: wait[1])
+        node_id, owed_s = verdict.node_id, verdict.owed_s
         name = self._mesh.name_of(node_id)
-        if any(w.node_id == node_id for w in self._mesh.self_info.slow_workers):
-            return True  # already left out: the next llama-server runs without it
-        if owed_s < SLOW_BLAME_SHARE * slow.window_s:
+        if verdict.blame is Blame.ALREADY_LEFT_OUT:
+            return True  # the next llama-server runs without it
+        if verdict.blame is Blame.NOT_ENOUGH:
             log.info("a stream fell behind (%s), but no worker held it up: %s owed replies for %.1f s of it",
                      slow.describe(), name, owed_s)
             return False
-        try:
-            tier, _ = self.compute_plan(without=node_id)
-        except PlanError:
-            tier = None
-        if tier is None or self._models[tier][0] != self._in_service:
+        if verdict.blame is Blame.NEEDED:
             if node_id not in self._slow_kept:
                 self._slow_kept.add(node_id)
                 self._say(f"{name} is holding tokens up ({slow.describe()}; {owed_s:.1f} s waiting for its "
@@ -351,8 +334,8 @@ class ServingSupervisor:
             return False
         self._metrics.slow_workers.inc()
         self._say(f"{name} is holding tokens up ({slow.describe()}; {owed_s:.1f} s waiting for its replies): "
-                  f"it is left out as slow for {SLOW_REFUSAL_S / 60:.0f} minutes or until it restarts")
-        self._mesh.refuse_slow(node_id, owed_s, slow.window_s, slow.expected_s)
+                  f"it is left out as slow for {SLOW_EXCLUSION_S / 60:.0f} minutes or until it restarts")
+        self._mesh.verdicts.exclude_slow(node_id, owed_s, slow.window_s, slow.expected_s)
         # The stream goes on where it was (continuation) on the plan without it.
         self.request_restart(f"{name} was holding tokens up")
         return True
@@ -370,63 +353,63 @@ class ServingSupervisor:
             await self.llama_server.stop()
 
     async def _wait_for_peers(self) -> None:
-        while (missing := self._min_peers - len(self._mesh.connected_members())) > 0:
+        seen = self._mesh.changes.version
+        while (missing := self._options.min_peers - len(self._mesh.connected_members())) > 0:
             self._say(f"Waiting for {missing} more peer(s) before loading the model...")
-            self._mesh.changed.clear()
-            await self._mesh.changed.wait()
+            seen = await self._mesh.changes.wait_after(seen)
 
     async def _apply_plan(self) -> None:
         """Start llama-server on a fresh plan, or make the proxy refuse with the reason."""
+        snapshot = self._snapshot()
         try:
-            tier, self.plan = self.compute_plan()
-            if not self._step_up_allowed(tier):
-                assert self._in_service is not None
-                tier, self.plan = self.compute_plan(at_most_bytes=self._needs_bytes(self._in_service))
+            choice = choose_plan(snapshot, self._step_up)
         except PlanError as exc:
-            self.plan, self.refusal = None, str(exc)
+            self.plan, self.outage = None, str(exc)
             self._say(f"Cannot load the model: {exc}")
             self._proxy.refuse(str(exc))
             return
-        self.refusal = None
-        path, sha256 = self._models[tier]
-        if self._in_service is not None and path != self._in_service:
-            direction = "up" if self._needs_bytes(path) > self._needs_bytes(self._in_service) else "down"
-            self._say(f"Switching model {direction}: {self._in_service.name} -> {path.name} "
-                      f"(the largest tier that {'has fitted long enough' if direction == 'up' else 'fits now'})")
-            self._metrics.model_switches.labels(direction).inc()
-            self._step_up.switched(asyncio.get_running_loop().time())
+        self._keep_step_up(choice.step_up)
+        self.plan, self.outage = choice.plan, None
+        path, sha256 = self._options.models[choice.tier]
+        if choice.switch is not None and self._in_service is not None:
+            self._say(f"Switching model {choice.switch}: {self._in_service.name} -> {path.name} "
+                      f"(the largest tier that {'has fitted long enough' if choice.switch == 'up' else 'fits now'})")
+            self._metrics.model_switches.labels(choice.switch).inc()
+            self._step_up = self._step_up.switched(snapshot.now)
         self.model = self._in_service = path
         self._metrics.model.info({"id": model_id(path.name), "file": path.name, "sha256": sha256})
         if sha256 != self._mesh.model_sha256:
             # Members compare their file with the one in service (weights_mismatch), and may fetch it.
             self._mesh.holds_model(sha256, path)
-        self._say(PlanAnnouncement(self.plan.to_json(), title=f"Plan for {path.name}"))
+        self._say(PlanAnnouncement(self.plan.to_json()))
         self.speculation = self._choose_speculation(self.plan)
         if self.speculation.kind != "none":
             self._say(f"Speculative decoding: {self.speculation.reason}")
         self.llama_port = free_tcp_port()
         argv = llama_server_argv(
-            self._binaries, self.model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
+            self._host.binaries, self.model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
             tensor_split=self.plan.tensor_split(), api_key_file=self._upstream_key_file,
-            extra=["--ctx-size", str(self._ctx_size), *self.speculation.llama_server_args()],
+            extra=["--ctx-size", str(self._options.ctx_size), *self.speculation.llama_server_args()],
         )
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(tuple(n.node_id for n in self.plan.nodes))
+        load_progress = self._host.load_progress
         try:
             self.llama_server = await start_llama_server(
-                argv, self.llama_port, self._logs, self._load_progress() if self._load_progress else None)
+                argv, self.llama_port, self._host.logs, load_progress() if load_progress else None)
         except ProcessError as exc:
             self._start_failures += 1
-            self.refusal = f"llama-server failed to start: {exc}"
-            self._say(f"{self.refusal}\nTrying again in {start_retry_delay(self._start_failures):.0f} s.")
-            self._proxy.refuse(self.refusal)
+            self.outage = f"llama-server failed to start: {exc}"
+            self._say(f"{self.outage}\nTrying again in {start_retry_delay(self._start_failures):.0f} s.")
+            self._proxy.refuse(self.outage)
             return
         self._start_failures = 0
         self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}", model_id(path.name))
-        self._say(f"OpenAI-compatible API ready on http://localhost:{self._serve_port}/v1"
-                  + (" (requires the API key: Authorization: Bearer KEY)" if self._access.api_key is not None else ""))
+        self._say(f"OpenAI-compatible API ready on http://localhost:{self._options.port}/v1"
+                  + (" (requires the API key: Authorization: Bearer KEY)"
+                     if self._options.access.api_key is not None else ""))
 
-    async def _trouble(self) -> tuple[str, bool]:
+    async def _trouble(self) -> Replan:
         """Wait until llama-server must be restarted (or started); say why, and if it is a failover."""
         exited = asyncio.ensure_future(self.llama_server.wait()) if self.llama_server else None
         loop = asyncio.get_running_loop()
@@ -437,10 +420,11 @@ class ServingSupervisor:
                 if (trouble := self._replan_reason()) is not None:
                     return trouble
                 if retry_at is not None and loop.time() >= retry_at:
-                    return "Starting llama-server again", False
-                self._mesh.changed.clear()
+                    return Replan("Starting llama-server again", False)
+                seen = self._mesh.changes.version
                 self._wakeup.clear()
-                woken = {asyncio.ensure_future(self._mesh.changed.wait()), asyncio.ensure_future(self._wakeup.wait())}
+                woken = {asyncio.ensure_future(self._mesh.changes.wait_after(seen)),
+                         asyncio.ensure_future(self._wakeup.wait())}
                 # A pending step up is looked at again when its wait is over.
                 wake_at = min((t for t in (retry_at, self._recheck_at) if t is not None), default=None)
                 await asyncio.wait(woken | ({exited} if exited else set()), return_when=asyncio.FIRST_COMPLETED,
@@ -448,89 +432,46 @@ class ServingSupervisor:
                 for task in woken:
                     task.cancel()
             assert self.llama_server is not None
-            return str(self.llama_server.exited_error()), True
+            return Replan(str(self.llama_server.exited_error()), True)
         finally:
             if exited is not None:
                 exited.cancel()
 
-    def _replan_reason(self) -> tuple[str, bool] | None:
+    def _replan_reason(self) -> Replan | None:
         """Why the current state should be replaced (and if that is a failover), or None."""
         self._recheck_at = None
         if self._restart_reason is not None:
             reason, self._restart_reason = self._restart_reason, None
-            return reason, True
-        connected = {info.node_id for info in self._mesh.connected_members()} | {self._identity.node_id}
-        if self.plan is not None:
-            lost = [n for n in self.plan.nodes if n.node_id not in connected]
-            if lost:
-                return f"{', '.join(f'{n.name} ({short_id(n.node_id)})' for n in lost)} left the plan", True
-        try:
-            tier, candidate = self.compute_plan()
-        except PlanError:
-            return None if self.plan is None else ("The mesh can no longer hold the model", True)
-        if self.plan is None:
-            return "The mesh can hold the model now", False
-        if (path := self._models[tier][0]) != self.model:
-            if not self._step_up_allowed(tier):
-                return None  # the tier in service goes on as it is until the step up may happen
-            if self._needs_bytes(path) > self._needs_bytes(self.model):
-                return f"{path.name} has fitted the mesh for {self._step_up.rules.after_s:g} s; stepping up", False
-            return f"Members changed and {path.name} is the largest model that fits now", False
-        self._step_up_allowed(tier)  # nothing bigger fits: a later step up waits afresh
-        if _layout(candidate) != _layout(self.plan):
-            return "Members changed and the layers can be spread better", False
-        return None
+            return Replan(reason, True)
+        replan, look = replan_reason(self._snapshot(), self._step_up)
+        if look is not None:
+            self._keep_step_up(look)
+        return replan
 
     def _write_receipt(self, generation: Generation) -> None:
         """--receipt DIR: one signed JSON per finished generation request."""
-        assert self._receipts is not None and self.plan is not None
-        out = generation.output
-        timings = out.timings
-        plan_ids = {n.node_id for n in self.plan.nodes}
-        drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
-        now = time.time()
-        body = {
-            "id": out.response_id,
-            "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="milliseconds"),
-            "request": {"path": generation.path, "body": generation.request},
-            "served_by": {"id": self._identity.node_id.hex(), "name": self._name},
-            "plan": [{"id": n.node_id.hex(), "name": n.name, "layers": [n.start, n.end]} for n in self.plan.nodes],
-            "model": self._model_json(generation.model),
-            "draft": ({"name": self._draft_model.name, "sha256": self._draft_sha256}
-                      if self._draft_model is not None else None),
-            "speculation": self.speculation.to_json() if self.speculation else None,
-            # Heartbeat round trips to the plan's other members, as measured while this ran.
-            "edges_rtt_ms": {view.name: {"last": rtt_ms(view.rtt_last_s), "p50": rtt_ms(view.rtt_p50_s),
-                                         "p95": rtt_ms(view.rtt_p95_s)}
-                             for view in self._mesh.peer_views() if view.node_id in plan_ids},
-            "tokens": {"prompt": timings.get("prompt_n"), "completion": timings.get("predicted_n")},
-            "tok_s": {"prompt": timings.get("prompt_per_second"), "decode": timings.get("predicted_per_second")},
-            "draft_acceptance": ({"drafted": drafted, "accepted": accepted, "rate": accepted / drafted}
-                                 if drafted else None),
-            "output": {"token_ids_sha256": receipt.output_digest(out.token_ids), "n_tokens": len(out.token_ids)},
-        }
-        self._receipts.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
-        path = self._receipts / f"{stamp}-{out.response_id or 'request'}.json"
+        assert self._options.receipts is not None and self.plan is not None
+        draft = self._options.draft_model
+        name, text = receipt.signed_receipt(
+            self._identity, self._host.name, path=generation.path, request=generation.request,
+            output=generation.output, answered_by=generation.model, tiers=self._options.models,
+            in_service=self.model, plan=self.plan, draft=(draft, self._draft_sha256) if draft is not None else None,
+            speculation=self.speculation.to_json() if self.speculation else None,
+            peer_views=self._mesh.peer_views(), now=time.time(), continued_at=generation.continued_at)
+        self._options.receipts.mkdir(parents=True, exist_ok=True)
         # Receipts hold the prompt: readable by this user only.
-        write_private_file(path, json.dumps(receipt.sign(body, self._identity), indent=2))
-
-    def _model_json(self, answered_by: str) -> dict[str, str]:
-        """The receipt's ``model``: the tier whose id answered (the one in service if unknown)."""
-        path, sha256 = next(((path, sha256) for path, sha256 in self._models if model_id(path.name) == answered_by),
-                            next((path, sha256) for path, sha256 in self._models if path == self.model))
-        return {"name": path.name, "id": model_id(path.name), "sha256": sha256}
+        write_private_file(self._options.receipts / name, text)
 
     def status(self) -> dict[str, Any]:
         return {
-            "api": {"port": self._serve_port, "url": f"http://localhost:{self._serve_port}/v1",
-                    "requires_key": self._access.api_key is not None},
+            "api": {"port": self._options.port, "url": f"http://localhost:{self._options.port}/v1",
+                    "requires_key": self._options.access.api_key is not None},
             "model": str(self.model),  # the tier in service, or the last one planned
             "step_up": ({"model": self.step_up_pending[0],
                          "in_s": round(max(0.0, self.step_up_pending[1] - asyncio.get_running_loop().time()), 1)}
                         if self.step_up_pending else None),
             "plan": self.plan.to_json() if self.plan else None,
-            "refusal": self.refusal,
+            "refusal": self.outage,
             "speculation": self.speculation.to_json() if self.speculation else None,
             "llama_server_restarts": self.restarts,
             "live": self._proxy.token_rate.to_json(time.monotonic()),
@@ -540,7 +481,3 @@ class ServingSupervisor:
 def start_retry_delay(failures: int) -> float:
     """Seconds before starting llama-server again after ``failures`` failed starts in a row."""
     return min(START_RETRY_MAX_S, START_RETRY_FIRST_S * 2 ** max(0, failures - 1))
-
-
-def _layout(plan: Plan) -> list[tuple[bytes, int, int]]:
-    return [(n.node_id, n.start, n.end) for n in plan.nodes]

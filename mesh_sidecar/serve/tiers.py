@@ -14,6 +14,7 @@ error saying which one is and why the other is not.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -37,31 +38,35 @@ class StepUpRules:
     interval_s: float = STEP_UP_INTERVAL_S  # and the last switch be this long ago
 
 
+@dataclass(frozen=True)
 class StepUpGate:
-    """Decides when a bigger tier that fits now may replace the one in service; pure over times."""
+    """When a bigger tier that fits now may replace the one in service: a value over times, each change a new one.
 
-    def __init__(self, rules: StepUpRules) -> None:
-        self.rules = rules
-        self._fits_since: float | None = None
-        self._last_switch: float | None = None
+    The serving loop keeps the latest; ``ready_at`` asks without changing anything.
+    """
 
-    def bigger_fits(self, now: float) -> float:
-        """Note that a bigger tier fits at ``now``; the seconds until it may be switched to (0: now)."""
-        if self._fits_since is None:
-            self._fits_since = now
-        ready_at = self._fits_since + self.rules.after_s
-        if self._last_switch is not None:
-            ready_at = max(ready_at, self._last_switch + self.rules.interval_s)
-        return max(0.0, ready_at - now)
+    rules: StepUpRules = StepUpRules()
+    fits_since: float | None = None  # a bigger tier has fitted since then without a break
+    last_switch: float | None = None
 
-    def bigger_gone(self) -> None:
+    def ready_at(self, now: float) -> float:
+        """When a bigger tier that fits at ``now`` (and since ``fits_since``) may be switched to."""
+        ready_at = (now if self.fits_since is None else self.fits_since) + self.rules.after_s
+        if self.last_switch is not None:
+            ready_at = max(ready_at, self.last_switch + self.rules.interval_s)
+        return ready_at
+
+    def bigger_fits(self, now: float) -> StepUpGate:
+        """A bigger tier fits at ``now``: its wait starts unless it runs already."""
+        return self if self.fits_since is not None else dataclasses.replace(self, fits_since=now)
+
+    def bigger_gone(self) -> StepUpGate:
         """No bigger tier fits (a member left): the wait starts again next time."""
-        self._fits_since = None
+        return dataclasses.replace(self, fits_since=None)
 
-    def switched(self, now: float) -> None:
+    def switched(self, now: float) -> StepUpGate:
         """A switch happened, either way."""
-        self._last_switch = now
-        self._fits_since = None
+        return dataclasses.replace(self, fits_since=None, last_switch=now)
 
 
 def model_id(file_name: str) -> str:
@@ -104,7 +109,7 @@ def models_list(views: Sequence[TierView], created: int) -> dict[str, Any]:
         for view in views]}
 
 
-def refusal_for(requested: str, views: Sequence[TierView]) -> str | None:
+def why_not_served(requested: str, views: Sequence[TierView]) -> str | None:
     """Why a request naming ``requested`` cannot be served now, or None when it goes to the model in service.
 
     Names that are not tiers go to the model in service too: many clients send a fixed name.

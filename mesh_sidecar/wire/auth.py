@@ -104,8 +104,9 @@ def check_proof(
         raise AuthError(WRONG_SECRET)
 
 
-def timeout_error() -> AuthError:
-    return AuthError(f"{TIMED_OUT} after {AUTH_TIMEOUT_S:g} s")
+def timeout_error(timeout_s: float = AUTH_TIMEOUT_S) -> AuthError:
+    """The refusal of a peer that did not finish the handshake within ``timeout_s``."""
+    return AuthError(f"{TIMED_OUT} after {timeout_s:g} s")
 
 
 def encode_hello(message_type: MessageType, node_id: bytes, nonce: bytes) -> bytes:
@@ -136,7 +137,9 @@ def _body(message: bytes, message_type: MessageType, size: int) -> bytes:
 class _Handshake:
     """State shared by both roles: keys, nonce, deadline, outcome."""
 
-    def __init__(self, identity: NodeIdentity, mesh_secret: bytes, nonce: bytes, now: float) -> None:
+    def __init__(
+        self, identity: NodeIdentity, mesh_secret: bytes, nonce: bytes, now: float, timeout_s: float = AUTH_TIMEOUT_S
+    ) -> None:
         if len(mesh_secret) != MESH_SECRET_BYTES:
             raise ValueError(f"mesh secret must be {MESH_SECRET_BYTES} bytes")
         if len(nonce) != NONCE_BYTES:
@@ -144,13 +147,14 @@ class _Handshake:
         self._identity = identity
         self._secret = mesh_secret
         self._nonce = nonce
-        self.deadline = now + AUTH_TIMEOUT_S
+        self.timeout_s = timeout_s
+        self.deadline = now + timeout_s
         self.peer_id: bytes | None = None  # trustworthy only once `complete`
         self.complete = False
 
     def _check_time(self, now: float) -> None:
         if now >= self.deadline:
-            raise timeout_error()
+            raise timeout_error(self.timeout_s)
 
     def _check_open(self) -> None:
         if self.complete:
@@ -161,9 +165,15 @@ class ClientHandshake(_Handshake):
     """The dialing side: knows which node it wants before it starts."""
 
     def __init__(
-        self, identity: NodeIdentity, mesh_secret: bytes, expected_id: bytes, nonce: bytes, now: float
+        self,
+        identity: NodeIdentity,
+        mesh_secret: bytes,
+        expected_id: bytes,
+        nonce: bytes,
+        now: float,
+        timeout_s: float = AUTH_TIMEOUT_S,
     ) -> None:
-        super().__init__(identity, mesh_secret, nonce, now)
+        super().__init__(identity, mesh_secret, nonce, now, timeout_s)
         self._expected_id = expected_id
         self._transcript: bytes | None = None
         self._started = False
@@ -201,8 +211,10 @@ class ClientHandshake(_Handshake):
 class ServerHandshake(_Handshake):
     """The accepting side: learns the client's id from its hello."""
 
-    def __init__(self, identity: NodeIdentity, mesh_secret: bytes, nonce: bytes, now: float) -> None:
-        super().__init__(identity, mesh_secret, nonce, now)
+    def __init__(
+        self, identity: NodeIdentity, mesh_secret: bytes, nonce: bytes, now: float, timeout_s: float = AUTH_TIMEOUT_S
+    ) -> None:
+        super().__init__(identity, mesh_secret, nonce, now, timeout_s)
         self._transcript: bytes | None = None
 
     def receive(self, message: bytes, now: float) -> bytes:

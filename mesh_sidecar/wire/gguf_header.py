@@ -6,7 +6,7 @@ and a node opened its model several times on every start (estimate, weight
 cache, draft check). The header is small and its format simple
 (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md); this parser walks
 it once in plain ``struct`` calls. It is pure over a buffer (``parse_header``);
-``read_header`` maps the file and hands it over.
+``llama.gguf_file.read_header`` maps the file and hands it over.
 
 Only little-endian GGUF version 2 and 3 files are read: what llama.cpp writes
 (version 1 is long gone; big-endian files are made on request for s390x).
@@ -14,11 +14,9 @@ Only little-endian GGUF version 2 and 3 files are read: what llama.cpp writes
 
 from __future__ import annotations
 
-import mmap
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from pathlib import Path
 from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -47,7 +45,8 @@ class ValueType(IntEnum):
     FLOAT64 = 12
 
 
-_SCALAR_FORMATS = {
+# Keyed by int, as the file stores the type (a ValueType is one).
+_SCALAR_FORMATS: dict[int, str] = {
     ValueType.UINT8: "B", ValueType.INT8: "b", ValueType.UINT16: "H", ValueType.INT16: "h",
     ValueType.UINT32: "I", ValueType.INT32: "i", ValueType.FLOAT32: "f", ValueType.BOOL: "?",
     ValueType.UINT64: "Q", ValueType.INT64: "q", ValueType.FLOAT64: "d",
@@ -70,10 +69,14 @@ class GGUFHeader:
     tensors: tuple[TensorInfo, ...]
 
 
+HeaderBuffer = bytes | memoryview
+"""What a header is parsed from: the file's bytes, or a view of the file mapped."""
+
+
 class _Cursor:
     """Little-endian reads from a buffer; ModelError (via ``_Truncated``) past its end."""
 
-    def __init__(self, buf) -> None:
+    def __init__(self, buf: HeaderBuffer) -> None:
         self.buf = buf
         self.pos = 0
 
@@ -85,7 +88,7 @@ class _Cursor:
         self.pos += size
         return value
 
-    def unpack_many(self, fmt: str, count: int) -> list:
+    def unpack_many(self, fmt: str, count: int) -> list[Any]:
         size = struct.calcsize("<" + fmt) * count
         if self.pos + size > len(self.buf):
             raise _Truncated
@@ -123,8 +126,8 @@ class _BadValueType(Exception):
     pass
 
 
-def parse_header(buf, source: str = "the GGUF") -> GGUFHeader:
-    """The header at the start of ``buf`` (bytes or mmap); ModelError if it is not one."""
+def parse_header(buf: HeaderBuffer, source: str = "the GGUF") -> GGUFHeader:
+    """The header at the start of ``buf`` (bytes, or a view of the mapped file); ModelError if it is not one."""
     if bytes(buf[:len(GGUF_MAGIC)]) != GGUF_MAGIC:
         raise ModelError(f"{source} does not start with the GGUF magic: it is not a GGUF file.")
     cursor = _Cursor(buf)
@@ -166,14 +169,3 @@ def _tensor(source: str, name: str, shape: tuple[int, ...], ggml_type: int, offs
     for dim in shape:
         elements *= dim
     return TensorInfo(name, shape, ggml_type, data_start + offset, elements // block_size * type_size)
-
-
-def read_header(path: Path) -> GGUFHeader:
-    """``path``'s header; ModelError if it cannot be read as a GGUF."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return parse_header(mapped, str(path))
-    except ValueError as exc:  # mmap of an empty file
-        raise ModelError(f"{path} is empty: it is not a GGUF file.") from exc
-    except OSError as exc:
-        raise ModelError(f"Cannot read {path}: {exc.strerror}.") from exc

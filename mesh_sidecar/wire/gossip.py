@@ -40,8 +40,9 @@ from .frames import MAX_CONTROL_MESSAGE_BYTES
 from .rpc_hello import RpcVersion
 
 # 4: MemberInfo.llama_build; Observed. Later in 4, optional (absent means none, and they are left out
-# when empty): MemberInfo.run_id, corrupt_outputs and slow_workers. Version 3 is not decoded: a version-3 node closes the
-# connection on our first version-4 frame, so reading its frames would keep no mixed mesh together.
+# when empty): MemberInfo.run_id, corrupt_outputs and slow_workers. Version 3 is not decoded: a
+# version-3 node closes the connection on our first version-4 frame, so reading its frames would
+# keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
 GOSSIP_WIRE_VERSION = 4
@@ -173,7 +174,7 @@ def _address(value: Any, what: str) -> str:
     )
     if match is None or not 1 <= int(match.group(1)) <= _MAX_PORT:
         raise _bad(what, f"host:port of at most {MAX_ADDRESS_CHARS} characters")
-    return value
+    return match.group(0)
 
 
 # --- messages ---------------------------------------------------------------------------

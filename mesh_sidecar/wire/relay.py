@@ -18,7 +18,6 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import FrameTooLargeError, MalformedMessageError
-from ..identity import NODE_ID_BYTES
 
 PACKET_HEADER = struct.Struct("!H")
 # A QUIC datagram never exceeds a UDP payload; ours stay far below (path_mtu.py).
@@ -50,12 +49,6 @@ class PacketDecoder:
             packets.append(bytes(self._buffer[PACKET_HEADER.size:end]))
             del self._buffer[:end]
         return packets
-
-
-def node_id_header(node_id: bytes) -> bytes:
-    if len(node_id) != NODE_ID_BYTES:
-        raise MalformedMessageError(f"a node id is {NODE_ID_BYTES} bytes, not {len(node_id)}")
-    return node_id
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class RpcDialect:
             and hello_request_bytes == self.hello_request_bytes
             and len(reply) == self.hello_reply_bytes
             and caps & self.required_caps == self.required_caps
-            and (len(reply) > HELLO_REPLY_FLAGS_OFFSET and reply[HELLO_REPLY_FLAGS_OFFSET] or 0)
+            and ((len(reply) > HELLO_REPLY_FLAGS_OFFSET and reply[HELLO_REPLY_FLAGS_OFFSET]) or 0)
             & self.required_flags == self.required_flags
         )
 
@@ -441,7 +441,7 @@ class RpcStreamFilter:
             (asked,) = struct.unpack_from("<Q", payload_start, 4)
             self.allocated_bytes += asked
             return
-        if self._tap_cmd == self.dialect.push_tensor_cmd:
+        if self.dialect is not None and self._tap_cmd == self.dialect.push_tensor_cmd:
             self.activation_bytes_to_server += self._tap_frame_bytes
             self.activation_bytes_from_server += REPLY_SIZE_BYTES + PUSH_REPLY_BYTES
             return

@@ -83,7 +83,7 @@ class HelloReply:
 
 def hello_reply_size(size_field: bytes) -> int:
     """The payload size from a reply's first 8 bytes; MalformedMessageError unless it is a HELLO reply's."""
-    (size,) = REPLY_SIZE.unpack(size_field[:REPLY_SIZE_BYTES])
+    size: int = REPLY_SIZE.unpack(size_field[:REPLY_SIZE_BYTES])[0]
     if size not in _REPLY_SIZES:
         raise MalformedMessageError(
             f"the rpc-server's reply has {size} bytes, not a HELLO reply's {' or '.join(map(str, _REPLY_SIZES))}")

@@ -39,6 +39,7 @@ import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ GET_TENSOR_HEAD_BYTES = GET_TENSOR_SIZE_OFFSET + 8  # rpc_tensor | offset u64 | 
 # ggml_type values of the float types activations travel as.
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
-_FLOAT_DTYPES = {GGML_TYPE_F32: np.dtype("<f4"), GGML_TYPE_F16: np.dtype("<f2")}
+_FLOAT_DTYPES: dict[int, np.dtype[np.floating[Any]]] = {GGML_TYPE_F32: np.dtype("<f4"), GGML_TYPE_F16: np.dtype("<f2")}
 # Activations are n_embd floats per token (a prompt batch: a few MiB); bigger replies are not
 # layer outputs and pass unchecked rather than be held.
 MAX_CHECKED_REPLY_BYTES = 64 * 1024 * 1024

@@ -31,7 +31,6 @@ import hashlib
 import ipaddress
 from dataclasses import dataclass
 
-
 from ..errors import (
     TicketChecksumError,
     TicketMalformedError,
@@ -96,7 +95,7 @@ class PeerAddress:
         return f"[{self.host}]:{self.port}" if self.is_ipv6 else f"{self.host}:{self.port}"
 
     @classmethod
-    def parse(cls, text: str) -> "PeerAddress":
+    def parse(cls, text: str) -> PeerAddress:
         """The inverse of ``str()``: ``host:port`` or ``[v6]:port``; ValueError if not."""
         host, sep, port = text.rpartition(":")
         if not sep or not port.isdigit():

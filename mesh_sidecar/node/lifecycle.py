@@ -1,0 +1,313 @@
+"""One node's lifecycle: its rpc-server, its place in the mesh, and on a serving node the model and API.
+
+Lifecycle (``Node.run``): start the local rpc-server, join the mesh (print the
+ticket, dial the one we were given), publish the control endpoint, and on a
+serving node hand over to the ServingSupervisor (plan, llama-server, API port);
+then wait for a stop request or the rpc-server's death. Whatever happens,
+children are stopped by pid before ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import ChildExitedError, MeshError, ModelError
+from ..home import NodeHome
+from ..identity import NodeIdentity
+from ..llama import weight_cache
+from ..llama.announced_build import local_build
+from ..llama.build import LlamaBinaries
+from ..llama.capacity import Capacity, measure, parse_device_listing
+from ..llama.launch import ChildProcess, start_rpc_server
+from ..llama.model import model_by_sha256
+from ..llama.weight_cache import WeightCache
+from ..mesh.exclusion import LLAMA_BUILD_MISMATCH, SAME_BUILD_REMEDY
+from ..mesh.runtime import Mesh
+from ..mesh.saved import SavedMesh
+from ..mesh.status import PeerView, mesh_json, peers_json
+from ..ports import LOOPBACK, free_tcp_port
+from ..progress import PlainProgress, ProgressCallback, ignore_progress
+from ..serve.activity import RecentEvents
+from ..serve.metrics import Metrics
+from ..serve.planner import Plan
+from ..serve.replan import Tier
+from ..serve.supervisor import ServeOptions, ServingHost, ServingSupervisor, estimate_off_loop, plan_over_mesh
+from ..units import format_gib
+from ..wire.gossip import LlamaBuild
+from ..wire.ticket import Ticket
+from .control import ControlServer
+
+log = logging.getLogger(__name__)
+
+RPC_SERVER_START_ATTEMPTS = 3
+DEFAULT_CTX_SIZE = 4096
+MODEL_FETCH_POLL_S = 2.0
+MODEL_FETCH_RETRY_S = 10.0
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """What the user asked this node to be."""
+
+    home: NodeHome
+    name: str
+    model: Path
+    binaries: LlamaBinaries
+    # --serve: this node serves the API; its tiers begin with ``model``. None: a worker.
+    serving: ServeOptions | None = None
+    join: Ticket | None = None
+    quic_port: int | None = None
+    max_memory_bytes: int | None = None
+    ctx_size: int = DEFAULT_CTX_SIZE
+    # sha256 of the model file, announced to members: set on a serving node and
+    # on any node given --model; "" on a worker that holds no model file.
+    model_sha256: str = ""
+    # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
+    weight_cache: WeightCache | None = None
+    weight_cache_tool: Path | None = None
+    # Fetch the serving node's model file over the mesh when this node lacks it.
+    fetch_model: bool = False
+    # Advertise on the LAN and re-find members there (mDNS, discovery.py).
+    mdns: bool = False
+    # Also say the progress of steps a terminal shows nothing of (llama-server's load stages, seeding
+    # the weight cache after a fetch): for output that is not a terminal, such as a CI log.
+    plain_progress: bool = False
+
+
+class _StopRequested(Exception):
+    """Raised inside the task group to end it on a stop request."""
+
+
+class Node:
+    """Runs and supervises one node's processes until told to stop."""
+
+    def __init__(self, options: NodeOptions, identity: NodeIdentity, say: Callable[[Any], None]) -> None:
+        self.options = options
+        self.identity = identity
+        self._say_out = say
+        self.events = RecentEvents()
+        self._stop = asyncio.Event()
+        self._started_at = time.time()
+        self.rpc_server: ChildProcess | None = None
+        self.rpc_port: int | None = None
+        self.build: LlamaBuild | None = None  # asked of our rpc-server before anyone else connects
+        self.mesh: Mesh | None = None
+        self.serving: ServingSupervisor | None = None
+        self.metrics = Metrics(self.peer_views, lambda: self.mesh.mesh_view() if self.mesh else None)
+        self._force = False
+        self._for_good = False
+        self._closing: asyncio.Task | None = None
+        self._control = ControlServer(options.home, self)
+
+    def _say(self, message: Any) -> None:
+        """Every line for the user also goes to the recent events (`status --json`, the dashboard)."""
+        self.events.add(time.time(), message)
+        self._say_out(message)
+
+    def _plain_progress(self) -> ProgressCallback:
+        """A fresh reporter of one step's progress: plain lines with plain_progress set, else nothing."""
+        if not self.options.plain_progress:
+            return ignore_progress
+        return PlainProgress(self._say_out, in_bytes=True)
+
+    def leave(self) -> None:
+        """`mesh-inference leave`: stop, telling the others this node leaves for good, and forget the mesh."""
+        self._for_good = True
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        """First call: stop gracefully. A second call: stop now, without waiting for peers."""
+        if self._stop.is_set():
+            self._force = True
+            if self._closing is not None:
+                self._closing.cancel()
+        self._stop.set()
+
+    async def run(self) -> None:
+        try:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    await self._start_rpc_server()
+                    tg.create_task(self._watch_rpc_server())
+                    mesh = await self._start_mesh()
+                    tg.create_task(mesh.run())
+                    await self._control.start()
+                    if self.options.join is not None:
+                        await mesh.join(self.options.join)
+                    elif remembered := mesh.rejoin():
+                        self._say(f"Rejoining the mesh: dialing {remembered} member(s) remembered from the last run "
+                                  "(`mesh-inference leave` forgets them).")
+                    if self.options.serving is not None:
+                        self.serving = self._serving_supervisor(self.options.serving)
+                        tg.create_task(self.serving.run())
+                    elif self.options.fetch_model:
+                        tg.create_task(self._fetch_served_model())
+                    await self._stop.wait()
+                    raise _StopRequested
+            except* _StopRequested:
+                pass
+            except* MeshError as group:
+                raise group.exceptions[0] from None
+        finally:
+            await self._shutdown()
+
+    async def _start_rpc_server(self) -> None:
+        # The free port is picked before rpc-server binds it; if another program
+        # takes it in between, rpc-server exits and we try another.
+        for attempt in range(RPC_SERVER_START_ATTEMPTS):
+            port = free_tcp_port()
+            try:
+                self.rpc_server = await start_rpc_server(self.options.binaries, port, self.options.home.logs,
+                                                         weight_cache=self.options.weight_cache)
+            except ChildExitedError:
+                if attempt + 1 == RPC_SERVER_START_ATTEMPTS:
+                    raise
+                continue
+            self.rpc_port = port
+            self._devices = parse_device_listing(self.rpc_server.log_path.read_text(errors="replace"))
+            self.build = await local_build(self.options.binaries, port)
+            self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only; {self.build}); offering "
+                      f"{format_gib(self.capacity().usable_bytes)} GiB")
+            if self.build.rpc is None:
+                self._say(f"{self.options.binaries.rpc_server} answered no RPC HELLO this release reads, so a "
+                          f"serving node will leave this node out ({LLAMA_BUILD_MISMATCH}). {SAME_BUILD_REMEDY}")
+            return
+
+    def capacity(self) -> Capacity:
+        """What this node offers the mesh now."""
+        assert self.rpc_server is not None
+        return measure(self._devices, self.rpc_server.pid, self.options.max_memory_bytes)
+
+    async def _start_mesh(self) -> Mesh:
+        assert self.rpc_port is not None and self.build is not None
+        self.mesh = Mesh(self.identity, self.options.name, self.options.home, self.rpc_port, self.capacity,
+                         self._say, saved=SavedMesh.load(self.options.home, self.options.join), build=self.build,
+                         serving=self.options.serving is not None, model_sha256=self.options.model_sha256,
+                         model_file=self.options.model if self.options.model_sha256 else None,
+                         lan=self.options.mdns)
+        await self.mesh.start(self.options.quic_port)
+        ticket = self.mesh.ticket()
+        self._say(f"Node ticket: {ticket}")
+        self._say(f"On another machine, run: mesh-inference --join {ticket}")
+        return self.mesh
+
+    async def _fetch_served_model(self) -> None:
+        """--fetch-model: get the file the serving node loads, seed the weight cache, announce it."""
+        assert self.mesh is not None
+        while True:
+            source = next((info for info in self.mesh.connected_members()
+                           if info.serving and info.model_sha256 and info.model_sha256 != self.mesh.model_sha256),
+                          None)
+            if source is not None:
+                try:
+                    await self._take_model_from(source.node_id, source.model_sha256)
+                except ModelError as exc:
+                    self._say(f"Model fetch: {exc}")
+                    await asyncio.sleep(MODEL_FETCH_RETRY_S)
+                    continue
+            await asyncio.sleep(MODEL_FETCH_POLL_S)
+
+    async def _take_model_from(self, node_id: bytes, sha256: str) -> None:
+        assert self.mesh is not None
+        path = await self.mesh.fetch_model(node_id, sha256, model_by_sha256(sha256),
+                                           PlainProgress(self._say, in_bytes=True))
+        cache, tool = self.options.weight_cache, self.options.weight_cache_tool
+        if cache is not None and tool is not None:
+            await asyncio.to_thread(weight_cache.seed, cache, tool, path, sha256, self._plain_progress())
+        self.mesh.holds_model(sha256, path)
+        self._say(f"Now holding the served model ({path.name}): its loads here send only hashes.")
+
+    def _serving_supervisor(self, options: ServeOptions) -> ServingSupervisor:
+        assert self.mesh is not None and self.rpc_port is not None
+        return ServingSupervisor(options, ServingHost(
+            identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
+            rpc_port=self.rpc_port, logs=self.options.home.logs, metrics=self.metrics,
+            own_capacity=self.capacity, say=self._say, node_status=self.status_snapshot,
+            load_progress=self._plain_progress if self.options.plain_progress else None))
+
+    async def _watch_rpc_server(self) -> None:
+        assert self.rpc_server is not None
+        await self.rpc_server.wait()
+        if not self._stop.is_set():
+            raise self.rpc_server.exited_error()
+
+    async def _shutdown(self) -> None:
+        if self.serving is not None:
+            await self.serving.close()
+        if self.mesh is not None:
+            # Cancelled by a second Ctrl-C; then the mesh closes without waiting.
+            self._closing = asyncio.ensure_future(self.mesh.close(graceful=not self._force, for_good=self._for_good))
+            try:
+                await self._closing
+            except asyncio.CancelledError:
+                await self.mesh.close(graceful=False)
+        if self.rpc_server is not None:
+            await self.rpc_server.stop()
+        await self._control.close()
+
+    async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan:
+        """A plan over the members connected now, for `mesh-inference plan` (PlanError if none fits).
+
+        Without ``model``, for the largest of the node's --model tiers that fits.
+        """
+        assert self.mesh is not None
+        serving = self.options.serving
+        paths = [model] if model else [path for path, _ in serving.models] if serving else [self.options.model]
+        tiers = [Tier(path, await estimate_off_loop(path, ctx_size or self.options.ctx_size)) for path in paths]
+        return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), tiers)
+
+    def ticket(self) -> str:
+        assert self.mesh is not None
+        return self.mesh.ticket()
+
+    def rotate_secret(self) -> str:
+        """`mesh-inference ticket --rotate`: a new secret for every member; the new ticket."""
+        assert self.mesh is not None
+        return self.mesh.rotate_secret()
+
+    def kick(self, which: str) -> tuple[str, str]:
+        """`mesh-inference kick`: remove a member and rotate the secret; its name and the new ticket."""
+        assert self.mesh is not None
+        node_id = self.mesh.find_member(which)
+        name = self.mesh.name_of(node_id)
+        return name, self.mesh.rotate_secret(remove=(node_id,))
+
+    def peer_views(self) -> tuple[PeerView, ...]:
+        """The members this node's mesh knows of (none before it starts)."""
+        return self.mesh.peer_views() if self.mesh else ()
+
+    def status_snapshot(self) -> dict[str, Any]:
+        """Everything ``mesh-inference status`` shows, as JSON-ready data."""
+        children = [(self.rpc_server, self.rpc_port)]
+        if self.serving is not None:
+            children.append((self.serving.llama_server, self.serving.llama_port))
+        processes = [{"name": child.name, "pid": child.pid, "running": child.running, "port": port,
+                      "log": str(child.log_path)} for child, port in children if child is not None]
+        # With model tiers, the one in service (or last planned).
+        model = self.serving.model if self.serving is not None else self.options.model
+        return {
+            "node": {
+                "id": self.identity.node_id.hex(),
+                "short_id": self.identity.short_id,
+                "name": self.options.name,
+                "version": __version__,
+                "llama_build": None if self.build is None else str(self.build),
+                "home": str(self.options.home.root),
+                "uptime_s": round(time.time() - self._started_at, 1),
+                "capacity": self.capacity().__dict__ if self.rpc_server else None,
+            },
+            "model": {"path": str(model), "bytes": model.stat().st_size, "ctx_size": self.options.ctx_size},
+            "processes": processes,
+            "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
+                        if self.serving else None),
+            "mesh": mesh_json(self.mesh.mesh_view()) if self.mesh else {"quic_port": None},
+            "peers": peers_json(self.peer_views()),
+            "events": self.events.to_json(),
+        }

@@ -1,0 +1,158 @@
+"""A hostile or mistaken outsider, run in its own network namespace by the security tests
+(and, as ``unauthenticated_client``, on loopback by the transport's tests).
+
+    python -m tests.helpers.stranger silent HOST PORT
+    python -m tests.helpers.stranger wrong-secret HOST PORT NODE_ID_HEX
+    python -m tests.helpers.stranger impostor HOST PORT NODE_ID_HEX CLAIMED_ID_HEX SECRET_HEX
+    python -m tests.helpers.stranger flood HOST PORT COUNT
+    python -m tests.helpers.stranger relay HOST PORT TARGET_ID_HEX
+
+Each mode prints one line saying how it was turned away (or "ADMITTED", which
+a test treats as a failure); exit status 0 unless the tool itself broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import ssl
+import struct
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aioquic.asyncio import QuicConnectionProtocol, connect
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived
+
+from mesh_sidecar.errors import MeshError
+from mesh_sidecar.identity import NodeIdentity, generate_identity
+from mesh_sidecar.net.quic import ALPN
+from mesh_sidecar.net.transport import MeshTransport
+from mesh_sidecar.wire import auth
+from mesh_sidecar.wire.relay import encode_packet
+from mesh_sidecar.wire.stream_kind import StreamKind
+
+SILENT_WAIT_S = auth.AUTH_TIMEOUT_S + 5
+
+
+@dataclass(frozen=True)
+class Impostor(NodeIdentity):
+    """Says it is ``claimed`` but can only sign with its own key."""
+
+    claimed: bytes = b""
+
+    @property
+    def node_id(self) -> bytes:
+        return self.claimed
+
+
+class Watcher(QuicConnectionProtocol):
+    """A QUIC client connection that notes how it was closed and what came back on its streams."""
+
+    closed_with: str | None = None
+    answered: bytes = b""  # what came back on our streams
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ConnectionTerminated):
+            self.closed_with = f"code {event.error_code}: {event.reason_phrase}"
+        elif isinstance(event, StreamDataReceived) and event.stream_id != 0:
+            self.answered += event.data
+
+
+@asynccontextmanager
+async def unauthenticated_client(host: str, port: int) -> AsyncIterator[Watcher]:
+    """A QUIC client of the mesh's ALPN that completes TLS and never authenticates (nor gives up)."""
+    configuration = QuicConfiguration(alpn_protocols=[ALPN], is_client=True, verify_mode=ssl.CERT_NONE)
+    async with connect(host, port, configuration=configuration, create_protocol=Watcher,
+                       wait_connected=True) as client:
+        yield client
+
+
+async def silent(host: str, port: int) -> str:
+    """Complete TLS, then say nothing: the node must give up on us."""
+    async with unauthenticated_client(host, port) as client:
+        try:
+            await asyncio.wait_for(client.wait_closed(), SILENT_WAIT_S)
+        except TimeoutError:
+            return "ADMITTED (never closed)"
+        return f"closed by the node, {client.closed_with}"
+
+
+async def relay(host: str, port: int, target_id: bytes) -> str:
+    """Ask the node to relay our packets to a member, without ever being admitted."""
+    async with unauthenticated_client(host, port) as client:
+        # Stream 0 is the control stream (opened, silent); the next is a RELAY_REQUEST with a packet after it.
+        client._quic.send_stream_data(client._quic.get_next_available_stream_id(), b"")
+        stream_id = client._quic.get_next_available_stream_id()
+        client._quic.send_stream_data(stream_id, bytes((StreamKind.RELAY_REQUEST,)) + target_id
+                                      + encode_packet(os.urandom(1200)))
+        client.transmit()
+        try:
+            await asyncio.wait_for(client.wait_closed(), SILENT_WAIT_S)
+        except TimeoutError:
+            return "RELAYED? the node kept the connection open"
+        if client.answered:
+            return f"RELAYED: the node answered {client.answered[:16].hex()}"
+        return f"no relay, closed by the node, {client.closed_with}"
+
+
+async def dial(identity: NodeIdentity, secret: bytes, host: str, port: int, node_id: bytes) -> str:
+    async def on_peer(connection) -> None:
+        await connection.wait_closed()
+
+    transport = MeshTransport(identity, secret, on_peer)
+    await transport.start("0.0.0.0", 0)
+    try:
+        await transport.connect([(host, port)], node_id)
+        return "ADMITTED"
+    except MeshError as exc:
+        return f"refused: {exc}"
+    finally:
+        await transport.close()
+
+
+def flood(host: str, port: int, count: int) -> str:
+    """Random datagrams, and datagrams shaped like QUIC Initials with random connection ids."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sizes = (1, 7, 64, 700, 1200, 1350, 9000)
+    for i in range(count):
+        if i % 4 == 0:
+            # long header, Initial, QUIC v1, 8-byte DCID, 8-byte SCID, no token, junk "payload"
+            header = bytes([0xC3]) + struct.pack("!I", 1) + b"\x08" + os.urandom(8) + b"\x08" + os.urandom(8)
+            data = header + b"\x00" + b"\x44\xd0" + os.urandom(1200 - len(header) - 3)
+        else:
+            data = os.urandom(sizes[i % len(sizes)])
+        try:
+            sock.sendto(data, (host, port))
+        except OSError:
+            pass  # a full socket buffer: the flood goes on
+    return f"sent {count} datagrams"
+
+
+def main(argv: list[str]) -> None:
+    mode, *args = argv
+    match mode:
+        case "silent":
+            result = asyncio.run(silent(args[0], int(args[1])))
+        case "wrong-secret":
+            result = asyncio.run(dial(generate_identity(), secrets.token_bytes(auth.MESH_SECRET_BYTES),
+                                      args[0], int(args[1]), bytes.fromhex(args[2])))
+        case "impostor":
+            identity = Impostor(generate_identity().private_key, bytes.fromhex(args[3]))
+            result = asyncio.run(dial(identity, bytes.fromhex(args[4]), args[0], int(args[1]),
+                                      bytes.fromhex(args[2])))
+        case "flood":
+            result = flood(args[0], int(args[1]), int(args[2]))
+        case "relay":
+            result = asyncio.run(relay(args[0], int(args[1]), bytes.fromhex(args[2])))
+        case _:
+            raise SystemExit(f"unknown mode {mode}")
+    print(result, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,69 @@
+"""Corrupt layer outputs: the serving node's judge, the refusal both sides name, and its gossip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mesh_sidecar.errors import MalformedMessageError
+from mesh_sidecar.mesh.exclusion import CORRUPT_OUTPUT, exclusion_of
+from mesh_sidecar.serve.output_guard import MIN_HISTORY_SAMPLES, NORM_RATIO, OutputGuard
+from mesh_sidecar.wire.gossip import MAX_JUDGED_MEMBERS, CorruptOutput, MemberInfo
+from mesh_sidecar.wire.rpc_outputs import NON_FINITE, NORM_OUTLIER, TensorMeasured
+from tests.unit.test_gossip import info
+
+WORKER, OTHER, SERVING = b"\x0b" * 32, b"\x0a" * 32, b"\x0c" * 32
+
+
+def tensor(rms: float, name: str = "l_out-11", finite: bool = True) -> TensorMeasured:
+    return TensorMeasured(name, 576, finite, rms if finite else None)
+
+
+def test_non_finite_is_a_fault_at_once() -> None:
+    fault = OutputGuard().judge(WORKER, tensor(0, finite=False))
+    assert fault is not None and fault.kind == NON_FINITE and "l_out-11" in fault.detail
+
+
+def test_a_norm_far_outside_the_workers_own_range_is_a_fault_once_there_is_a_history() -> None:
+    guard = OutputGuard()
+    assert guard.judge(WORKER, tensor(1e6)) is None  # no history yet: nothing to compare with
+    guard = OutputGuard()
+    for rms in (0.8, 1.0, 1.2) * MIN_HISTORY_SAMPLES:
+        assert guard.judge(WORKER, tensor(rms)) is None
+    for outlier in (1.2 * NORM_RATIO * 1.01, 0.8 / NORM_RATIO / 1.01, 0.0, 1.2 * NORM_RATIO * 1.01):
+        fault = guard.judge(WORKER, tensor(outlier))  # outliers do not widen the range
+        assert fault is not None and fault.kind == NORM_OUTLIER
+    assert guard.judge(WORKER, tensor(1.2 * NORM_RATIO * 0.99)) is None
+    # Each worker and tensor has its own history.
+    assert guard.judge(OTHER, tensor(1e6)) is None
+    assert guard.judge(WORKER, tensor(1e6, "l_out-20")) is None
+
+
+def test_both_sides_name_corrupt_output_until_the_member_restarts() -> None:
+    worker = info(WORKER, "b", run_id=7)
+    serving = info(SERVING, "c", serving=True, corrupt_outputs=(CorruptOutput(WORKER, 7, NON_FINITE),))
+    found = exclusion_of(worker, serving)
+    assert found is not None and found.reason == CORRUPT_OUTPUT
+    assert found.detail == "c found NaN or Inf values in the layer outputs b's rpc-server returned"
+    assert "restart mesh-inference there" in found.message("b")
+    assert exclusion_of(dataclasses.replace(worker, run_id=8), serving) is None  # restarted
+    assert exclusion_of(info(OTHER, "a", run_id=7), serving) is None
+
+
+def test_the_fields_are_optional_within_version_4() -> None:
+    plain = info(WORKER)
+    assert set(plain.to_body()) >= {"secret_epoch"} and "run_id" not in plain.to_body()
+    assert MemberInfo.from_body(plain.to_body()) == plain
+    serving = info(SERVING, serving=True, run_id=2**63 - 1,
+                   corrupt_outputs=tuple(CorruptOutput(bytes([i]) * 32, i, NORM_OUTLIER)
+                                         for i in range(MAX_JUDGED_MEMBERS)))
+    assert MemberInfo.from_body(serving.to_body()) == serving
+    body = serving.to_body()
+    too_many = {**body, "corrupt_outputs": body["corrupt_outputs"] * 2}
+    with pytest.raises(MalformedMessageError, match="corrupt_outputs"):
+        MemberInfo.from_body(too_many)
+    with pytest.raises(MalformedMessageError, match="fault"):
+        MemberInfo.from_body({**body, "corrupt_outputs": [{**body["corrupt_outputs"][0], "fault": "Bad!"}]})
+    with pytest.raises(MalformedMessageError, match="perhaps run_id"):
+        MemberInfo.from_body({**body, "other": 1})

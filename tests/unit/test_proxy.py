@@ -1,0 +1,157 @@
+"""The API proxy against stand-in upstreams on real sockets: stalls, failover, refusal.
+
+The stand-ins replace llama-server only to produce faults on cue (a stream that
+stops mid-way); the real end-to-end failover runs in test_failover.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from aiohttp import web
+
+from mesh_sidecar.serve.metrics import Metrics
+from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.serve.pace import STALL_FLOOR_S, Slow
+from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions, ServingHooks
+from tests.helpers.stand_ins import start_stand_in, stream_events
+
+PIECES = ["The", " keeper", " lit", " the", " lamp", "."]
+
+
+def event(text: str, id_: str) -> bytes:
+    return b"data: " + json.dumps({"id": id_, "choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
+
+
+async def upstream(stall_after: int | None, id_: str, seeds: list[int],
+                   tokens_per_second: float | None = None) -> tuple[web.AppRunner, str]:
+    """A stand-in llama-server streaming PIECES; it stops sending after ``stall_after`` pieces. With
+    ``tokens_per_second``, the last piece carries that speed as llama-server's ``timings``."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seeds.append((await request.json())["seed"])
+        events = [event(piece, id_) for piece in PIECES]
+        if tokens_per_second is not None:
+            events[-1] = events[-1].replace(b'}]}', b'}], "timings": {"predicted_per_second": %f}}' % tokens_per_second)
+        return await stream_events(request, events, stall_after)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return await start_stand_in(app)
+
+
+@pytest.fixture
+async def proxy_port():
+    stalls: list[str] = []
+    proxy = ApiProxy(Metrics(lambda: ()), ProxyOptions(stall_timeout_s=0.5), ServingHooks(on_stall=stalls.append))
+    port = free_tcp_port()
+    await proxy.start(port)
+    yield proxy, port, stalls
+    await proxy.close()
+
+
+async def test_a_stalled_stream_is_restarted_and_replayed_exactly(proxy_port):
+    proxy, port, stalls = proxy_port
+    seeds: list[int] = []
+    stuck, stuck_url = await upstream(stall_after=3, id_="first", seeds=seeds)
+    fresh, fresh_url = await upstream(stall_after=None, id_="second", seeds=seeds)
+    proxy.serve(stuck_url)
+
+    async def restart_when_asked() -> None:
+        while not stalls:
+            await asyncio.sleep(0.05)
+        proxy.serve(fresh_url)  # what the serving loop does after restarting llama-server
+
+    restarter = asyncio.create_task(restart_when_asked())
+    text, ids = "", set()
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                                 json={"prompt": "x", "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    body = json.loads(line[6:])
+                    text += body["choices"][0]["text"]
+                    ids.add(body["id"])
+    await restarter
+    assert text == "".join(PIECES)
+    assert ids == {"first"}
+    assert len(stalls) == 1 and len(seeds) == 2 and seeds[0] == seeds[1]  # the same seed, pinned by the proxy
+    assert proxy.metrics.registry.get_sample_value("mesh_retries_total") == 1
+    await stuck.cleanup()
+    await fresh.cleanup()
+
+
+async def stream_text(port: int) -> str:
+    text = ""
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                                 json={"prompt": "x", "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+async def test_a_stream_far_behind_its_pace_fails_over_once_a_worker_is_blamed():
+    verdicts: list[Slow] = []
+    blame = asyncio.Event()
+
+    def on_slow(slow: Slow) -> bool:
+        verdicts.append(slow)
+        if len(verdicts) == 1:
+            return False  # nobody held it up: the proxy goes on waiting
+        blame.set()
+        return True
+
+    stalls: list[str] = []
+    proxy = ApiProxy(Metrics(lambda: ()), hooks=ServingHooks(on_stall=stalls.append, on_slow=on_slow))  # the 60 s stall timer
+    port = free_tcp_port()
+    await proxy.start(port)
+    seeds: list[int] = []
+    fast, fast_url = await upstream(stall_after=None, id_="first", seeds=seeds, tokens_per_second=20.0)
+    stuck, stuck_url = await upstream(stall_after=3, id_="second", seeds=seeds)
+    fresh, fresh_url = await upstream(stall_after=None, id_="third", seeds=seeds)
+    try:
+        proxy.serve(fast_url)
+        assert await stream_text(port) == "".join(PIECES)  # a token takes 50 ms, llama-server says
+        proxy.serve(stuck_url)
+
+        async def replan_when_blamed() -> None:
+            await blame.wait()
+            proxy.serve(fresh_url)  # what the serving loop does once it left the slow worker out
+
+        replanner = asyncio.create_task(replan_when_blamed())
+        assert await stream_text(port) == "".join(PIECES)
+        await replanner
+        assert len(verdicts) == 2 and stalls == []
+        assert verdicts[0].tokens == 0 and verdicts[0].window_s == STALL_FLOOR_S
+        assert proxy.metrics.registry.get_sample_value("mesh_retries_total") == 1
+    finally:
+        await proxy.close()
+        for runner in (fast, stuck, fresh):
+            await runner.cleanup()
+
+
+async def test_refusing_answers_with_an_openai_error(proxy_port):
+    proxy, port, _ = proxy_port
+    proxy.refuse("The mesh has 0.10 GB free for this model but needs 0.30 GB (0.20 GB short).")
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": []})
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "insufficient_capacity"
+        health = await client.get(f"http://127.0.0.1:{port}/health")
+        assert health.status_code == 503
+
+
+async def test_a_held_request_is_answered_when_the_proxy_starts_refusing(proxy_port):
+    proxy, port, _ = proxy_port  # never served: requests are held
+    async with httpx.AsyncClient(timeout=30) as client:
+        held = asyncio.create_task(client.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        proxy.refuse("This node is shutting down.")
+        response = await asyncio.wait_for(held, 5)
+    assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]

@@ -1,0 +1,277 @@
+"""Model tiers: the largest model the members hold is chosen, the others reported, none fitting refused."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import httpx
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mesh_sidecar.errors import PlanError
+from mesh_sidecar.llama.estimate import ModelEstimate
+from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.serve.metrics import Metrics
+from mesh_sidecar.serve.planner import NodeCapacity, TierFit, choose_tier, plan_layers, tier_needs_bytes
+from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions, ServingHooks
+from mesh_sidecar.serve.tiers import StepUpGate, StepUpRules, models_list, tier_views, why_not_served
+from tests.helpers.stand_ins import start_stand_in, stream_events
+from tests.helpers.waiting import wait_until_async
+
+N_CTX = 4096
+
+
+def estimate(n_layers: int, layer: int, *, host: int = 0) -> ModelEstimate:
+    return ModelEstimate(n_layers, (layer,) * n_layers, host, 0, 0, N_CTX, 0)
+
+
+def members(*usable: int) -> list[NodeCapacity]:
+    return [NodeCapacity(bytes([i]) * 32, f"host{i}", u) for i, u in enumerate(usable)]
+
+
+def fits(estimate_: ModelEstimate, nodes: list[NodeCapacity]) -> bool:
+    *peers, host = nodes
+    own = NodeCapacity(host.node_id, host.name, max(0, host.usable_bytes - estimate_.host_bytes))
+    try:
+        plan_layers([*peers, own], estimate_)
+    except PlanError:
+        return False
+    return True
+
+
+def test_the_largest_that_fits_is_chosen_and_every_tier_reported():
+    tiers = [("small.gguf", estimate(4, 10)), ("big.gguf", estimate(8, 100)), ("mid.gguf", estimate(6, 30))]
+    chosen, plan = choose_tier(tiers, members(100, 150))
+    assert chosen == 2 and plan.model == "mid.gguf" and plan.n_layers == 6
+    assert [(t.model, t.fits) for t in plan.tiers] == [("big.gguf", False), ("mid.gguf", True),
+                                                       ("small.gguf", True)]
+    assert plan.to_json()["model"] == "mid.gguf"
+    big = plan.to_json()["tiers"][0]
+    assert {k: big[k] for k in ("model", "needs_bytes", "fits")} == {"model": "big.gguf", "needs_bytes": 800,
+                                                                     "fits": False}
+    assert "GiB short" in big["why"] and plan.to_json()["tiers"][1]["why"] == ""
+
+
+def test_a_step_up_not_allowed_yet_keeps_the_smaller_tier():
+    tiers = [("small.gguf", estimate(4, 10)), ("big.gguf", estimate(8, 100))]
+    assert choose_tier(tiers, members(1000))[1].model == "big.gguf"
+    chosen, plan = choose_tier(tiers, members(1000), at_most_bytes=tier_needs_bytes(tiers[0][1]))
+    assert chosen == 0 and plan.model == "small.gguf" and [t.fits for t in plan.tiers] == [True, True]
+    # When none within the bound fits, the one that does is taken (never a refusal).
+    lean = [("wide.gguf", estimate(4, 10, host=900)), ("big.gguf", estimate(8, 100))]
+    assert choose_tier(lean, members(850), at_most_bytes=tier_needs_bytes(lean[0][1]))[1].model == "big.gguf"
+
+
+def test_one_tier_refuses_as_before_and_several_name_the_smallest():
+    with pytest.raises(PlanError) as one:
+        choose_tier([("big.gguf", estimate(8, 100))], members(100))
+    with pytest.raises(PlanError) as before:
+        plan_layers(members(100), estimate(8, 100))
+    assert str(one.value) == str(before.value)
+    with pytest.raises(PlanError, match=r"None of the 2 models .* The smallest, mid.gguf: "):
+        choose_tier([("big.gguf", estimate(8, 100)), ("mid.gguf", estimate(6, 30))], members(50))
+
+
+def test_the_serving_host_pays_each_tiers_input_embeddings():
+    # Same blocks, but the second tier's embeddings leave too little on the only node.
+    tiers = [("lean.gguf", estimate(4, 10, host=0)), ("wide.gguf", estimate(4, 10, host=30))]
+    chosen, plan = choose_tier(tiers, members(45))
+    assert plan.model == "lean.gguf" and [t.fits for t in plan.tiers] == [False, True]
+
+
+sizes = st.lists(st.tuples(st.integers(1, 8), st.integers(1, 50), st.integers(0, 40)), min_size=1, max_size=4)
+usables = st.lists(st.integers(0, 400), min_size=1, max_size=4)
+
+
+@given(sizes, usables)
+def test_choice_is_the_largest_fitting_tier(specs, usable):
+    tiers = [(f"m{i}.gguf", estimate(n, layer, host=host)) for i, (n, layer, host) in enumerate(specs)]
+    nodes = members(*usable)
+    fitting = [i for i, (_, e) in enumerate(tiers) if fits(e, nodes)]
+    if not fitting:
+        with pytest.raises(PlanError):
+            choose_tier(tiers, nodes)
+        return
+    chosen, plan = choose_tier(tiers, nodes)
+    assert chosen in fitting
+    assert tier_needs_bytes(tiers[chosen][1]) == max(tier_needs_bytes(tiers[i][1]) for i in fitting)
+    # Every tier reported once, largest first, with whether it fits.
+    assert sorted(t.model for t in plan.tiers) == sorted(name for name, _ in tiers)
+    needs = [t.needs_bytes for t in plan.tiers]
+    assert needs == sorted(needs, reverse=True)
+    assert {t.model for t in plan.tiers if t.fits} == {tiers[i][0] for i in fitting}
+
+
+# --- when to step up -----------------------------------------------------------------------
+
+def fits_at(gate: StepUpGate, now: float) -> tuple[StepUpGate, float]:
+    """The gate after a bigger tier is seen fitting at ``now``, and the seconds until it may be switched to."""
+    gate = gate.bigger_fits(now)
+    return gate, max(0.0, gate.ready_at(now) - now)
+
+
+def test_a_step_up_waits_until_the_bigger_tier_has_fitted_long_enough():
+    gate = StepUpGate(StepUpRules(after_s=20, interval_s=60))
+    gate, wait = fits_at(gate, 100.0)
+    assert wait == 20
+    assert gate.ready_at(110.0) == 120  # asking changes nothing
+    assert fits_at(gate, 110.0)[1] == 10
+    gate, wait = fits_at(gate, 120.0)
+    assert wait == 0
+    gate = gate.switched(120.0)
+    # Right after a switch the interval rules, however long the bigger tier fits.
+    gate, wait = fits_at(gate, 125.0)
+    assert wait == 55
+    assert fits_at(gate, 185.0)[1] == 0
+
+
+def test_a_flapping_member_never_opens_the_gate():
+    gate = StepUpGate(StepUpRules(after_s=20, interval_s=0))
+    for t in range(0, 60, 10):  # fits for 5 s, then gone for 5 s
+        gate, wait = fits_at(gate, float(t))
+        assert wait > 0
+        gate, wait = fits_at(gate, t + 4.9)
+        assert wait > 0
+        gate = gate.bigger_gone()
+
+
+# Whole seconds: the rule, not float rounding, is under test.
+@given(st.lists(st.tuples(st.integers(0, 30), st.booleans()), max_size=40), st.integers(0, 30), st.integers(0, 90))
+def test_the_gate_opens_only_after_an_unbroken_run_and_the_interval(steps, after_s, interval_s):
+    gate = StepUpGate(StepUpRules(after_s, interval_s))
+    now, since, last_switch = 0.0, None, None
+    for dt, fits in steps:
+        now += dt
+        if not fits:
+            gate = gate.bigger_gone()
+            since = None
+            continue
+        since = now if since is None else since
+        gate, wait = fits_at(gate, now)
+        allowed = now - since >= after_s and (last_switch is None or now - last_switch >= interval_s)
+        assert (wait == 0) == allowed
+        if wait == 0:
+            gate = gate.switched(now)
+            since, last_switch = None, now
+
+
+# --- what clients see ------------------------------------------------------------------------
+
+GIB = 1 << 30
+FITS_NOW = (TierFit("big-q8.gguf", 3 * GIB, False, "The mesh has 2.00 GiB free ... (1.00 GiB short)."),
+            TierFit("small.gguf", GIB, True))
+
+
+def test_models_lists_the_tier_in_service_first_with_every_state():
+    listed = models_list(tier_views(FITS_NOW, "small.gguf"), created=7)
+    assert listed["object"] == "list"
+    assert [(m["id"], m["state"]) for m in listed["data"]] == [("small", "in_service"), ("big-q8", "too_large")]
+    assert listed["data"][1]["why"].endswith("(1.00 GiB short).") and "why" not in listed["data"][0]
+    assert all(m["object"] == "model" and m["owned_by"] == "mesh-inference" for m in listed["data"])
+
+
+def test_a_request_naming_a_tier_not_in_service_is_told_why():
+    views = tier_views(FITS_NOW, "small.gguf")
+    for fine in ("", "default", "small", "small.gguf", "gpt-4o"):
+        assert why_not_served(fine, views) is None
+    why = why_not_served("big-q8", views)
+    assert "'big-q8' is not loaded" in why and "1.00 GiB short" in why and "'small'" in why
+    # A bigger tier that fits but waits for the step-up rules.
+    waiting = tier_views((dataclasses.replace(FITS_NOW[0], fits=True, why=""), FITS_NOW[1]), "small.gguf")
+    assert "once it has fitted for a while" in why_not_served("big-q8.gguf", waiting)
+
+
+async def stand_in(model: str, pieces: list[str], stall_after: int | None = None,
+                   asked: list[str] | None = None) -> tuple[web.AppRunner, str]:
+    """A stand-in llama-server answering with ``model``. With ``stall_after`` (the fault a dead worker
+    causes) it stops sending after that many pieces of a stream and never answers a plain request."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if asked is not None:
+            asked.append("stream" if body.get("stream") else "plain")
+        if not body.get("stream"):
+            if stall_after is not None:
+                await asyncio.sleep(3600)
+            return web.json_response({"model": model, "choices": [{"message": {"content": "".join(pieces)}}]})
+        chunks = [{"model": model, "choices": [{"index": 0, "delta": {"content": piece}}]} for piece in pieces]
+        return await stream_events(request, [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks],
+                                   stall_after)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return await start_stand_in(app)
+
+
+@pytest.fixture
+async def tier_proxy():
+    stalls: list[str] = []
+    views = [tier_views(FITS_NOW, "small.gguf")]
+    proxy = ApiProxy(Metrics(lambda: ()), ProxyOptions(stall_timeout_s=0.5),
+                     ServingHooks(on_stall=stalls.append, catalog=lambda: views[0]))
+    port = free_tcp_port()
+    await proxy.start(port)
+    yield proxy, f"http://127.0.0.1:{port}", stalls
+    await proxy.close()
+
+
+async def test_the_proxy_answers_models_and_refuses_a_tier_not_in_service(tier_proxy):
+    proxy, url, _ = tier_proxy
+    runner, upstream_url = await stand_in("small", ["Hi"])
+    proxy.serve(upstream_url, "small")
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            models = (await client.get(url + "/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == ["small", "big-q8"]
+            refused = await client.post(url + "/v1/chat/completions", json={"model": "big-q8", "messages": []})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_not_loaded"
+            assert "1.00 GiB short" in refused.json()["error"]["message"]
+            served = await client.post(url + "/v1/chat/completions", json={"model": "default", "messages": []})
+            assert served.status_code == 200 and served.json()["model"] == "small"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_stream_cut_by_a_step_down_ends_with_an_error_a_plain_request_is_answered_whole(tier_proxy):
+    proxy, url, stalls = tier_proxy
+    asked: list[str] = []
+    big, big_url = await stand_in("big-q8", ["The", " keeper", " lit"], stall_after=2, asked=asked)
+    small, small_url = await stand_in("small", ["A", " lamp"])
+    proxy.serve(big_url, "big-q8")
+
+    async def step_down_when_stalled() -> None:
+        await wait_until_async(lambda: stalls, 10, "the proxy to see the stream stall")
+        proxy.serve(small_url, "small")  # what the serving loop does after a step down
+
+    switcher = asyncio.create_task(step_down_when_stalled())
+    try:
+        events = []
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", url + "/v1/chat/completions",
+                                     json={"messages": [], "stream": True}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+            await switcher
+            # The text already sent came from big-q8; none of the small model's is appended.
+            text = "".join(e["choices"][0]["delta"]["content"] for e in events if "choices" in e)
+            assert text == "The keeper"
+            assert events[-1]["error"]["code"] == "model_switched"
+            message = events[-1]["error"]["message"]
+            assert "'small'" in message and "Send the request again" in message
+            # A plain request cut by the same switch (llama-server dies under it) is answered whole by the next.
+            proxy.serve(big_url, "big-q8")
+            plain = asyncio.create_task(client.post(url + "/v1/chat/completions", json={"messages": []}))
+            await wait_until_async(lambda: "plain" in asked, 10, "the plain request to reach big-q8")
+            proxy.serve(small_url, "small")
+            await big.cleanup()
+            answer = (await plain).json()
+            assert answer["model"] == "small" and answer["choices"][0]["message"]["content"] == "A lamp"
+    finally:
+        switcher.cancel()
+        await big.cleanup()
+        await small.cleanup()
