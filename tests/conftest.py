@@ -11,7 +11,8 @@ import pytest
 
 from mesh_sidecar.llama.build import LlamaBinaries, ensure_binaries
 from mesh_sidecar.llama.model import ensure_model
-from tests.helpers.llama import complete, faulty_rpc_build as make_faulty_rpc_build, plain_llama_server_answer, quiet
+from tests.helpers.llama import complete, plain_llama_server_answer, quiet
+from tests.helpers.llama import faulty_rpc_build as make_faulty_rpc_build
 from tests.helpers.nodes import LoopbackNodes, NodeProcess
 
 

@@ -190,6 +190,9 @@ def replay_request(body: dict[str, Any], api_key: str | None) -> ReplayRequest:
     """The receipt's request again, unstreamed, asking for token ids, continued where the answer was."""
     request = dict(body["request"]["body"])
     request["stream"] = False
+    # The prompt computed afresh, as one batch: a prefix cached from another request (one continued
+    # from more tokens, say) was computed in another batch, and llama.cpp is not batch-invariant.
+    request["cache_prompt"] = False
     ask_for_token_ids(request, body["request"]["path"])
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if continued_at := body.get("continued_at"):

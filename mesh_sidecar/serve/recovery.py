@@ -281,6 +281,8 @@ class RequestRecovery:
             case PrepareFailed(reason=reason):
                 return self._replayed(f"cannot prepare its continuation ({reason})")
             case Refused(status=status, detail=detail):
+                if self.steps and self.steps[-1].step is Step.CONTINUED:
+                    self.steps.pop()  # nothing of it was delivered: the receipt must not name it
                 return self._replayed(f"llama-server refused the continuation ({status}: {detail})")
             case Cut():
                 if self._planned_cuts:

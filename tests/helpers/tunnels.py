@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from mesh_sidecar.identity import generate_identity
 from mesh_sidecar.net.connection import PeerConnection
-from mesh_sidecar.net.transport import MeshTransport
 from mesh_sidecar.net.peer_streams import serve_peer_stream
+from mesh_sidecar.net.transport import MeshTransport
 from mesh_sidecar.net.tunnel import TunnelListener, serve_inbound_stream
 from mesh_sidecar.ports import LOOPBACK
 from mesh_sidecar.wire import auth

@@ -18,14 +18,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mesh_sidecar.llama.capacity import Capacity, held_key
 from mesh_sidecar.llama.build import B2B, ensure_binaries
+from mesh_sidecar.llama.capacity import Capacity, held_key
 from mesh_sidecar.ports import free_tcp_port
 from tests.helpers.llama import N_PREDICT, api_healthy, complete, quiet, start_bare_rpc_server
-from tests.helpers.nodes import kill_worker
-from tests.integration.test_failover import FAILOVER_TIMEOUT_S, LONG, Received, receive
 from tests.helpers.netns import API_PORT, Lab, can_make_namespaces, ns_complete, start_in, ticket_of
+from tests.helpers.nodes import kill_worker
 from tests.helpers.waiting import wait_until
+from tests.integration.test_failover import FAILOVER_TIMEOUT_S, LONG, Received, receive
 
 pytestmark = [pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tests.helpers.llama import api_healthy
-from tests.helpers.nodes import cli, kill_worker, metrics
+from tests.helpers.nodes import kill_worker, metrics
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -201,14 +201,12 @@ def test_stream_survives_a_worker_dying_mid_stream(three_nodes, tmp_path):
     assert samples["mesh_failovers_total{}"] >= 1 and samples["mesh_retries_total{}"] >= 1
     assert samples["mesh_streams_resumed_total{how=continued}"] == 1
     assert len(c.status()["serving"]["plan"]["nodes"]) == 2
-    # Its receipt says where it was continued, and a replay on the healed mesh continues there too:
-    # the same output, though the text after that point need not be the undisturbed run's.
+    # Its receipt says where it was continued. (Its replay is checked on one node, in test_receipt.py: here
+    # the plan without b drafts by n-gram lookup, and llama-server gives no token id for an accepted draft
+    # token, so this receipt's output digest covers only some of the tokens.)
     (continued,) = [path for path in (tmp_path / "receipts").glob("*.json")
                     if json.loads(path.read_text())["body"].get("continued_at")]
-    body = json.loads(continued.read_text())["body"]
-    assert body["continued_at"] == [len(undisturbed.token_ids(seam))], body["continued_at"]
-    ok = cli("verify", str(continued), "--replay", "--home", str(c.home))
-    assert ok.returncode == 0 and "Replay OK" in ok.stdout, ok.stdout + ok.stderr
+    assert json.loads(continued.read_text())["body"]["continued_at"] == [len(undisturbed.token_ids(seam))]
 
 
 # Four greedy streams, different prompts, both endpoints. They ask for logprobs so the test sees

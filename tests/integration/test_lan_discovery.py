@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from mesh_sidecar.net.discovery import LanRecord, mesh_id
 from mesh_sidecar.mesh.saved import MESH_FILE_NAME
+from mesh_sidecar.net.discovery import LanRecord, mesh_id
 from mesh_sidecar.wire.ticket import PeerAddress
-from tests.helpers.nodes import cli
 from tests.helpers.netns import QUIC_PORT, Lab, can_make_namespaces, start_in, ticket_of
+from tests.helpers.nodes import cli
 from tests.helpers.waiting import wait_until
 
 pytestmark = [

@@ -17,9 +17,21 @@ from dataclasses import dataclass
 import pytest
 
 from mesh_sidecar.wire.ticket import PeerAddress, Ticket, decode_ticket, encode_ticket
+from tests.helpers.netns import (
+    API_PORT,
+    MDNS_PORT,
+    QUIC_PORT,
+    Host,
+    Lab,
+    can_make_namespaces,
+    connected_names,
+    ns_complete,
+    ns_python,
+    ns_tcp_refused,
+    start_in,
+    ticket_of,
+)
 from tests.helpers.nodes import NodeProcess, cli
-from tests.helpers.netns import (API_PORT, MDNS_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names,
-                         ns_complete, ns_python, ns_tcp_refused, start_in, ticket_of)
 from tests.helpers.waiting import wait_until
 
 pytestmark = [

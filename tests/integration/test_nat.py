@@ -14,8 +14,15 @@ import time
 
 import pytest
 
-from tests.helpers.natlab import (LOAD_TIMEOUT_S, NatMesh, can_make_nat_lab, metrics_in, peer, start_nat_mesh,
-                          stop_nat_mesh)
+from tests.helpers.natlab import (
+    LOAD_TIMEOUT_S,
+    NatMesh,
+    can_make_nat_lab,
+    metrics_in,
+    peer,
+    start_nat_mesh,
+    stop_nat_mesh,
+)
 from tests.helpers.netns import QUIC_PORT, ns_complete
 from tests.helpers.waiting import wait_until
 

@@ -15,9 +15,19 @@ from pathlib import Path
 import pytest
 
 from mesh_sidecar.mesh.exclusion import WEIGHTS_MISMATCH
+from tests.helpers.netns import (
+    API_PORT,
+    MDNS_PORT,
+    QUIC_PORT,
+    Host,
+    Lab,
+    can_make_namespaces,
+    connected_names,
+    ns_python,
+    start_in,
+    ticket_of,
+)
 from tests.helpers.nodes import cli
-from tests.helpers.netns import (API_PORT, MDNS_PORT, QUIC_PORT, Host, Lab, can_make_namespaces, connected_names,
-                         ns_python, start_in, ticket_of)
 from tests.helpers.waiting import wait_until
 
 pytestmark = [

@@ -8,8 +8,8 @@ import pytest
 
 from mesh_sidecar.mesh.exclusion import SLOW
 from tests.helpers.nodes import metrics
-from tests.integration.test_failover import LONG, Received, assert_goes_on_exactly, receive
 from tests.helpers.waiting import wait_until
+from tests.integration.test_failover import LONG, Received, assert_goes_on_exactly, receive
 
 REPLY_DELAY_S = 4.0  # far past a token's time (tens of ms) and past pace.py's STALL_FLOOR_S
 

@@ -6,9 +6,9 @@ import httpx
 import pytest
 
 from benchmarks.synthetic_model import CACHE_TEST, ensure_synthetic_model
-from tests.helpers.llama import plain_llama_server_answer
 from mesh_sidecar.llama.model import file_sha256
 from mesh_sidecar.llama.weight_cache import hashed_tensor_ranges
+from tests.helpers.llama import plain_llama_server_answer
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import AuthError, MalformedMessageError, ProtocolVersionError
 from mesh_sidecar.identity import generate_identity
+from mesh_sidecar.wire import auth
 
 SECRET = bytes(range(32))
 OTHER_SECRET = bytes(32)

@@ -17,8 +17,19 @@ from mesh_sidecar.errors import (
     ProtocolVersionError,
     WireError,
 )
-from mesh_sidecar.mesh.events import (LoopStalled, MemberJoined, MemberLeft, MemberLost, MemberRemoved, MemberUpdated,
-                                      PeerDegraded, PeerLost, PeerRecovered, SecretRotated)
+from mesh_sidecar.identity import short_id
+from mesh_sidecar.mesh.events import (
+    LoopStalled,
+    MemberJoined,
+    MemberLeft,
+    MemberLost,
+    MemberRemoved,
+    MemberUpdated,
+    PeerDegraded,
+    PeerLost,
+    PeerRecovered,
+    SecretRotated,
+)
 from mesh_sidecar.mesh.health import DEGRADED_AFTER_S, LOOP_STALL_S, LOST_AFTER_S
 from mesh_sidecar.mesh.membership import Dial, Disconnect, Membership, MemberState, Send
 from mesh_sidecar.wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
@@ -26,33 +37,32 @@ from mesh_sidecar.wire.gossip import (
     GOSSIP_WIRE_VERSION,
     MAX_ADDRESS_CHARS,
     MAX_ADDRESSES,
+    MAX_BUILD_LABEL_CHARS,
     MAX_CAPACITY_ENTRIES,
     MAX_CAPACITY_KEY_CHARS,
     MAX_CAPACITY_VALUE,
-    MAX_MEMBERS_PER_LIST,
-    MAX_JUDGED_MEMBERS,
-    MAX_RUN_ID,
-    MAX_JUDGED_MS,
-    SlowWorker,
-    MAX_NAME_CHARS,
     MAX_EPOCH,
+    MAX_JUDGED_MEMBERS,
+    MAX_JUDGED_MS,
+    MAX_MEMBERS_PER_LIST,
+    MAX_NAME_CHARS,
     MAX_NONCE,
     MAX_REASON_CHARS,
+    MAX_RUN_ID,
     MAX_VERSION_CHARS,
-    MAX_BUILD_LABEL_CHARS,
-    LlamaBuild,
     Leave,
+    LlamaBuild,
     MemberInfo,
     MemberList,
+    Observed,
     Ping,
     Pong,
-    Observed,
     Rekey,
     RpcOrder,
+    SlowWorker,
     decode_message,
     encode_message,
 )
-from mesh_sidecar.identity import short_id
 from mesh_sidecar.wire.rpc_hello import RpcVersion
 from tests.helpers.meshes import PINNED_BUILD
 

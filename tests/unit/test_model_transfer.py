@@ -9,10 +9,17 @@ import os
 
 import pytest
 
-from mesh_sidecar.wire import auth
 from mesh_sidecar.errors import MalformedMessageError, ModelError, ProtocolVersionError
-from mesh_sidecar.net.model_transfer import (PARTIAL_SUFFIX, REQUEST, Status, decode_reply, decode_request,
-                                         encode_reply, encode_request)
+from mesh_sidecar.net.model_transfer import (
+    PARTIAL_SUFFIX,
+    REQUEST,
+    Status,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
+from mesh_sidecar.wire import auth
 from tests.helpers.meshes import make_mesh, ticket_of, wait_for
 
 SECRET = b"m" * auth.MESH_SECRET_BYTES

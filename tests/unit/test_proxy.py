@@ -13,8 +13,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.serve.pace import STALL_FLOOR_S, Slow
 from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions, ServingHooks
 from tests.helpers.stand_ins import start_stand_in, stream_events

@@ -198,7 +198,7 @@ def test_a_refused_continuation_is_replayed_and_never_continued_again():
     recovery.handle(UpstreamReady("a"))
     recovery.handle(Prepared(None, {"content": "a0 a1 a2 "}))
     ask = recovery.handle(Refused(400, "bad prompt"))
-    assert ask.step is Step.REPLAYED and "400" in ask.why
+    assert ask.step is Step.REPLAYED and "400" in ask.why and recovery.continued_at == []
     assert deliver(recovery, COMPLETIONS_PATH, "a", 0, 3) == []  # what the client has is dropped
     deliver(recovery, COMPLETIONS_PATH, "a", 3, 1)
     recovery.handle(Failed("ReadError()"))
@@ -292,7 +292,7 @@ class Client:
 def run(data: st.DataObject, path: str, shape: Shape, covered: bool) -> tuple[RequestRecovery, Client,
                                                                                GiveUp | None, str, list[Any]]:
     """Drive one request to its end; returns the machine, the client, the give-up (None: answered),
-    the model that answered last and every decision made."""
+    the model that answered last and every decision made (a refused continuation's ask left out)."""
     recovery = machine(path, shape, covered=covered)
     client = Client(shape, path, assembly=Assembly(path) if shape is Shape.ASSEMBLED else None)
     model = "a"
@@ -323,6 +323,7 @@ def run(data: st.DataObject, path: str, shape: Shape, covered: bool) -> tuple[Re
         if decision.step is Step.SWITCHED:
             client.assembly = Assembly(path)
         if decision.step is Step.CONTINUED and data.draw(st.booleans(), label="continuation refused"):
+            decisions.pop()
             decision = recovery.handle(Refused(400, "no"))
             continue
         start = 0
