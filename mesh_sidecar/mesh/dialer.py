@@ -84,13 +84,13 @@ class Dialer:
         self._name_of = name_of
         self._lost = lost
         self._info_of = info_of
-        self.port: int | None = None  # ours: a member's address with it on our own interfaces is us
         self.punch_counters = PunchCounters()
 
     async def dial(self, node_id: bytes, addresses: list[PeerAddress] | tuple[PeerAddress, ...]) -> None:
         # A member's loopback (or LAN) address with our own port is this node: machines in different
         # homes all listen on the default port.
-        own = set(reachable_addresses(self.port)) if self.port is not None else set()
+        port = self._transport.port
+        own = set(reachable_addresses(port)) if port is not None else set()
         await self._transport.connect([(a.host, a.port) for a in addresses if a not in own], node_id)
 
     async def join(self, ticket: Ticket) -> None:

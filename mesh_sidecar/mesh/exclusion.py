@@ -81,7 +81,8 @@ def exclusion_of(member: MemberInfo, serving: MemberInfo) -> Exclusion | None:
             f"{serving.name} waited {held.owed_ms / 1000:.1f} s of {held.window_ms / 1000:.1f} s for the replies of "
             f"{member.name}'s rpc-server while a token takes about {held.token_ms} ms",
             f"Check what else runs on {member.name} (another program on its GPU or CPU) and its network; it is "
-            f"given layers again in {SLOW_EXCLUSION_S / 60:.0f} minutes, or at once when mesh-inference restarts there.")
+            f"given layers again in {SLOW_EXCLUSION_S / 60:.0f} minutes, or at once when mesh-inference restarts "
+            "there.")
     if holds_other_weights(serving.model_sha256, member):
         return Exclusion(
             WEIGHTS_MISMATCH,

@@ -137,6 +137,12 @@ class PeerTable(Mapping[bytes, Peer]):
         """Where our llama-server reaches ``node_id``'s rpc-server: its tunnel's port."""
         return f"{LOOPBACK}:{self._peers[node_id].tunnel.port}"
 
+    def rpc_endpoint(self, node_id: bytes, own_rpc_port: int) -> str | None:
+        """Where member ``node_id``'s rpc-server is reached from here: ours on loopback, else its tunnel."""
+        if node_id == self._own_id:
+            return f"{LOOPBACK}:{own_rpc_port}"
+        return self.tunnel_endpoint(node_id) if node_id in self._peers else None
+
     def reply_waits_s(self, since: float, now: float) -> dict[bytes, float]:
         """Per peer, the seconds within [since, now] its rpc-server owed our llama-server a reply."""
         return {node_id: peer.tunnel.reply_waits.owed_s(since, now) for node_id, peer in self._peers.items()}

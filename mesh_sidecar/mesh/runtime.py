@@ -40,7 +40,6 @@ from ..net.model_transfer import fetch_model_over
 from ..net.peer_streams import StreamServices, serve_streams
 from ..net.relay import RelayCounters
 from ..net.transport import MeshTransport
-from ..ports import LOOPBACK
 from ..progress import ProgressCallback
 from ..wire.auth import MESH_SECRET_BYTES
 from ..wire.gossip import MAX_ADDRESSES, MAX_RUN_ID, LlamaBuild, MemberInfo, Observed, decode_message, encode_message
@@ -56,7 +55,7 @@ from .observed import OwnAddresses, tell_observed_addresses
 from .peers import LEAVE_GRACE_S, PeerTable
 from .saved import SavedMesh
 from .serving import MemberJudge, OnRejected, ServingVerdicts
-from .status import MeshView, PeerView, peer_views
+from .status import MeshView, PeerView, mesh_view, peer_views
 from .timings import MeshTimings
 
 log = logging.getLogger(__name__)
@@ -87,6 +86,7 @@ class Mesh:
         model_file: Path | None = None,
         lan: bool = False,
         timings: MeshTimings = MeshTimings(),
+        membership: type[Membership] = Membership,  # tests put a faulty one in its place
     ) -> None:
         self.identity = identity
         self._timings = timings
@@ -100,7 +100,6 @@ class Mesh:
         self.model_sha256 = model_sha256
         self.model_file = model_file  # offered to members that fetch it by its sha256
         self._saved = saved
-        self.port: int | None = None
         self.run_id = secrets.randbelow(MAX_RUN_ID) + 1  # announced: a new one tells members this node restarted
         self.changes = Changes()  # a member joined, was lost or left, or a verdict changed
         self.relay_counters = RelayCounters()
@@ -121,7 +120,7 @@ class Mesh:
             lambda sha256: self.model_file if sha256 == self.model_sha256 else None,
             self._peers.open_relay_leg, self.relay_counters, self._transport.serve_circuit)
         # Without a port yet, this node announces no addresses: start() adds them.
-        self._membership = Membership(self._self_info(), degraded_after_s=timings.degraded_after_s,
+        self._membership = membership(self._self_info(), degraded_after_s=timings.degraded_after_s,
                                       lost_after_s=timings.lost_after_s)
         # mDNS (lan.py): advertise this node, dial members whose records show up.
         self._lan = LanDialer(
@@ -138,14 +137,18 @@ class Mesh:
     async def start(self, port: int | None) -> None:
         """Listen on ``port`` (UDP); without one, the default port or else a free one."""
         try:
-            self.port = await self._transport.start(LISTEN_HOST, DEFAULT_QUIC_PORT if port is None else port)
+            await self._transport.start(LISTEN_HOST, DEFAULT_QUIC_PORT if port is None else port)
         except PortInUseError:
             if port is not None:
                 raise
-            self.port = await self._transport.start(LISTEN_HOST, 0)
+            await self._transport.start(LISTEN_HOST, 0)
             self._say(f"UDP port {DEFAULT_QUIC_PORT} is taken; listening for the mesh on {self.port} instead.")
-        self._dialer.port = self.port
         self._membership.update_self(self._self_info())
+
+    @property
+    def port(self) -> int | None:
+        """The UDP port this node listens on for the mesh; None before ``start``."""
+        return self._transport.port
 
     def ticket(self) -> str:
         assert self.port is not None
@@ -263,12 +266,8 @@ class Mesh:
 
     def mesh_view(self) -> MeshView:
         """This node's side of the mesh, for `mesh-inference status` (status.py)."""
-        admission = self._transport.admission
-        return MeshView(self.port, self._saved.epoch, tuple(sorted(self._saved.removed)),
-                        self._transport.ignored_datagrams, admission.refused_connections,
-                        admission.unadmitted_streams, self.model_sha256, mesh_id(self._saved.secret),
-                        self.relay_counters, self._dialer.punch_counters,
-                        None if self._lan is None else tuple(self._lan.records()))
+        return mesh_view(self.port, self._saved, self.model_sha256, self._transport, self.relay_counters,
+                         self._dialer.punch_counters, None if self._lan is None else tuple(self._lan.records()))
 
     def peer_views(self) -> tuple[PeerView, ...]:
         """Every member we know of, as it stands now (status.py)."""
@@ -287,11 +286,10 @@ class Mesh:
 
     def _on_observed(self, node_id: bytes, address: str) -> None:
         """A peer says where it sees us: a new public address goes into gossip and the ticket."""
-        if not self._addresses.heard(node_id, address, self.port):
-            return
-        self._say(f"{self.name_of(node_id)} sees this node at {address}: members elsewhere can dial it there "
-                  "(it is in this node's gossip and `mesh-inference ticket` now).")
-        self._announce_self()
+        if self._addresses.heard(node_id, address, self.port):
+            self._say(f"{self.name_of(node_id)} sees this node at {address}: members elsewhere can dial it there "
+                      "(it is in this node's gossip and `mesh-inference ticket` now).")
+            self._announce_self()
 
     def _self_info(self) -> MemberInfo:
         return MemberInfo(
@@ -389,12 +387,7 @@ class Mesh:
     def _resolve_endpoint(self, peer_index: int) -> str | None:
         """REGISTER_PEER's peer id -> the endpoint that reaches that member from here."""
         order = self._membership.rpc_order
-        if not 0 <= peer_index < len(order):
-            return None
-        node_id = order[peer_index]
-        if node_id == self.identity.node_id:
-            return f"{LOOPBACK}:{self._rpc_port}"
-        return self.tunnel_endpoint(node_id) if node_id in self._peers else None
+        return self._peers.rpc_endpoint(order[peer_index], self._rpc_port) if 0 <= peer_index < len(order) else None
 
     async def _serve_peer(self, connection: PeerConnection) -> None:
         """One admitted connection's whole life; returning closes it."""

@@ -18,14 +18,16 @@ from typing import Any
 
 from ..identity import short_id
 from ..net.connection import PeerConnection
-from ..net.discovery import LanRecord, lan_record_json
+from ..net.discovery import LanRecord, lan_record_json, mesh_id
 from ..net.relay import RelayCounters
+from ..net.transport import MeshTransport
 from ..net.tunnel import TunnelCounters
 from ..wire.ticket import PeerAddress
 from .exclusion import Exclusion, exclusion_between
 from .health import HealthState
 from .membership import Membership, MemberState, MemberStatus
 from .peers import Peer
+from .saved import SavedMesh
 
 
 def rtt_ms(seconds: float | None) -> float | None:
@@ -95,6 +97,14 @@ class MeshView:
     relay: RelayCounters  # as a relay for others
     punch: PunchCounters
     lan: tuple[LanRecord, ...] | None  # records seen on the LAN; None without --lan
+
+
+def mesh_view(port: int | None, saved: SavedMesh, model_sha256: str, transport: MeshTransport, relay: RelayCounters,
+              punch: PunchCounters, lan: tuple[LanRecord, ...] | None) -> MeshView:
+    """This node's side of the mesh, listening on ``port`` (None before it starts)."""
+    return MeshView(port, saved.epoch, tuple(sorted(saved.removed)), transport.ignored_datagrams,
+                    transport.admission.refused_connections, transport.admission.unadmitted_streams,
+                    model_sha256, mesh_id(saved.secret), relay, punch, lan)
 
 
 def peer_json(view: PeerView) -> dict[str, Any]:

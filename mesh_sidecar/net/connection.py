@@ -62,8 +62,8 @@ from ..wire import auth
 from ..wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from . import path_mtu
 from .endpoint import Address, Datagram, format_address
-from .relay import is_virtual
 from .quic import QuicConnection, events
+from .relay import is_virtual
 from .routes import RouteTable
 from .streams import MeshStreamReader, MeshStreamWriter, StreamCode, StreamPair, StreamTable
 

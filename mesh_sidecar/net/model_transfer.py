@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..errors import MalformedMessageError, ModelError, ProtocolVersionError
-from ..progress import ProgressCallback
 from ..llama.model import file_sha256
+from ..progress import ProgressCallback
 from ..wire.stream_kind import StreamKind
 from .connection import PeerConnection
 from .streams import MeshStreamReader, MeshStreamWriter

@@ -71,11 +71,12 @@ if QUIC_LIBRARY == "aioquic":
     from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder
     from aioquic.quic.recovery import K_MICRO_SECOND, QuicPacketPacer
 elif QUIC_LIBRARY == "qh3":
-    from qh3._hazmat import Buffer
-    from qh3.quic import events
-    from qh3.quic.configuration import QuicConfiguration
-    from qh3.quic.connection import QuicConnection as _LibraryConnection
-    from qh3.quic.packet import QuicPacketType, pull_quic_header
+    # The type checker reads the aioquic branch: qh3's names stand in for the same ones.
+    from qh3._hazmat import Buffer  # type: ignore[no-redef]
+    from qh3.quic import events  # type: ignore[no-redef]  # noqa: F401 (connection.py reads them here)
+    from qh3.quic.configuration import QuicConfiguration  # type: ignore[no-redef]
+    from qh3.quic.connection import QuicConnection as _LibraryConnection  # type: ignore[no-redef]
+    from qh3.quic.packet import QuicPacketType, pull_quic_header  # type: ignore[no-redef]
     from qh3.tls import SignatureAlgorithm, load_pem_private_key, load_pem_x509_certificates
 
     SMALLEST_MAX_DATAGRAM_SIZE = 1200  # RFC 9000 14.1
@@ -240,7 +241,7 @@ class _Quic(_LibraryConnection):
         # aioquic 1.7.2 copies the configured size into the connection, congestion control
         # (the window grows by it) and the pacer; all three change together.
         self._max_datagram_size = size
-        self._loss._cc._max_datagram_size = size
+        self._loss._cc._max_datagram_size = size  # type: ignore[attr-defined]  # its Reno and Cubic have it
         self._loss._pacer._max_datagram_size = size
 
     def probe_timeouts(self) -> int:
@@ -259,7 +260,7 @@ class _Quic(_LibraryConnection):
         builder = QuicPacketBuilder(
             host_cid=self.host_cid, is_client=self._is_client, max_datagram_size=size,
             packet_number=self._packet_number, peer_cid=self._peer_cid.cid, quic_logger=self._quic_logger,
-            spin_bit=self._spin_bit, version=self._version,
+            spin_bit=self._spin_bit, version=self._version,  # type: ignore[arg-type]  # set once connected
         )
         builder.start_packet(QuicPacketType.ONE_RTT, self._cryptos[tls.Epoch.ONE_RTT])
         frame = builder.start_frame(QuicFrameType.PING, handler=self._on_size_probe, handler_args=(size, on_result))
@@ -281,7 +282,7 @@ class _Quic(_LibraryConnection):
 def _qh3_credentials(configuration: QuicConfiguration, identity: NodeIdentity, *, is_client: bool) -> None:
     """qh3 takes its own certificate and key types, and offers EdDSA only when asked."""
     if is_client:
-        configuration.signature_algorithms = [SignatureAlgorithm.ED25519]
+        configuration.signature_algorithms = [SignatureAlgorithm.ED25519]  # type: ignore[attr-defined]  # qh3's
         return
     pem = serialization.Encoding.PEM
     configuration.certificate = load_pem_x509_certificates(identity.certificate().public_bytes(pem))[0]
@@ -307,7 +308,8 @@ class _Qh3Quic(_Quic):
         # qh3 1.9.4 doubles windows inside _write_application, for the streams in _streams_dirty_limits
         # and for _local_max_data, with no hook between: hide arrivals from it around the whole call,
         # as _Quic's hooks do for aioquic.
-        hidden = [(stream.receiver, stream.receiver.highest_offset) for stream in self._streams_dirty_limits]
+        hidden = [(stream.receiver, stream.receiver.highest_offset)
+                  for stream in self._streams_dirty_limits]  # type: ignore[attr-defined]  # qh3's
         for receiver, _ in hidden:
             receiver.highest_offset = 0
         limit = self._local_max_data
@@ -344,7 +346,7 @@ class _Qh3Quic(_Quic):
         if not super().grant_window(stream_id, consumed):
             return False
         # qh3 1.9.4 sends MAX_STREAM_DATA only for the streams in _streams_dirty_limits.
-        self._streams_dirty_limits.add(self._streams[stream_id])
+        self._streams_dirty_limits.add(self._streams[stream_id])  # type: ignore[attr-defined]  # qh3's
         return True
 
     def unsent_bytes(self, stream_id: int) -> int:
@@ -356,7 +358,7 @@ class _Qh3Quic(_Quic):
         return self._written.get(stream_id, 0) - stream.sender.highest_offset
 
     def peer_node_id(self) -> bytes:
-        certificate = self.get_peercert()
+        certificate = self.get_peercert()  # type: ignore[attr-defined]  # qh3's
         if certificate is None:
             raise AuthError("peer presented no certificate")
         return node_id_of_certificate(x509.load_der_x509_certificate(certificate.public_bytes()))
@@ -367,4 +369,7 @@ class _Qh3Quic(_Quic):
 
 
 # The connection class for the library in use: what the transport creates for each connection.
-QuicConnection = _Qh3Quic if QUIC_LIBRARY == "qh3" else _Quic
+if TYPE_CHECKING:
+    QuicConnection = _Quic  # the type callers see: qh3's connection is one
+else:
+    QuicConnection = _Qh3Quic if QUIC_LIBRARY == "qh3" else _Quic

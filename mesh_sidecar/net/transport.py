@@ -51,10 +51,10 @@ from ..wire import auth
 from ..wire.stream_kind import StreamKind
 from .connection import AdmissionCounters, PeerConnection
 from .endpoint import Address, Datagram, UdpEndpoint, format_address
+from .quic import QuicConnection, opens_connection, parse_header, quic_configuration
 from .relay import RelayCircuit, request_circuit, virtual_address
 from .routes import RouteTable
 from .streams import MeshStreamReader, MeshStreamWriter
-from .quic import QuicConnection, opens_connection, parse_header, quic_configuration
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class MeshTransport:
         self._client_configuration = quic_configuration(identity, is_client=True)
         self._removed: set[bytes] = set()
         self._routes: RouteTable[PeerConnection] = RouteTable()
+        self.port: int | None = None  # the UDP port, once started
         self.ignored_datagrams = 0
         self._admission = AdmissionCounters()
         self._ignored_since_log = 0
@@ -139,11 +140,11 @@ class MeshTransport:
     async def start(self, host: str, port: int) -> int:
         """Bind the UDP port (0: any free one) and return its number."""
         self._loop = asyncio.get_running_loop()
-        bound_port = await self._endpoint.bind(host, port)
+        self.port = await self._endpoint.bind(host, port)
         started = self._loop.create_future()
         self._supervisor = asyncio.create_task(self._supervise(started), name="mesh-transport")
         await started
-        return bound_port
+        return self.port
 
     def send_datagrams(self, datagrams: list[Datagram]) -> None:
         """Send a connection's datagrams: over UDP, or into the relay circuit of their virtual address."""

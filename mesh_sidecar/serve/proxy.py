@@ -62,10 +62,11 @@ from ..errors import MeshError, ServiceUnavailableError
 from ..ports import LOOPBACK
 from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, ApiAccess, cors, guard, openai_error
 from .activity import TokenRate
-from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly, Continuation, streamed, uncovered
+from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly
+from .generation import Generation, PreparedRequest, prepare, requested_model
 from .metrics import Metrics
 from .pace import Slow, StreamPace, TokenPace
-from .receipt import CONTINUE_AT_HEADER, OutputTap, ask_for_token_ids, parse_continue_at
+from .receipt import CONTINUE_AT_HEADER, OutputTap, parse_continue_at
 from .recovery import (
     MAX_FAILOVERS_PER_REQUEST,
     Ask,
@@ -85,7 +86,7 @@ from .recovery import (
     UpstreamReady,
     WaitForUpstream,
 )
-from .replay import GENERATION_PATHS, EventSplitter, pin_seed
+from .replay import GENERATION_PATHS, EventSplitter
 from .tiers import DEFAULT_MODEL_NAMES, TierView, models_list, why_not_served
 
 log = logging.getLogger(__name__)
@@ -110,17 +111,6 @@ SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the nod
 MODEL_LOADING_MESSAGE = "The model is still being loaded on the mesh; retry in a moment."
 MODEL_LOADING_CODE = "model_loading"
 MODELS_PATH = "/v1/models"
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One finished generation request, for receipts: the request as sent (seed pinned) and what came back."""
-
-    path: str
-    request: dict
-    output: OutputTap
-    model: str  # the id of the model that answered
-    continued_at: tuple[int, ...] = ()  # the tokens delivered at each continuation after a failover
 
 
 GenerationHook = Callable[[Generation], None]
@@ -173,45 +163,6 @@ class _ClientSide:
     started: float  # monotonic time the request arrived
     response: web.StreamResponse | None = None  # a stream's response, once begun
     first_text_seen: bool = False
-
-
-def _requested_model(body: bytes) -> str:
-    """The ``model`` a generation request names ("" for none, or a body we cannot read)."""
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return ""
-    model = request.get("model") if isinstance(request, dict) else None
-    return model if isinstance(model, str) else ""
-
-
-@dataclass(frozen=True)
-class Tapped:
-    """A generation request made to return token ids (for receipts and continuation)."""
-
-    body: bytes  # as sent to llama-server
-    meant: dict  # the request as the client meant it
-    sent: dict  # the request as sent to llama-server
-    tap: OutputTap  # reads the ids, strips them unless the client asked
-
-
-def _tapped(body: bytes, path: str) -> Tapped | None:
-    """The request asking for token ids too (None: not a JSON object; llama-server will answer it)."""
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(request, dict):
-        return None
-    meant = json.loads(body)
-    added = ask_for_token_ids(request, path)
-    return Tapped(json.dumps(request).encode(), meant, request, OutputTap(strip=added))
-
-
-def _streamed(tapped: Tapped, path: str) -> Tapped:
-    """A plain request sent as a stream, to be assembled (and continued after a failover)."""
-    sent = streamed(path, tapped.sent)
-    return Tapped(json.dumps(sent).encode(), tapped.meant, sent, tapped.tap)
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -334,44 +285,31 @@ class ApiProxy:
         except ValueError as exc:
             return self._count(request, openai_error(400, str(exc), "invalid_request_error", "invalid_header"))
         body = await request.read()
-        shape = Shape.WHOLE
-        tapped: Tapped | None = None
-        continuation: Continuation | None = None
-        assembly: Assembly | None = None
+        prepared = PreparedRequest(body, Shape.WHOLE)
         if request.method == "POST" and request.path in GENERATION_PATHS:
             # The catalog plans every tier: asked for only when a request names a model.
-            requested = _requested_model(body)
+            requested = requested_model(body)
             if (self._hooks.catalog is not None and requested not in DEFAULT_MODEL_NAMES
                     and (why := why_not_served(requested, self._hooks.catalog()))):
                 return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
-            body, streaming = pin_seed(body)
-            shape = Shape.STREAM if streaming else Shape.WHOLE
-            continues = self._options.continue_streams
-            if self._hooks.on_generation is not None or continues:
-                tapped = _tapped(body, request.path)
-            if tapped is not None and continues and uncovered(request.path, tapped.sent) is None:
-                if not streaming:
-                    tapped, assembly, shape = _streamed(tapped, request.path), Assembly(request.path), Shape.ASSEMBLED
-                continuation = Continuation(request.path, tapped.sent)
-            elif self._hooks.on_generation is None:
-                tapped = None  # neither receipts nor a continuation need token ids: none asked for
-            if tapped is not None:
-                body = tapped.body
+            prepared = prepare(request.path, body, receipts=self._hooks.on_generation is not None,
+                               continues=self._options.continue_streams)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
             upstream = await self._upstream_for(None)
         except ServiceUnavailableError as exc:
             return self._count(request, openai_error(503, str(exc), "unavailable", exc.code))
-        recovery = RequestRecovery(request.rel_url.path_qs, body, shape, upstream.model, continuation,
-                                   continue_at, self._options.max_failovers)
-        client = _ClientSide(request, headers, tapped.tap if tapped else None, assembly, time.monotonic())
+        recovery = RequestRecovery(request.rel_url.path_qs, prepared.body, prepared.shape, upstream.model,
+                                   prepared.continuation, continue_at, self._options.max_failovers)
+        client = _ClientSide(request, headers, prepared.tap, prepared.assembly, time.monotonic())
         self._in_flight += 1
         self._idle.clear()
         try:
             response, answered_by = await self._exchange(recovery, client, upstream)
-            if self._hooks.on_generation is not None and tapped is not None and response.status == 200:
-                self._report(Generation(request.path, tapped.meant, tapped.tap, answered_by.model,
+            if (self._hooks.on_generation is not None and prepared.meant is not None and prepared.tap is not None
+                    and response.status == 200):
+                self._report(Generation(request.path, prepared.meant, prepared.tap, answered_by.model,
                                         tuple(recovery.continued_at)))
             return self._count(request, response)
         finally:

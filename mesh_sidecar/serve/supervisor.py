@@ -56,11 +56,12 @@ from ..progress import ProgressCallback
 from ..wire.rpc_outputs import OutputRejected
 from . import dashboard, receipt
 from .access import OPEN_ACCESS, ApiAccess
+from .generation import Generation
 from .metrics import Metrics
 from .output_guard import OutputGuard
 from .pace import Slow
 from .planner import NodeCapacity, Plan, assess_tiers
-from .proxy import ApiProxy, Generation, ProxyOptions, ServingHooks
+from .proxy import ApiProxy, ProxyOptions, ServingHooks
 from .replan import (
     Blame,
     Replan,

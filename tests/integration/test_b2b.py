@@ -79,8 +79,8 @@ def run_mesh(lab_hosts, root: Path, *flags: str) -> dict:
         rpc_port_s = next(p["port"] for p in serving.status()["processes"] if p["name"] == "ggml-rpc-server")
         logs = {n.home.name: (n.home / "logs" / "sidecar.log").read_text(errors="replace") for n in nodes}
         ids = {n.home.name: n.status()["node"]["short_id"] for n in nodes}
-        return {"text": text, "long_text": long_text, "moved": moved, "order": order, "tunnels": tunnels, "rpc_port_s": rpc_port_s,
-                "logs": logs, "ids": ids}
+        return {"text": text, "long_text": long_text, "moved": moved, "order": order, "tunnels": tunnels,
+                "rpc_port_s": rpc_port_s, "logs": logs, "ids": ids}
     finally:
         for node in nodes:
             node.stop_with_children()
@@ -168,7 +168,7 @@ def test_two_serving_nodes_answer_at_once(b2b_binaries, reference_text, tmp_path
             nodes.append(start_in(host, tmp_path / host.name, "--join", ticket, "--b2b", "--serve", str(API_PORT),
                                   "--min-peers", "2"))
         for node in nodes[1:]:
-            wait_until(lambda: "API ready" in node.text() or node.proc.poll() is not None, LOAD_TIMEOUT_S,
+            wait_until(lambda node=node: "API ready" in node.text() or node.proc.poll() is not None, LOAD_TIMEOUT_S,
                        f"{node.home.name} loads the model")
             assert node.proc.poll() is None, node.text()
         answers: dict[str, str] = {}

@@ -39,7 +39,7 @@ def test_a_worker_returning_nans_is_left_out_and_the_answer_is_unchanged(start_n
     assert "b returned a corrupt layer output" in c.text()
 
     # b's own output and status say why.
-    line = wait_until(lambda: next((l for l in b.text().splitlines() if l.startswith(CORRUPT_OUTPUT)), None),
+    line = wait_until(lambda: next((line for line in b.text().splitlines() if line.startswith(CORRUPT_OUTPUT)), None),
                       30, "b says it is left out")
     assert "c found NaN or Inf values in the layer outputs b's rpc-server returned" in line
     assert "restart mesh-inference there" in line

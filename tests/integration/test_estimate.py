@@ -83,7 +83,7 @@ def test_estimate_matches_llama_cpp_buffers(binaries, model_path: Path, tmp_path
     assert assigned == {il: f"RPC{d}" for il, d in enumerate(expected_devices)}
 
     ranges = [(0, 10, False), (10, SMOL_LAYERS, True)]
-    for endpoint, (start, end, last) in zip(endpoints, ranges):
+    for endpoint, (start, end, last) in zip(endpoints, ranges, strict=True):
         ours = (sum(est.layer_weight_bytes[start:end]) + (est.output_bytes if last else 0)
                 + (end - start) * est.kv_bytes_per_layer) / MIB
         theirs = sizes[(endpoint, "model")] + sizes[(endpoint, "KV")]

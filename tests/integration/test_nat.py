@@ -87,8 +87,9 @@ def test_a_stranger_on_the_internet_cannot_use_a_member_as_a_relay(punched, tmp_
     stranger = punched.lab.add_public("s")
     before = p.status()["mesh"]
     h1_id = peer(p, "h1")["id"]
-    result = subprocess.run(stranger.exec_argv(sys.executable, "-m", "tests.helpers.stranger", "relay", punched.public.ip,
-                                               str(QUIC_PORT), h1_id), capture_output=True, text=True, timeout=120)
+    argv = stranger.exec_argv(sys.executable, "-m", "tests.helpers.stranger", "relay", punched.public.ip,
+                              str(QUIC_PORT), h1_id)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("no relay, closed by the node"), result.stdout
     after = p.status()["mesh"]

@@ -27,7 +27,8 @@ REJOIN_TIMEOUT_S = 90.0  # the redial's first backoff, a direct dial's timeout p
 
 
 def drop_packets_from(host: Host, source_ip: str) -> None:
-    rules = f"table inet {BLOCK_TABLE} {{\n chain input {{\n type filter hook input priority 0;\n ip saddr {source_ip} drop\n }}\n}}\n"
+    rules = (f"table inet {BLOCK_TABLE} {{\n chain input {{\n type filter hook input priority 0;\n"
+             f" ip saddr {source_ip} drop\n }}\n}}\n")
     subprocess.run(host.exec_argv("nft", "-f", "-"), input=rules, text=True, check=True)
 
 

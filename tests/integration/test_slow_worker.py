@@ -49,6 +49,6 @@ def test_a_worker_answering_late_is_left_out_and_the_stream_continues(start_node
     # Judged against the token's time, not by the 60 s stall timer.
     assert "b is holding tokens up" in c.text() and "No progress" not in c.text()
 
-    line = wait_until(lambda: next((l for l in b.text().splitlines() if l.startswith(f"{SLOW}:")), None),
+    line = wait_until(lambda: next((line for line in b.text().splitlines() if line.startswith(f"{SLOW}:")), None),
                       30, "b says it is left out")
     assert "c waited" in line and "when mesh-inference restarts there" in line

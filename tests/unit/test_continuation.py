@@ -210,7 +210,8 @@ def test_a_plain_request_streams_to_be_continued_and_is_assembled_whole():
         for out in continuation.reshape(event):
             assembly.add(out)
     assert assembly.response() == {
-        "choices": [{"finish_reason": "length", "index": 0, "message": {"role": "assistant", "content": "Lighthouses guide"}}],
+        "choices": [{"finish_reason": "length", "index": 0,
+                     "message": {"role": "assistant", "content": "Lighthouses guide"}}],
         **IDENTITY, "object": "chat.completion", "usage": usage}
 
 

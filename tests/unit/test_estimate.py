@@ -181,7 +181,7 @@ def test_recurrent_model_is_a_model_error(tmp_path: Path) -> None:
 def test_block_outside_block_count_is_a_model_error(tmp_path: Path) -> None:
     tensors = {**TINY_TENSORS, "blk.2.attn_q.weight": (8, 8)}
     path = _write_gguf(tmp_path / "odd.gguf", "tiny", TINY_KV, tensors)
-    with pytest.raises(ModelError, match="blk.2"):
+    with pytest.raises(ModelError, match=r"blk\.2"):
         estimate_model(path, 256)
 
 

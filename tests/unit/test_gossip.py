@@ -6,6 +6,7 @@ import hashlib
 import json
 from collections import defaultdict, deque
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -152,7 +153,7 @@ def decode_stream(parts: list[bytes]) -> list[object]:
 
 def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:])]
+    return [data[a:b] for a, b in pairwise(points)]
 
 
 # --- codec --------------------------------------------------------------------------------

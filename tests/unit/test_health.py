@@ -18,6 +18,7 @@ from mesh_sidecar.mesh.health import (
     PeerHealth,
     percentile,
 )
+from mesh_sidecar.mesh.membership import Membership
 from mesh_sidecar.mesh.timings import MeshTimings
 from mesh_sidecar.net.tunnel import TunnelCounters, serve_inbound_stream
 from mesh_sidecar.ports import LOOPBACK
@@ -264,7 +265,23 @@ async def test_inbound_stream_counts_rpc_commands_and_bytes():
 
 # --- two Meshes on loopback ---------------------------------------------------------------
 
-async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkeypatch, caplog, tmp_path):
+class DeafToPings(Membership):
+    """A membership that leaves Pings unanswered while ``deaf``: a node hung as far as the mesh can tell."""
+
+    deaf = False
+
+    def receive(self, from_id, msg, now):
+        return None if self.deaf and isinstance(msg, Ping) else super().receive(from_id, msg, now)
+
+
+@pytest.fixture
+def deaf_to_pings():
+    DeafToPings.deaf = False
+    yield DeafToPings
+    DeafToPings.deaf = False
+
+
+async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(deaf_to_pings, caplog, tmp_path):
     # Fast heartbeats and short thresholds; QUIC keepalives keep the connection itself
     # alive all along, so only the heartbeats can tell that B stopped answering.
     # Degraded for 2.5 s before lost: wide enough that a busy machine's polling still sees it.
@@ -272,7 +289,7 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
     caplog.set_level(logging.INFO, "mesh_sidecar.mesh.runtime")
     said: dict[str, list[str]] = {"a": [], "b": []}
     a = make_mesh(tmp_path, "a", SECRET, said["a"].append, timings=timings)
-    b = make_mesh(tmp_path, "b", SECRET, said["b"].append, timings=timings)
+    b = make_mesh(tmp_path, "b", SECRET, said["b"].append, timings=timings, membership=deaf_to_pings)
     await a.start(0)
     await b.start(0)
     tasks = [asyncio.create_task(m.run()) for m in (a, b)]
@@ -287,10 +304,7 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
         assert status["rpc_commands"] == status["bytes_from_peer_in"] == status["bytes_to_peer_in"] == 0
 
         # B hangs as far as the mesh is concerned: its Pings go unanswered.
-        real_receive = b._membership.receive
-        monkeypatch.setattr(b._membership, "receive",
-                            lambda from_id, msg, now: None if isinstance(msg, Ping)
-                            else real_receive(from_id, msg, now))
+        deaf_to_pings.deaf = True
         await wait_for(lambda: row(a, b)["health"] == "degraded", "B degraded", 10.0)
         assert row(a, b)["missed_heartbeats"] >= 1
         assert row(a, b)["state"] == "connected"
@@ -307,23 +321,20 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(monkey
         await b.close(graceful=False)
 
 
-async def test_a_peer_that_answers_again_recovers(monkeypatch, tmp_path):
+async def test_a_peer_that_answers_again_recovers(deaf_to_pings, tmp_path):
     timings = MeshTimings(heartbeat_interval_s=0.1, degraded_after_s=0.3, lost_after_s=5.0)
     said: list[str] = []
     a = make_mesh(tmp_path, "a", SECRET, said.append, timings=timings)
-    b = make_mesh(tmp_path, "b", SECRET, timings=timings)
+    b = make_mesh(tmp_path, "b", SECRET, timings=timings, membership=deaf_to_pings)
     await a.start(0)
     await b.start(0)
     tasks = [asyncio.create_task(m.run()) for m in (a, b)]
     try:
         await a.join(ticket_of(b, SECRET))
         await wait_for(lambda: row(a, b).get("rtt_ms") is not None, "heartbeats answered")
-        real_receive = b._membership.receive
-        monkeypatch.setattr(b._membership, "receive",
-                            lambda from_id, msg, now: None if isinstance(msg, Ping)
-                            else real_receive(from_id, msg, now))
+        deaf_to_pings.deaf = True
         await wait_for(lambda: row(a, b)["health"] == "degraded", "B degraded", 10.0)
-        monkeypatch.setattr(b._membership, "receive", real_receive)
+        deaf_to_pings.deaf = False
         await wait_for(lambda: row(a, b)["health"] == "connected", "B recovered", 10.0)
         assert row(a, b)["state"] == "connected" and row(a, b)["missed_heartbeats"] == 0
         assert any(m.startswith("Peer b answers heartbeats again") for m in said), said

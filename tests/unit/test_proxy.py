@@ -67,14 +67,13 @@ async def test_a_stalled_stream_is_restarted_and_replayed_exactly(proxy_port):
 
     restarter = asyncio.create_task(restart_when_asked())
     text, ids = "", set()
-    async with httpx.AsyncClient(timeout=30) as client:
-        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                                 json={"prompt": "x", "stream": True}) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    body = json.loads(line[6:])
-                    text += body["choices"][0]["text"]
-                    ids.add(body["id"])
+    async with httpx.AsyncClient(timeout=30) as client, client.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                body = json.loads(line[6:])
+                text += body["choices"][0]["text"]
+                ids.add(body["id"])
     await restarter
     assert text == "".join(PIECES)
     assert ids == {"first"}
@@ -86,12 +85,11 @@ async def test_a_stalled_stream_is_restarted_and_replayed_exactly(proxy_port):
 
 async def stream_text(port: int) -> str:
     text = ""
-    async with httpx.AsyncClient(timeout=30) as client:
-        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                                 json={"prompt": "x", "stream": True}) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    text += json.loads(line[6:])["choices"][0]["text"]
+    async with httpx.AsyncClient(timeout=30) as client, client.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
     return text
 
 
@@ -107,7 +105,8 @@ async def test_a_stream_far_behind_its_pace_fails_over_once_a_worker_is_blamed()
         return True
 
     stalls: list[str] = []
-    proxy = ApiProxy(Metrics(lambda: ()), hooks=ServingHooks(on_stall=stalls.append, on_slow=on_slow))  # the 60 s stall timer
+    # The 60 s stall timer: only the pace judges this stream.
+    proxy = ApiProxy(Metrics(lambda: ()), hooks=ServingHooks(on_stall=stalls.append, on_slow=on_slow))
     port = free_tcp_port()
     await proxy.start(port)
     seeds: list[int] = []

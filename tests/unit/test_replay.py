@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 from hypothesis import given
@@ -69,7 +70,7 @@ def test_replay_with_differently_cut_pieces(pieces: list[str], data) -> None:
     sent_events = deliver(ledger, [completion_event(p) for p in pieces[: data.draw(st.integers(0, len(pieces)))]])
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(whole) - 1)), max_size=10)))
     bounds = [0, *cuts, len(whole)]
-    new_pieces = [whole[a:b] for a, b in zip(bounds, bounds[1:]) if whole[a:b]]
+    new_pieces = [whole[a:b] for a, b in pairwise(bounds) if whole[a:b]]
     replay = Replay(ledger)
     passed = [out for p in new_pieces if (out := replay.filter(completion_event(p, "cmpl-2"))) is not None]
     assert text_of(sent_events) + text_of(passed) == whole

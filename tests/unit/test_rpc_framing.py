@@ -6,6 +6,7 @@ import random
 import struct
 from collections import Counter
 from dataclasses import dataclass
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -306,7 +307,7 @@ def test_one_byte_at_a_time(case: Case) -> None:
 
 def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     points = [0, *sorted(c % (len(data) + 1) for c in cuts), len(data)]
-    return [data[a:b] for a, b in zip(points, points[1:])]
+    return [data[a:b] for a, b in pairwise(points)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

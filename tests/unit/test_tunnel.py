@@ -16,9 +16,12 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
+from mesh_sidecar.net.tunnel import TunnelListener
 from mesh_sidecar.ports import LOOPBACK, free_tcp_port, loopback_client_uid, socket_owner_uid
+from mesh_sidecar.wire.rpc_outputs import GGML_TYPE_F32, NON_FINITE, Fault, OutputRejected, RpcOutputCheck
 from tests.helpers.tunnels import (
     CHUNK,
     DEVICE_COUNT_CMD,
@@ -33,6 +36,7 @@ from tests.helpers.tunnels import (
     read_to_end,
     tunnel_mesh,
 )
+from tests.unit.test_rpc_outputs import get_tensor, reply
 
 
 @pytest.fixture
@@ -289,7 +293,7 @@ def test_loopback_client_uid_of_a_real_connection_is_ours():
 
 
 async def test_stream_of_unknown_kind_is_closed(mesh: Mesh, echo: EchoServer, caplog) -> None:
-    caplog.set_level(logging.WARNING, "mesh_sidecar.net.tunnel")
+    caplog.set_level(logging.WARNING, "mesh_sidecar.net.peer_streams")
     mesh.target_port = await echo.start()
     reader, writer = await mesh.a_to_b.open_stream()
     writer.write(bytes([99]) + b"anything")
@@ -297,3 +301,58 @@ async def test_stream_of_unknown_kind_is_closed(mesh: Mesh, echo: EchoServer, ca
     assert data == b"" and echo.received == []
     assert any("unknown kind 99" in r.getMessage() for r in caplog.records)
     await echo_round_trip(mesh, b"the tunnel still works")
+
+
+# --- the serving node's output check ------------------------------------------------------
+
+
+class RecordingChecks:
+    """OutputChecks as the serving node gives them to a tunnel: a check per connection, rejections kept."""
+
+    def __init__(self) -> None:
+        self.asked: list[bytes] = []
+        self.rejections: list[tuple[bytes, OutputRejected]] = []
+
+    def check_for(self, node_id: bytes) -> RpcOutputCheck:
+        self.asked.append(node_id)
+        return RpcOutputCheck(lambda tensor: None if tensor.finite else Fault(NON_FINITE, "NaN or Inf"))
+
+    def rejected(self, node_id: bytes, event: OutputRejected) -> None:
+        self.rejections.append((node_id, event))
+
+
+async def worker_answering(values: np.ndarray) -> asyncio.Server:
+    """A stand-in rpc-server: answers HELLO, then one GET_TENSOR with ``values``, then waits."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in (HELLO_REPLY_7, reply(values.tobytes())):
+            _, size = RPC_HEADER.unpack(await reader.readexactly(RPC_HEADER.size))
+            await reader.readexactly(size)
+            writer.write(answer)
+            await writer.drain()
+        await reader.read()
+        writer.close()
+
+    return await asyncio.start_server(serve, LOOPBACK, 0)
+
+
+async def test_a_listener_checks_each_connection_with_the_checks_it_was_made_with(mesh: Mesh) -> None:
+    nan = np.full(64, np.nan, dtype=np.float32)
+    worker = await worker_answering(nan)
+    mesh.target_port = worker.sockets[0].getsockname()[1]
+    checks = RecordingChecks()
+    listener = TunnelListener(mesh.a_to_b, checks)
+    try:
+        reader, writer = await asyncio.open_connection(LOOPBACK, await listener.start())
+        writer.write(HELLO_REQUEST)
+        assert await asyncio.wait_for(reader.readexactly(len(HELLO_REPLY_7)), HANG_S) == HELLO_REPLY_7
+        writer.write(get_tensor(GGML_TYPE_F32, "l_out-3", nan.nbytes))
+        data, how = await asyncio.wait_for(read_to_end(reader), HANG_S)
+        writer.close()
+        assert data == b"" and how in ("eof", "reset")  # the NaN reply never reaches llama-server
+        (node_id, event), = checks.rejections
+        assert checks.asked == [node_id] == [mesh.b.identity.node_id]
+        assert event.fault.kind == NON_FINITE and event.tensor.name == "l_out-3"
+    finally:
+        await listener.close()
+        worker.close()
