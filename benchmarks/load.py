@@ -158,7 +158,7 @@ def run_mesh(hosts, started: Started, workdir: Path, model: Path, seeded: bool, 
     started_at = time.monotonic()
     log_c = start("c", "--join", ticket, "--serve", str(MESH_API_PORT), "--min-peers", "2", "--model", str(model),
                   *([] if seeded else ["--no-weight-cache"]))
-    wait_until(lambda: "Plan for" in log_c.read_text(errors="replace"), START_TIMEOUT_S, f"{label}: c plans")
+    wait_until(lambda: "Plan: " in log_c.read_text(errors="replace"), START_TIMEOUT_S, f"{label}: c plans")
     planned_at = time.monotonic()
     wait_until(lambda: "API ready" in log_c.read_text(errors="replace"), START_TIMEOUT_S * 3, f"{label}: c loads",
                poll_s=0.05)
