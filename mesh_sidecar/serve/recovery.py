@@ -27,10 +27,10 @@ The data path is ``relay``: each server-sent event llama-server sends, in, and
 the events for the client, out (a continuation's reshaped into the client's
 endpoint format, a replay's with what the client has dropped).
 
-``steps`` is what happened, for the run receipt: where an answer was continued
-(``continued_at``) is where a replay of the receipt must continue it too (the
-text after a continuation point need not be an undisturbed run's: llama.cpp is
-not batch-invariant). The proxy reproduces it when asked with ``continue_at``.
+``continued_at`` is for the run receipt: where an answer was continued is where
+a replay of the receipt must continue it too (the text after a continuation
+point need not be an undisturbed run's: llama.cpp is not batch-invariant). The
+proxy reproduces it when asked with ``continue_at``.
 """
 
 from __future__ import annotations
@@ -173,14 +173,6 @@ class GiveUp:
 Decision = Ask | WaitForUpstream | Prepare | GiveUp
 
 
-@dataclass(frozen=True)
-class Recovered:
-    """One step of a request's recovery, as its receipt records it."""
-
-    step: Step
-    at_token: int  # CONTINUED: the tokens it went on from; otherwise the tokens delivered before
-
-
 class RequestRecovery:
     """One request's recovery state; see the module docstring for the decisions.
 
@@ -204,7 +196,7 @@ class RequestRecovery:
         self._replay: Replay | None = None
         self._continuing = False  # the answer relayed now is a continuation's (reshaped)
         self._began = False  # the client's response (a stream) has begun
-        self.steps: list[Recovered] = []
+        self.continued_at: list[int] = []  # the tokens delivered at each continuation, in order
 
     # --- questions ---
 
@@ -216,11 +208,6 @@ class RequestRecovery:
     @property
     def continuing(self) -> bool:
         return self._continuing
-
-    @property
-    def continued_at(self) -> list[int]:
-        """The tokens delivered at each continuation, in order."""
-        return [step.at_token for step in self.steps if step.step is Step.CONTINUED]
 
     def resume_tokens(self) -> int:
         return len(self._continuation.resume_ids) if self._continuation is not None else 0
@@ -281,8 +268,8 @@ class RequestRecovery:
             case PrepareFailed(reason=reason):
                 return self._replayed(f"cannot prepare its continuation ({reason})")
             case Refused(status=status, detail=detail):
-                if self.steps and self.steps[-1].step is Step.CONTINUED:
-                    self.steps.pop()  # nothing of it was delivered: the receipt must not name it
+                if self._continuing:
+                    self.continued_at.pop()  # nothing of it was delivered: the receipt must not name it
                 return self._replayed(f"llama-server refused the continuation ({status}: {detail})")
             case Cut():
                 if self._planned_cuts:
@@ -328,7 +315,7 @@ class RequestRecovery:
         resumed = self.resume_tokens()
         body = json.dumps(continuation.request(prompt if isinstance(prompt, str) else None)).encode()
         self._continuing = True
-        self.steps.append(Recovered(Step.CONTINUED, resumed))
+        self.continued_at.append(resumed)
         return Ask(CONTINUE_PATH, body, Step.CONTINUED, resume_tokens=resumed)
 
     def _replayed(self, why: str) -> Ask:
@@ -337,5 +324,4 @@ class RequestRecovery:
 
     def _ask(self, step: Step, why: str = "") -> Ask:
         self._continuing = False
-        self.steps.append(Recovered(step, self.resume_tokens()))
         return Ask(self._path_qs, self._body, step, why=why)

@@ -93,6 +93,16 @@ def deliver(recovery: RequestRecovery, path: str, model: str, start: int, count:
     return out
 
 
+def failed_after(recovery: RequestRecovery, path: str, tokens: int, *, began: bool = True) -> None:
+    """The request asked, ``tokens`` of model a's answer relayed (a stream begun, unless not ``began``),
+    then its llama-server failed."""
+    recovery.start()
+    if began:
+        recovery.began()
+    deliver(recovery, path, "a", 0, tokens)
+    recovery.handle(Failed("ReadError()"))
+
+
 # --- the table, row by row --------------------------------------------------------------------
 
 
@@ -130,19 +140,14 @@ def test_nothing_delivered_is_retried_whole_even_on_another_model():
 
 def test_a_stream_with_text_does_not_cross_a_model_switch():
     recovery = machine()
-    recovery.start()
-    recovery.began()
-    deliver(recovery, COMPLETIONS_PATH, "a", 0, 3)
-    recovery.handle(Failed("ReadError()"))
+    failed_after(recovery, COMPLETIONS_PATH, 3)
     decision = recovery.handle(UpstreamReady("b"))
     assert isinstance(decision, GiveUp) and decision.code == "model_switched" and decision.status == 503
 
 
 def test_a_plain_answer_being_assembled_is_asked_again_whole_on_the_new_model():
     recovery = machine(shape=Shape.ASSEMBLED)
-    recovery.start()
-    deliver(recovery, COMPLETIONS_PATH, "a", 0, 3)
-    recovery.handle(Failed("ReadError()"))
+    failed_after(recovery, COMPLETIONS_PATH, 3, began=False)
     assert recovery.handle(UpstreamReady("b")).step is Step.SWITCHED
     assert not recovery.delivered
     assert deliver(recovery, COMPLETIONS_PATH, "b", 0, 2)  # no replay filter: all of it is new
@@ -151,10 +156,7 @@ def test_a_plain_answer_being_assembled_is_asked_again_whole_on_the_new_model():
 @pytest.mark.parametrize("path", [COMPLETIONS_PATH, CHAT_PATH])
 def test_a_stream_begun_is_continued_from_the_tokens_delivered(path):
     recovery = machine(path)
-    recovery.start()
-    recovery.began()
-    deliver(recovery, path, "a", 0, 3)
-    recovery.handle(Failed("ReadError()"))
+    failed_after(recovery, path, 3)
     prepare = recovery.handle(UpstreamReady("a"))
     assert prepare == Prepare(REQUESTS[path] if path == CHAT_PATH else None, {"tokens": [100, 101, 102]})
     ask = recovery.handle(Prepared(RENDERED if path == CHAT_PATH else None, {"content": "a0 a1 a2 "}))
@@ -169,10 +171,7 @@ def test_a_stream_begun_is_continued_from_the_tokens_delivered(path):
 ])
 def test_a_continuation_that_cannot_be_prepared_is_a_replay(event, why):
     recovery = machine()
-    recovery.start()
-    recovery.began()
-    deliver(recovery, COMPLETIONS_PATH, "a", 0, 3)
-    recovery.handle(Failed("ReadError()"))
+    failed_after(recovery, COMPLETIONS_PATH, 3)
     recovery.handle(UpstreamReady("a"))
     ask = recovery.handle(event)
     assert ask.step is Step.REPLAYED and why in ask.why and ask.body == recovery.start().body
@@ -181,20 +180,14 @@ def test_a_continuation_that_cannot_be_prepared_is_a_replay(event, why):
 
 def test_a_chat_continuation_needs_its_rendered_prompt():
     recovery = machine(CHAT_PATH)
-    recovery.start()
-    recovery.began()
-    deliver(recovery, CHAT_PATH, "a", 0, 2)
-    recovery.handle(Failed("ReadError()"))
+    failed_after(recovery, CHAT_PATH, 2)
     recovery.handle(UpstreamReady("a"))
     assert recovery.handle(Prepared(None, {"content": "a0 a1 "})).step is Step.REPLAYED
 
 
 def test_a_refused_continuation_is_replayed_and_never_continued_again():
     recovery = machine()
-    recovery.start()
-    recovery.began()
-    deliver(recovery, COMPLETIONS_PATH, "a", 0, 3)
-    recovery.handle(Failed("ReadError()"))
+    failed_after(recovery, COMPLETIONS_PATH, 3)
     recovery.handle(UpstreamReady("a"))
     recovery.handle(Prepared(None, {"content": "a0 a1 a2 "}))
     ask = recovery.handle(Refused(400, "bad prompt"))
@@ -207,10 +200,7 @@ def test_a_refused_continuation_is_replayed_and_never_continued_again():
 
 def test_a_request_continuation_does_not_cover_is_replayed():
     recovery = machine(covered=False)
-    recovery.start()
-    recovery.began()
-    deliver(recovery, COMPLETIONS_PATH, "a", 0, 3)
-    recovery.handle(Failed("ReadError()"))
+    failed_after(recovery, COMPLETIONS_PATH, 3)
     ask = recovery.handle(UpstreamReady("a"))
     assert ask.step is Step.REPLAYED and ask.why == "continuation does not cover the request"
 
@@ -232,10 +222,7 @@ def test_a_broken_answer_gives_up():
 
 def test_a_replay_that_differs_raises_for_the_proxy_to_feed_broken():
     recovery = machine(covered=False)
-    recovery.start()
-    recovery.began()
-    deliver(recovery, COMPLETIONS_PATH, "a", 0, 2)
-    recovery.handle(Failed("ReadError()"))
+    failed_after(recovery, COMPLETIONS_PATH, 2)
     recovery.handle(UpstreamReady("a"))
     with pytest.raises(MeshError):
         recovery.relay(token_event(COMPLETIONS_PATH, "other ", 900))
