@@ -24,13 +24,12 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from rich.text import Text
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from .. import environment
 from ..errors import MeshError, ReceiptError, UsageError
@@ -47,7 +46,7 @@ from ..mesh.saved import MESH_FILE_NAME, SavedMesh
 from ..net.discovery import LAN_BROWSE_S, browse_lan
 from ..node import control
 from ..node.control import read_plan, read_status
-from ..node.lifecycle import DEFAULT_CTX_SIZE, Node, NodeOptions
+from ..node.lifecycle import DEFAULT_API_PORT, DEFAULT_CTX_SIZE, ApiOptions, Node, NodeOptions
 from ..ports import LOOPBACK, check_tcp_port_free
 from ..progress import PlainProgress, ProgressCallback
 from ..serve import receipt as receipts
@@ -55,15 +54,53 @@ from ..serve import speculation
 from ..serve.access import ApiAccess
 from ..serve.supervisor import PlanAnnouncement, ServeOptions
 from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
-from ..units import MIB, format_gib, parse_size
+from ..units import parse_size
 from ..wire.ticket import decode_ticket
-from .views import plan_table
+from .views import plan_view, status_view
 
 STATUS_WATCH_INTERVAL_S = 1.0
 MESH_ERROR_EXIT_STATUS = 1
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+# The node's options in `mesh-inference --help`, one panel each (rich_help_panel), in this order; a
+# subcommand's options stay in typer's one "Options" panel. An option that takes a value names it
+# (metavar) and a flag shows none, so no "<list[Path]>" or "<bool>" narrows the help column.
+MESH_PANEL = "Mesh"
+SERVING_PANEL = "Serving"
+SPEED_PANEL = "Model tiers & speed"
+ADVANCED_PANEL = "Advanced"
+PANEL_ORDER = (MESH_PANEL, SERVING_PANEL, SPEED_PANEL, ADVANCED_PANEL)
+FLAG = ""  # the metavar of an option that takes no value
+
+
+def _flag_help_option(option: Any) -> Any:
+    """typer's own --help, shown as the flag it is (no "<bool>")."""
+    if option is not None:
+        option.metavar = FLAG
+    return option
+
+
+class _NamedArgument(TyperArgument):
+    """An argument whose metavar (RECEIPT, NODE) says what it takes: no "<path>" beside it in --help."""
+
+    def display_type_rich(self, ctx: Any) -> None:
+        return None
+
+
+class _MeshCommand(TyperCommand):
+    """A subcommand: its --help shows names (metavars), not types."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if type(param) is TyperArgument:
+                param.__class__ = _NamedArgument  # typer has no setting for an argument's class
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _flag_help_option(super().get_help_option(ctx))
 
 
 class _MeshCommands(TyperGroup):
@@ -78,6 +115,20 @@ class _MeshCommands(TyperGroup):
             err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(MESH_ERROR_EXIT_STATUS) from None
 
+    def get_help_option(self, ctx: Any) -> Any:
+        option = _flag_help_option(super().get_help_option(ctx))
+        if option is not None:
+            option.rich_help_panel = ADVANCED_PANEL  # last, not alone in a panel above the others
+        return option
+
+    def get_params(self, ctx: Any) -> Any:
+        """The node's options panel by panel (typer shows panels in the order it first meets them);
+        each panel keeps the declaration order. Parsing does not depend on this order."""
+        def panel(param: Any) -> int:
+            name = getattr(param, "rich_help_panel", None)
+            return PANEL_ORDER.index(name) if name in PANEL_ORDER else len(PANEL_ORDER)
+        return sorted(super().get_params(ctx), key=panel)
+
 
 app = typer.Typer(
     cls=_MeshCommands,
@@ -86,19 +137,26 @@ app = typer.Typer(
     help="Run one GGUF model across several machines: llama.cpp RPC over an authenticated QUIC mesh.",
 )
 
-HomeOption = Annotated[
-    Path | None, typer.Option("--home", help=f"This node's state directory (default: {environment.HOME_ENV}, "
-                                                f"else {DEFAULT_HOME}).")
-]
-CtxOption = Annotated[int, typer.Option("--ctx-size", min=256, help="Context length llama-server gets (tokens).")]
-B2bOption = Annotated[bool, typer.Option(
-    "--b2b", help="Use the b2b build of llama.cpp (patches/README.md): workers pass activations straight to "
-                  "each other. Give it to every node; a node without it still works with the others.")]
-LlamaBinOption = Annotated[
-    Path | None,
-    typer.Option("--llama-bin", help="Directory with your own ggml-rpc-server and llama-server (e.g. a CUDA "
-                                     f"build); default: {environment.LLAMA_BIN_ENV}, else the pinned build."),
-]
+def _home_option(panel: str | None = None) -> Any:
+    return typer.Option("--home", metavar="DIR", rich_help_panel=panel,
+                        help=f"This node's state directory (default: ${environment.HOME_ENV}, else {DEFAULT_HOME}).")
+
+
+def _llama_bin_option(panel: str | None = None) -> Any:
+    return typer.Option("--llama-bin", metavar="DIR", rich_help_panel=panel,
+                        help="Your own ggml-rpc-server and llama-server (e.g. a CUDA build); default: "
+                             f"${environment.LLAMA_BIN_ENV}, else the pinned build.")
+
+
+def _b2b_option(panel: str | None = None) -> Any:
+    return typer.Option("--b2b", metavar=FLAG, rich_help_panel=panel,
+                        help="Use llama.cpp's b2b build: workers pass activations straight to each other "
+                             "(patches/README.md). Nodes without it still work with it.")
+
+
+HomeOption = Annotated[Path | None, _home_option()]
+B2bOption = Annotated[bool, _b2b_option()]
+LlamaBinOption = Annotated[Path | None, _llama_bin_option()]
 
 
 class _LazyProgress:
@@ -195,7 +253,7 @@ def _configure_logging(home: NodeHome, verbose: bool) -> None:
 
 def _say(message: object) -> None:
     if isinstance(message, PlanAnnouncement):
-        message = plan_table(message.plan_json)
+        message = plan_view(message.plan_json)
     # Never wrapped: tickets and commands must stay copy-pasteable.
     console.print(message, highlight=False, soft_wrap=True)
 
@@ -203,61 +261,90 @@ def _say(message: object) -> None:
 @app.callback(invoke_without_command=True)
 def run_node(
     ctx: typer.Context,
-    serve: Annotated[int | None, typer.Option("--serve", help="Serve the OpenAI-compatible API on this port.")] = None,
+    serve: Annotated[int | None, typer.Option(
+        "--serve", metavar="PORT", rich_help_panel=SERVING_PANEL,
+        help="Serve the model, with the OpenAI-compatible API on this port.")] = None,
     model: Annotated[list[Path] | None, typer.Option(
-        "--model", help="GGUF model file (default: SmolLM2-135M-Instruct). With --serve, give it several times for "
-                        "model tiers: the node serves the largest that the mesh can hold now.")] = None,
-    name: Annotated[str | None, typer.Option("--name", help="A name for this node (default: the host name).")] = None,
-    home: HomeOption = None,
-    llama_bin: LlamaBinOption = None,
-    b2b: B2bOption = False,
+        "--model", metavar="FILE", rich_help_panel=SERVING_PANEL,
+        help="GGUF model file (default: SmolLM2-135M-Instruct). With --serve, give several for tiers: "
+             "the largest the mesh can hold is served.")] = None,
+    name: Annotated[str | None, typer.Option(
+        "--name", metavar="NAME", rich_help_panel=MESH_PANEL,
+        help="This node's name in the mesh (default: the host name).")] = None,
+    home: Annotated[Path | None, _home_option(MESH_PANEL)] = None,
+    llama_bin: Annotated[Path | None, _llama_bin_option(ADVANCED_PANEL)] = None,
+    b2b: Annotated[bool, _b2b_option(ADVANCED_PANEL)] = False,
     join: Annotated[str | None, typer.Option(
-        "--join", help="Join the mesh of the node that printed this ticket.")] = None,
+        "--join", metavar="TICKET", rich_help_panel=MESH_PANEL,
+        help="Join the mesh of the node that printed this ticket.")] = None,
     port: Annotated[int | None, typer.Option(
-        "--port", help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, or a free one).")] = None,
+        "--port", metavar="PORT", rich_help_panel=MESH_PANEL,
+        help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, else a free one).")] = None,
     min_peers: Annotated[int, typer.Option(
-        "--min-peers", help="With --serve: wait for this many peers before loading the model.")] = 0,
+        "--min-peers", metavar="N", rich_help_panel=SERVING_PANEL,
+        help="With --serve: wait for N peers before loading the model.")] = 0,
     step_up_after_s: Annotated[float, typer.Option(
-        "--step-up-after-s", min=0,
-        help="With several --model: switch to a bigger tier only once it has fitted the mesh this many seconds "
-             "without a break (smaller ones are switched to at once).")] = STEP_UP_AFTER_S,
+        "--step-up-after-s", min=0, metavar="SECONDS", rich_help_panel=SPEED_PANEL,
+        help="With several --model: step up to a bigger tier once it has fitted this long without a break "
+             "(down: at once).")] = STEP_UP_AFTER_S,
     step_up_interval_s: Annotated[float, typer.Option(
-        "--step-up-interval-s", min=0,
-        help="With several --model: at least this many seconds between a model switch and a step up.",
+        "--step-up-interval-s", min=0, metavar="SECONDS", rich_help_panel=SPEED_PANEL,
+        help="With several --model: at least this long between a model switch and a step up.",
     )] = STEP_UP_INTERVAL_S,
     max_memory: Annotated[str | None, typer.Option(
-        "--max-memory", help="Offer at most this much memory to the mesh, e.g. 4G (G means GiB).")] = None,
-    ctx_size: CtxOption = DEFAULT_CTX_SIZE,
+        "--max-memory", metavar="SIZE", rich_help_panel=MESH_PANEL,
+        help="Offer at most this much memory to the mesh, e.g. 4G (G means GiB).")] = None,
+    ctx_size: Annotated[int, typer.Option(
+        "--ctx-size", min=256, metavar="TOKENS", rich_help_panel=SERVING_PANEL,
+        help="Context length llama-server gets.")] = DEFAULT_CTX_SIZE,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar=environment.API_KEY_ENV, show_default=False,
-        help=f"With --serve: clients must send 'Authorization: Bearer KEY'. Prefer the {environment.API_KEY_ENV} "
-             "variable: a command-line argument is visible to every local user in ps.")] = None,
+        "--api-key", envvar=environment.API_KEY_ENV, show_default=False, metavar="KEY", rich_help_panel=SERVING_PANEL,
+        help=f"Clients must send 'Authorization: Bearer KEY'. Prefer ${environment.API_KEY_ENV}: other local "
+             "users see arguments in ps.")] = None,
     cors_origin: Annotated[str | None, typer.Option(
-        "--cors-origin", help="With --serve: let web pages from this origin call the API "
-                              "(e.g. https://chat.example.org). Default: no CORS headers.")] = None,
+        "--cors-origin", metavar="ORIGIN", rich_help_panel=SERVING_PANEL,
+        help="Let web pages from this origin (e.g. https://chat.example.org) call the API. Default: no CORS.")] = None,
     use_weight_cache: Annotated[bool, typer.Option(
-        "--weight-cache/--no-weight-cache",
-        help="Keep a cache of received weights (and seed it from --model) so loads send only hashes; "
-             "costs disk space about the size of the model.")] = True,
+        "--weight-cache/--no-weight-cache", metavar=FLAG, rich_help_panel=ADVANCED_PANEL,
+        help="Cache received weights (seeded from --model) so loads send only hashes; costs about the "
+             "model's size on disk.")] = True,
     draft_model: Annotated[str | None, typer.Option(
-        "--draft-model", help="With --serve: a small GGUF with the same tokenizer that drafts tokens on this "
-                              "node's CPU for speculative decoding; 'auto' picks the smallest cached one.")] = None,
+        "--draft-model", metavar="FILE", rich_help_panel=SPEED_PANEL,
+        help="With --serve: a small GGUF with the same tokenizer, drafting tokens on this CPU (speculative "
+             "decoding); 'auto': the smallest cached one.")] = None,
     speculation_mode: Annotated[str, typer.Option(
-        "--speculation", help="With --serve: 'auto' (a draft model if given, else n-gram lookup on slow "
-                              "links) or 'off' (plain decoding).")] = "auto",
+        "--speculation", metavar="auto|off", rich_help_panel=SPEED_PANEL,
+        help="With --serve: auto (the draft model if given, else n-gram lookup on slow links) or off.")] = "auto",
     receipt: Annotated[Path | None, typer.Option(
-        "--receipt", help="With --serve: write a signed receipt (plan, model hashes, RTTs, speeds, output hash) "
-                          "for every request into this directory; check one with `mesh-inference verify`.")] = None,
+        "--receipt", metavar="DIR", rich_help_panel=SERVING_PANEL,
+        help="With --serve: write a signed receipt of every request here (check one with "
+             "`mesh-inference verify`).")] = None,
     fetch_model: Annotated[bool, typer.Option(
-        "--fetch-model", help="Without --serve: fetch the serving node's model file over the mesh (resumable, "
-                              "sha256-checked) so later loads send only hashes.")] = False,
+        "--fetch-model", metavar=FLAG, rich_help_panel=ADVANCED_PANEL,
+        help="Without --serve: fetch the serving node's model over the mesh (resumable, sha256-checked) so "
+             "loads send only hashes.")] = False,
     no_mdns: Annotated[bool, typer.Option(
-        "--no-mdns", help="Neither advertise this node on the LAN (mDNS) nor look for members there.")] = False,
+        "--no-mdns", metavar=FLAG, rich_help_panel=MESH_PANEL,
+        help="Neither advertise this node on the LAN (mDNS) nor look for members there.")] = False,
     lan: Annotated[bool, typer.Option(
-        "--lan", help="Only list the meshes seen on this LAN (mDNS) for a few seconds, then exit.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the sidecar's log here too.")] = False,
+        "--lan", metavar=FLAG, rich_help_panel=MESH_PANEL,
+        help="List the meshes seen on this LAN (mDNS) for a few seconds, then exit.")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", metavar=FLAG, rich_help_panel=ADVANCED_PANEL,
+        help="Print the sidecar's log here too.")] = False,
+    api_port: Annotated[int | None, typer.Option(
+        "--api-port", metavar="PORT", rich_help_panel=SERVING_PANEL,
+        help=f"The API's port on 127.0.0.1, on every node (default {DEFAULT_API_PORT}, else a free one).")] = None,
+    no_api: Annotated[bool, typer.Option(
+        "--no-api", metavar=FLAG, rich_help_panel=SERVING_PANEL,
+        help="No API port on this node (with --serve, its port stays closed; members still reach the "
+             "model it serves).")] = False,
+    spread: Annotated[bool, typer.Option(
+        "--spread", metavar=FLAG, rich_help_panel=SERVING_PANEL,
+        help="With --serve: split the model over every free member, even when it fits on fewer.")] = False,
 ) -> None:
-    """Start a node (no subcommand). With --serve PORT it also serves the API."""
+    """Start a node (no subcommand): a member of the mesh with the OpenAI API on localhost:8080.
+    With --serve PORT it also serves a model."""
     if ctx.invoked_subcommand is not None:
         return
     node_home = NodeHome.resolve(home)
@@ -266,9 +353,9 @@ def run_node(
         return
     ticket = decode_ticket(join) if join is not None else None
     max_memory_bytes = parse_size(max_memory) if max_memory is not None else None
-    api_access = ApiAccess(api_key, cors_origin)
-    if serve is not None:
-        check_tcp_port_free(LOOPBACK, serve, "the API (--serve)")
+    api = _api_options(serve, api_port, no_api, ApiAccess(api_key, cors_origin))
+    if spread and serve is None:
+        raise UsageError("--spread works on a serving node only: add --serve PORT.")
     if model and len(model) > 1 and serve is None:
         raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
                          "or give a worker one --model.")
@@ -289,16 +376,32 @@ def run_node(
     # Said before the weight cache is seeded, so the seeding lines belong to this node.
     console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
     cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
-    serving = ServeOptions(port=serve, models=((model_path, sha256), *more_models), ctx_size=ctx_size,
+    serving = ServeOptions(models=((model_path, sha256), *more_models), ctx_size=ctx_size,
                            min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
-                           access=api_access, draft_model=draft_path,
+                           spread=spread, draft_model=draft_path,
                            receipts=receipt.expanduser().resolve() if receipt else None,
                            speculate=speculation_mode == "auto") if serve is not None else None
-    options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, serving=serving,
+    options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,
+                          serving=serving,
                           join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
                           model_sha256=sha256, weight_cache=cache, weight_cache_tool=tool, fetch_model=fetch_model,
                           mdns=not no_mdns, plain_progress=not console.is_terminal)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
+
+
+def _api_options(serve: int | None, api_port: int | None, no_api: bool, access: ApiAccess) -> ApiOptions:
+    """Where this node's API listens: --serve PORT and --api-port name the same port; a port the user
+    chose must be free now (the default one may fall back to a free port)."""
+    if serve is not None and api_port is not None and serve != api_port:
+        raise UsageError(f"--serve {serve} and --api-port {api_port} both set the API's port: give one.")
+    if no_api and api_port is not None:
+        raise UsageError("--no-api and --api-port contradict each other: drop one.")
+    # With --no-api, --serve's port stays closed: members still reach the model through the mesh.
+    chosen = None if no_api else serve if serve is not None else api_port
+    if chosen is not None:
+        check_tcp_port_free(LOOPBACK, chosen, "the API (--serve / --api-port)")
+    return ApiOptions(port=DEFAULT_API_PORT if chosen is None else chosen, enabled=not no_api,
+                      port_given=chosen is not None, access=access)
 
 
 def _show_lan(node_home: NodeHome) -> None:
@@ -331,11 +434,11 @@ async def _run_until_signal(node: Node) -> None:
     console.print("Stopped.")
 
 
-@app.command()
+@app.command(cls=_MeshCommand)
 def setup(
     llama_bin: LlamaBinOption = None,
     model: Annotated[Path | None, typer.Option(
-        "--model", help="Check this GGUF instead of fetching the default.")] = None,
+        "--model", metavar="FILE", help="Check this GGUF instead of fetching the default.")] = None,
     b2b: B2bOption = False,
 ) -> None:
     """Build the pinned llama.cpp (once) and fetch the default model. Prints the binaries' directory last."""
@@ -344,96 +447,37 @@ def setup(
     print(binaries.directory)
 
 
-@app.command()
+@app.command(cls=_MeshCommand)
 def status(
     home: HomeOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object, for scripts.")] = False,
-    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh every second until Ctrl-C.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="Print one JSON object, for scripts.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", metavar=FLAG,
+                                        help="Refresh every second until Ctrl-C.")] = False,
+    wide: Annotated[bool, typer.Option("--wide", metavar=FLAG, help="Show every column: ids, addresses, "
+                                       "paths, ports, byte counts (needs about 160 columns).")] = False,
 ) -> None:
-    """Show the running node: its processes, ports, model, plan, peers and counters."""
+    """Show the running node: its API, the models in the mesh, its plan, processes and peers."""
     node_home = NodeHome.resolve(home)
     try:
         snapshot = read_status(node_home)
         if as_json:
             print(json.dumps(snapshot, indent=2))
         elif watch:
-            with Live(_status_view(snapshot), console=console, refresh_per_second=2) as live:
+            with Live(status_view(snapshot, wide=wide), console=console, refresh_per_second=2) as live:
                 while True:
                     time.sleep(STATUS_WATCH_INTERVAL_S)
-                    live.update(_status_view(read_status(node_home)))
+                    live.update(status_view(read_status(node_home), wide=wide))
         else:
-            console.print(_status_view(snapshot))
+            console.print(status_view(snapshot, wide=wide))
     except KeyboardInterrupt:
         pass
 
 
-def _status_view(snapshot: dict) -> Group:
-    parts: list = []
-    node = snapshot["node"]
-    parts.append(Text(f"{node['name']} {node['short_id']}  home {node['home']}", style="bold"))
-    parts.append(Text(f"model: {snapshot['model']['path']} (context {snapshot['model']['ctx_size']})"))
-    if node["capacity"]:
-        parts.append(Text(f"offers: {format_gib(node['capacity']['usable_bytes'])} GiB"))
-    if node.get("llama_build"):
-        parts.append(Text(f"llama.cpp: {node['llama_build']}"))
-    serving = snapshot["serving"]
-    if serving:
-        c = serving["counters"]
-        parts.append(Text(f"API: {serving['api']['url']}  requests {c['requests']:.0f}, failovers "
-                          f"{c['failovers']:.0f}, retries {c['retries']:.0f}, restarts {c['restarts']:.0f}"))
-        if serving["plan"]:
-            parts.append(plan_table(serving["plan"], title="Current plan"))
-        elif serving["refusal"]:
-            parts.append(Text(f"Not serving: {serving['refusal']}", style="bold red"))
-        if step_up := serving.get("step_up"):
-            parts.append(Text(f"stepping up to {step_up['model']} in {step_up['in_s']:.0f} s if it keeps fitting"))
-        if serving.get("speculation"):
-            parts.append(Text(f"speculation: {serving['speculation']['reason']}"))
-    processes = Table("process", "pid", "state", "port", "log")
-    for p in snapshot["processes"]:
-        processes.add_row(p["name"], str(p["pid"]), "running" if p["running"] else "exited",
-                          str(p["port"]), p["log"])
-    parts.append(processes)
-    connected = sum(p["state"] == "connected" for p in snapshot["peers"])
-    mesh = snapshot["mesh"]
-    parts.append(Text(f"Mesh: {connected} peer(s) connected, UDP port {mesh['quic_port']}, secret rotated "
-                      f"{mesh.get('secret_epoch', 0)} time(s)"))
-    lan = mesh.get("lan")
-    if lan is None:
-        parts.append(Text("LAN discovery (mDNS): off"))
-    else:
-        others = {r["mesh_id"] for r in lan if not r["this_mesh"]}
-        parts.append(Text(f"LAN discovery (mDNS): on; {sum(r['this_mesh'] for r in lan)} member(s) and "
-                          f"{len(others)} other mesh(es) seen (`mesh-inference --lan` lists them)"))
-    if snapshot["peers"]:
-        peers = Table("peer", "id", "address", "path", "state", "health", "rtt ms (p50/p95)", "datagram B",
-                      "tunnel port", "rpc-server", "offers GiB", "MiB to/from")
-        for peer in snapshot["peers"]:
-            offers = peer["capacity"].get("usable_bytes")
-            rtt = "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}"
-            if peer.get("rtt_p50_ms") is not None:
-                rtt += f" ({peer['rtt_p50_ms']:.1f}/{peer['rtt_p95_ms']:.1f})"
-            state = peer["state"] + (f" ({peer['refused']})" if peer.get("refused") else "")
-            path = peer.get("path") or "-"
-            if peer.get("via"):
-                path += f" via {peer['via']}"
-            peers.add_row(peer["name"], peer["short_id"], str(peer["address"]), path, state,
-                          str(peer.get("health", "-")), rtt, str(peer.get("datagram_bytes") or "-"),
-                          str(peer["tunnel_port"] or "-"),
-                          "up" if peer["rpc_server_up"] else "down",
-                          "-" if offers is None else format_gib(offers),
-                          f"{peer['bytes_to_peer'] / MIB:.1f}/{peer['bytes_from_peer'] / MIB:.1f}")
-        parts.append(peers)
-        parts.extend(Text(f"{peer['name']}: {peer['refused']}: {peer['refused_detail']}.", style="bold red")
-                     for peer in snapshot["peers"] if peer.get("refused"))
-    return Group(*parts)
-
-
-@app.command()
+@app.command(cls=_MeshCommand)
 def ticket(
     home: HomeOption = None,
-    rotate: Annotated[bool, typer.Option("--rotate", help="Give every member a new mesh secret first: "
-                                         "tickets printed before stop admitting anyone.")] = False,
+    rotate: Annotated[bool, typer.Option("--rotate", metavar=FLAG, help="Give every member a new mesh secret "
+                                         "first: tickets printed before stop admitting anyone.")] = False,
 ) -> None:
     """Print the ticket another machine joins this mesh with."""
     node_home = NodeHome.resolve(home)
@@ -446,7 +490,7 @@ def ticket(
     print(new_ticket)
 
 
-@app.command()
+@app.command(cls=_MeshCommand)
 def leave(home: HomeOption = None) -> None:
     """Leave the mesh for good: the others are told and forget this node, this node forgets the mesh."""
     node_home = NodeHome.resolve(home)
@@ -460,9 +504,10 @@ def leave(home: HomeOption = None) -> None:
                       "Its next start begins a new mesh (or joins one with --join).", highlight=False)
 
 
-@app.command()
+@app.command(cls=_MeshCommand)
 def kick(
-    node: Annotated[str, typer.Argument(help="The member's name or id, as `mesh-inference status` shows it.")],
+    node: Annotated[str, typer.Argument(metavar="NODE",
+                                        help="The member's name or id, as `mesh-inference status` shows it.")],
     home: HomeOption = None,
 ) -> None:
     """Remove a member from the mesh and rotate the secret, so its old ticket stops working."""
@@ -472,14 +517,14 @@ def kick(
     print(result["ticket"])
 
 
-@app.command()
+@app.command(cls=_MeshCommand)
 def verify(
     receipt_file: Annotated[Path, typer.Argument(metavar="RECEIPT", help="A receipt written by --receipt DIR.")],
-    replay: Annotated[bool, typer.Option("--replay", help="Also run the request again on the mesh of the node "
-                                         "in --home and compare the output's hash.")] = False,
+    replay: Annotated[bool, typer.Option("--replay", metavar=FLAG, help="Also run the request again on the mesh of "
+                                         "the node in --home and compare the output's hash.")] = False,
     home: HomeOption = None,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar=environment.API_KEY_ENV, show_default=False,
+        "--api-key", envvar=environment.API_KEY_ENV, show_default=False, metavar="KEY",
         help="The serving node's API key, if it has one.")] = None,
 ) -> None:
     """Check a run receipt's signature (and with --replay, that the mesh reproduces its output)."""
@@ -520,13 +565,15 @@ def _replay(body: dict, node_status: dict, api_key: str | None) -> str:
         raise ReceiptError(f"The replay request to {url} failed: {exc}") from exc
 
 
-@app.command()
+@app.command(cls=_MeshCommand)
 def logs(
     home: HomeOption = None,
     process: Annotated[str | None, typer.Option(
-        "--process", "-p", help="Only this process: sidecar, rpc-server, llama-server.")] = None,
-    lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="How many recent lines to show.")] = 40,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until Ctrl-C.")] = False,
+        "--process", "-p", metavar="NAME", help="Only this process: sidecar, rpc-server, llama-server.")] = None,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=0, metavar="N",
+                                       help="How many recent lines to show.")] = 40,
+    follow: Annotated[bool, typer.Option("--follow", "-f", metavar=FLAG,
+                                         help="Keep printing new lines until Ctrl-C.")] = False,
 ) -> None:
     """Show the node's logs: one file per process, size-capped, in <home>/logs."""
     node_home = NodeHome.resolve(home)
@@ -547,13 +594,16 @@ def logs(
         pass
 
 
-@app.command()
+@app.command(cls=_MeshCommand)
 def plan(
     home: HomeOption = None,
     model: Annotated[Path | None, typer.Option(
-        "--model", help="Plan for this GGUF instead of the node's model.")] = None,
-    ctx_size: Annotated[int | None, typer.Option("--ctx-size", min=256, help="Plan for this context length.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object, for scripts.")] = False,
+        "--model", metavar="FILE", help="Plan for this GGUF instead of the node's model.")] = None,
+    ctx_size: Annotated[int | None, typer.Option("--ctx-size", min=256, metavar="TOKENS",
+                                                 help="Plan for this context length.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="Print one JSON object, for scripts.")] = False,
+    wide: Annotated[bool, typer.Option("--wide", metavar=FLAG, help="Also show each node's id and whom each "
+                                       "member serves with.")] = False,
 ) -> None:
     """Show how the running node would spread the model over the mesh now, without launching."""
     if model is not None:
@@ -562,7 +612,7 @@ def plan(
     if as_json:
         print(json.dumps(result, indent=2))
     else:
-        console.print(plan_table(result))
+        console.print(plan_view(result, wide=wide))
 
 
 def main() -> None:

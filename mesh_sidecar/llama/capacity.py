@@ -15,7 +15,7 @@ has loaded is freed and loaded anew when the plan changes, so it is ours to give
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -104,13 +104,14 @@ class Capacity:
         return max(0, self.usable_bytes - sum(n for key, n in self.held if key != own))
 
 
-def measure(devices: tuple[Device, ...], rpc_server_pid: int | None, max_memory_bytes: int | None) -> Capacity:
-    """This node's capacity now."""
+def measure(devices: tuple[Device, ...], own_pids: Sequence[int], max_memory_bytes: int | None) -> Capacity:
+    """This node's capacity now. ``own_pids``: our rpc-server, and llama-server when the model runs in it
+    alone: what they hold is ours to give (a replan frees it), so holding a model does not shrink the offer."""
     free_ram = psutil.virtual_memory().available
     held = 0
-    if rpc_server_pid is not None:
+    for pid in own_pids:
         try:
-            held = psutil.Process(rpc_server_pid).memory_info().rss
+            held += psutil.Process(pid).memory_info().rss
         except psutil.Error:
             pass
     device_free = sum(d.free_bytes for d in devices if not d.is_cpu)

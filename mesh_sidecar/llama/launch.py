@@ -106,7 +106,8 @@ def llama_server_argv(
         "-m", str(model),
         "--host", LOOPBACK,
         "--port", str(port),
-        "--rpc", ",".join(rpc_endpoints),
+        # None: the model runs in llama-server itself, alone on this machine.
+        *(["--rpc", ",".join(rpc_endpoints)] if rpc_endpoints else []),
         "-ngl", OFFLOAD_ALL_LAYERS,
         "--alias", model.stem,
         "--metrics",

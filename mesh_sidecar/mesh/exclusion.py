@@ -83,7 +83,8 @@ def exclusion_of(member: MemberInfo, serving: MemberInfo) -> Exclusion | None:
             f"Check what else runs on {member.name} (another program on its GPU or CPU) and its network; it is "
             f"given layers again in {SLOW_EXCLUSION_S / 60:.0f} minutes, or at once when mesh-inference restarts "
             "there.")
-    if holds_other_weights(serving.model_sha256, member):
+    # A member serving a model of its own is no worker for anyone (serve/assignment.py): its file is its own.
+    if holds_other_weights(serving.model_sha256, member) and not member.serving:
         return Exclusion(
             WEIGHTS_MISMATCH,
             f"{member.name}'s model (sha256 {member.model_sha256[:SHA256_SHOWN_CHARS]}...) is not the one "

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import MeshError, PortInUseError
+from ..errors import ConnectionClosedError, MeshError, PortInUseError
 from ..home import NodeHome
 from ..identity import NodeIdentity, short_id
 from ..llama.capacity import Capacity
@@ -39,10 +39,20 @@ from ..net.discovery import LanRecord, mesh_id
 from ..net.model_transfer import fetch_model_over
 from ..net.peer_streams import StreamServices, serve_streams
 from ..net.relay import RelayCounters
+from ..net.streams import StreamPair
 from ..net.transport import MeshTransport
 from ..progress import ProgressCallback
 from ..wire.auth import MESH_SECRET_BYTES
-from ..wire.gossip import MAX_ADDRESSES, MAX_RUN_ID, LlamaBuild, MemberInfo, Observed, decode_message, encode_message
+from ..wire.gossip import (
+    MAX_ADDRESSES,
+    MAX_RUN_ID,
+    LlamaBuild,
+    MemberInfo,
+    Observed,
+    ServedModel,
+    decode_message,
+    encode_message,
+)
 from ..wire.ticket import MAX_TICKET_ADDRESSES, Ticket, encode_ticket
 from . import events
 from .changes import Changes
@@ -85,6 +95,8 @@ class Mesh:
         model_sha256: str = "",
         model_file: Path | None = None,
         lan: bool = False,
+        local_api: Callable[[], str | None] = lambda: None,
+        forward_token: str = "",
         timings: MeshTimings = MeshTimings(),
         membership: type[Membership] = Membership,  # tests put a faulty one in its place
     ) -> None:
@@ -118,7 +130,11 @@ class Mesh:
             rpc_port, self._resolve_endpoint,
             # Only the file we announce, and only while we announce it.
             lambda sha256: self.model_file if sha256 == self.model_sha256 else None,
-            self._peers.open_relay_leg, self.relay_counters, self._transport.serve_circuit)
+            self._peers.open_relay_leg, self.relay_counters, self._transport.serve_circuit,
+            local_api, forward_token)
+        # A serving node's announcement of what it serves (serve/supervisor.py), read at each announcement.
+        self._serves: Callable[[], ServedModel | None] = lambda: None
+        self._serving_said: dict[bytes, ServedModel | None] = {}  # what each member serves, as last heard
         # Without a port yet, this node announces no addresses: start() adds them.
         self._membership = membership(self._self_info(), degraded_after_s=timings.degraded_after_s,
                                       lost_after_s=timings.lost_after_s)
@@ -238,6 +254,22 @@ class Mesh:
         serving side then leaves members out through ``verdicts``."""
         self.verdicts.install(judge, on_rejected)
 
+    def announce_serving(self, serves: Callable[[], ServedModel | None]) -> None:
+        """What this node serves, asked again at each announcement; announced now."""
+        self._serves = serves
+        self._announce_self()
+
+    def serving_changed(self) -> None:
+        """What this node serves changed (loading -> ready, a new plan): tell the members now."""
+        self._announce_self()
+
+    async def open_stream(self, node_id: bytes) -> StreamPair:
+        """A new stream to member ``node_id`` (its kind byte is the caller's to write)."""
+        peer = self._peers.get(node_id)
+        if peer is None or peer.connection.closed:
+            raise ConnectionClosedError(f"no connection to {self.name_of(node_id)} now")
+        return await peer.connection.open_stream()
+
     def tunnel_endpoint(self, node_id: bytes) -> str:
         return self._peers.tunnel_endpoint(node_id)
 
@@ -298,7 +330,7 @@ class Mesh:
             capacity=dataclasses.replace(self._capacity(), held=self._peers.held_entries()).to_gossip(),
             serving=self._serving, rpc_ready=True, llama_build=self.build, model_sha256=self.model_sha256,
             secret_epoch=self._saved.epoch, run_id=self.run_id,
-            corrupt_outputs=self.verdicts.corrupt, slow_workers=self.verdicts.slow)
+            corrupt_outputs=self.verdicts.corrupt, slow_workers=self.verdicts.slow, serves=self._serves())
 
     def _disconnected(self, node_id: bytes, reason: str) -> None:
         """Our connection to ``node_id`` ended, or (dialer.py) it could be reached neither directly nor relayed."""
@@ -360,8 +392,17 @@ class Mesh:
                     peer.close(reason)
             case events.LoopStalled(gap_s=gap_s):
                 log.warning("event loop stalled for %.1f s; peer health not judged on this heartbeat", gap_s)
-        if isinstance(event, (events.MemberJoined, events.MemberLost, events.MemberLeft, events.MemberRemoved)):
+        joined_or_gone = (events.MemberJoined, events.MemberLost, events.MemberLeft, events.MemberRemoved)
+        if isinstance(event, joined_or_gone) or (isinstance(event, events.MemberUpdated)
+                                                 and self._serving_news(event.info)):
             self.changes.notify()
+
+    def _serving_news(self, info: MemberInfo) -> bool:
+        """Whether a member's update changes what it serves (its model, state, claim), not just its load."""
+        said = None if info.serves is None else dataclasses.replace(info.serves, in_flight=0)
+        before = self._serving_said.get(info.node_id)
+        self._serving_said[info.node_id] = said
+        return said != before
 
     def _remember(self, node_id: bytes, addresses: tuple[str, ...] | None) -> None:
         """Keep (or, with None, drop) a member's addresses in mesh.json for the next start."""

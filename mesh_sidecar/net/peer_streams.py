@@ -5,6 +5,7 @@
         MODEL_FILE      serve_model_file: the model file we announce (model_transfer.py)
         RELAY_REQUEST   serve_relay_request: relay for that peer (relay.py)
         RELAY_DELIVERY  the transport's circuit: a member reaching us through that peer (transport.py)
+        API_FORWARD     serve_forwarded_request: an API request for the model we serve (api_forward.py)
 
 The table is built here from what the node offers (StreamServices); the mesh
 decides what that is, net/ how each kind is served.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from ..identity import short_id
 from ..wire.stream_kind import StreamKind
+from .api_forward import serve_forwarded_request
 from .connection import PeerConnection
 from .model_transfer import serve_model_file
 from .relay import OpenLeg, RelayCounters, serve_relay_request
@@ -42,6 +44,8 @@ class StreamServices:
     relay_counters: RelayCounters
     # A RELAY_DELIVERY stream (kind byte read) from the relay it names: the transport's circuit.
     serve_circuit: Callable[[MeshStreamReader, MeshStreamWriter, bytes], Awaitable[None]]
+    local_api: Callable[[], str | None]  # this node's API base URL, for forwarded requests (None: none)
+    forward_token: str  # what forwarded requests carry to this node's API: they come from an admitted member
 
 
 def serve_streams(connection: PeerConnection, services: StreamServices, counters: TunnelCounters) -> None:
@@ -55,6 +59,8 @@ def serve_streams(connection: PeerConnection, services: StreamServices, counters
         StreamKind.RELAY_REQUEST: lambda reader, writer: serve_relay_request(
             reader, writer, peer_id, services.open_relay_leg, services.relay_counters),
         StreamKind.RELAY_DELIVERY: lambda reader, writer: services.serve_circuit(reader, writer, peer_id),
+        StreamKind.API_FORWARD: lambda reader, writer: serve_forwarded_request(
+            reader, writer, services.local_api, services.forward_token, name),
     }
     connection.set_stream_handler(lambda reader, writer: serve_peer_stream(reader, writer, servers, name))
 

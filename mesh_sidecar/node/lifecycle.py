@@ -1,16 +1,18 @@
-"""One node's lifecycle: its rpc-server, its place in the mesh, and on a serving node the model and API.
+"""One node's lifecycle: its rpc-server, its place in the mesh, its API, and on a serving node the model.
 
 Lifecycle (``Node.run``): start the local rpc-server, join the mesh (print the
-ticket, dial the one we were given), publish the control endpoint, and on a
-serving node hand over to the ServingSupervisor (plan, llama-server, API port);
-then wait for a stop request or the rpc-server's death. Whatever happens,
-children are stopped by pid before ``run`` returns.
+ticket, dial the one we were given), open the API (every node has one: requests
+for a model another member serves are forwarded to it over the mesh), publish
+the control endpoint, and on a serving node hand over to the ServingSupervisor
+(plan, llama-server); then wait for a stop request or the rpc-server's death.
+Whatever happens, children are stopped by pid before ``run`` returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ChildExitedError, MeshError, ModelError
+from ..errors import ChildExitedError, MeshError, ModelError, PortInUseError
 from ..home import NodeHome
 from ..identity import NodeIdentity
 from ..llama import weight_cache
@@ -32,11 +34,16 @@ from ..mesh.exclusion import LLAMA_BUILD_MISMATCH, SAME_BUILD_REMEDY
 from ..mesh.runtime import Mesh
 from ..mesh.saved import SavedMesh
 from ..mesh.status import PeerView, mesh_json, peers_json
+from ..net.api_forward import MeshForwardTransport
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import PlainProgress, ProgressCallback, ignore_progress
+from ..serve import dashboard
+from ..serve.access import OPEN_ACCESS, ApiAccess
 from ..serve.activity import RecentEvents
+from ..serve.catalog import MeshCatalog, mesh_catalog
 from ..serve.metrics import Metrics
 from ..serve.planner import Plan
+from ..serve.proxy import ApiProxy, MeshRoutes, ProxyOptions
 from ..serve.replan import Tier
 from ..serve.supervisor import ServeOptions, ServingHost, ServingSupervisor, estimate_off_loop, plan_over_mesh
 from ..units import format_gib
@@ -48,8 +55,20 @@ log = logging.getLogger(__name__)
 
 RPC_SERVER_START_ATTEMPTS = 3
 DEFAULT_CTX_SIZE = 4096
+DEFAULT_API_PORT = 8080
+SECRET_BYTES = 32  # the forwarded requests' token, and llama-server's key
 MODEL_FETCH_POLL_S = 2.0
 MODEL_FETCH_RETRY_S = 10.0
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """The node's API: every node has one, on loopback."""
+
+    port: int = DEFAULT_API_PORT
+    enabled: bool = True  # --no-api: no port for people (a serving node still answers members' forwarded requests)
+    port_given: bool = False  # the user chose the port: taken is an error, not a reason to use another
+    access: ApiAccess = OPEN_ACCESS  # --api-key, --cors-origin: at whichever node a client calls
 
 
 @dataclass(frozen=True)
@@ -60,7 +79,8 @@ class NodeOptions:
     name: str
     model: Path
     binaries: LlamaBinaries
-    # --serve: this node serves the API; its tiers begin with ``model``. None: a worker.
+    api: ApiOptions = ApiOptions()
+    # --serve: this node serves a model; its tiers begin with ``model``. None: a worker.
     serving: ServeOptions | None = None
     join: Ticket | None = None
     quic_port: int | None = None
@@ -101,6 +121,12 @@ class Node:
         self.mesh: Mesh | None = None
         self.serving: ServingSupervisor | None = None
         self.metrics = Metrics(self.peer_views, lambda: self.mesh.mesh_view() if self.mesh else None)
+        self.proxy: ApiProxy | None = None
+        self.api_port: int | None = None  # where the API listens (None: nowhere)
+        self.api_fallback_from: int | None = None  # the port asked for, when it was taken
+        # Forwarded requests carry this to our API: they come from an admitted member.
+        self._forward_token = secrets.token_hex(SECRET_BYTES)
+        self._upstream_key = secrets.token_hex(SECRET_BYTES)  # llama-server's, known only to our proxy
         self._force = False
         self._for_good = False
         self._closing: asyncio.Task | None = None
@@ -138,6 +164,7 @@ class Node:
                     tg.create_task(self._watch_rpc_server())
                     mesh = await self._start_mesh()
                     tg.create_task(mesh.run())
+                    await self._start_api(mesh)
                     await self._control.start()
                     if self.options.join is not None:
                         await mesh.join(self.options.join)
@@ -183,7 +210,10 @@ class Node:
     def capacity(self) -> Capacity:
         """What this node offers the mesh now."""
         assert self.rpc_server is not None
-        return measure(self._devices, self.rpc_server.pid, self.options.max_memory_bytes)
+        # llama-server counts as ours too: alone, it holds the model (a replan frees it).
+        llama = self.serving.llama_server if self.serving is not None else None
+        pids = [pid for pid in (self.rpc_server.pid, llama.pid if llama else None) if pid is not None]
+        return measure(self._devices, pids, self.options.max_memory_bytes)
 
     async def _start_mesh(self) -> Mesh:
         assert self.rpc_port is not None and self.build is not None
@@ -191,12 +221,54 @@ class Node:
                          self._say, saved=SavedMesh.load(self.options.home, self.options.join), build=self.build,
                          serving=self.options.serving is not None, model_sha256=self.options.model_sha256,
                          model_file=self.options.model if self.options.model_sha256 else None,
-                         lan=self.options.mdns)
+                         lan=self.options.mdns, local_api=self._local_api, forward_token=self._forward_token)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
         self._say(f"Node ticket: {ticket}")
         self._say(f"On another machine, run: mesh-inference --join {ticket}")
         return self.mesh
+
+    async def _start_api(self, mesh: Mesh) -> None:
+        """The API on every node: this node's model, and every other member's through the mesh."""
+        api = self.options.api
+        routes = MeshRoutes(catalog=self.catalog, version=lambda: mesh.changes.version,
+                            wait_after=mesh.changes.wait_after, transport=MeshForwardTransport(mesh.open_stream),
+                            name_of=mesh.name_of)
+        self.proxy = ApiProxy(self.metrics, ProxyOptions(access=api.access, public=api.enabled), mesh=routes,
+                              forward_token=self._forward_token)
+        dashboard.add_routes(self.proxy.app, self.status_snapshot, mesh.peer_views)
+        if not api.enabled and self.options.serving is None:
+            return  # members' forwarded requests are told this node has no API
+        port = api.port if api.enabled else free_tcp_port()
+        try:
+            await self.proxy.start(port)
+        except OSError as exc:
+            if api.port_given or not api.enabled:
+                raise PortInUseError(f"Cannot listen on port {port} for the API ({exc.strerror}). Stop the "
+                                     "program holding it, or choose another port with --api-port PORT.") from exc
+            taken, port = port, free_tcp_port()
+            await self.proxy.start(port)
+            self.api_fallback_from = taken
+            self._say(f"Port {taken} is taken ({exc.strerror}), so the API listens on port {port} instead "
+                      "(`mesh-inference status` shows it; --api-port PORT picks one).")
+        self.api_port = port
+        if api.enabled:
+            self._say(f"OpenAI-compatible API on {self.api_url()}: every model served in the mesh"
+                      + (" (requires the API key: Authorization: Bearer KEY)" if api.access.api_key else ""))
+
+    def _local_api(self) -> str | None:
+        """Where this node's forwarding streams send members' requests (its own API, on loopback)."""
+        return f"http://{LOOPBACK}:{self.api_port}" if self.api_port is not None else None
+
+    def api_url(self) -> str | None:
+        """The API's address for people (None: --no-api)."""
+        return f"http://localhost:{self.api_port}/v1" if self.api_port and self.options.api.enabled else None
+
+    def catalog(self, own_in_flight: int = 0) -> MeshCatalog:
+        """The models served in the mesh now, as this node sees them."""
+        if self.mesh is None:
+            return MeshCatalog((), None)
+        return mesh_catalog(self.mesh.self_info, self.mesh.connected_members(), self.mesh.name_of, own_in_flight)
 
     async def _fetch_served_model(self) -> None:
         """--fetch-model: get the file the serving node loads, seed the weight cache, announce it."""
@@ -226,10 +298,11 @@ class Node:
 
     def _serving_supervisor(self, options: ServeOptions) -> ServingSupervisor:
         assert self.mesh is not None and self.rpc_port is not None
+        assert self.proxy is not None
         return ServingSupervisor(options, ServingHost(
             identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
-            rpc_port=self.rpc_port, logs=self.options.home.logs, metrics=self.metrics,
-            own_capacity=self.capacity, say=self._say, node_status=self.status_snapshot,
+            rpc_port=self.rpc_port, logs=self.options.home.logs, metrics=self.metrics, proxy=self.proxy,
+            api_url=self.api_url, upstream_key=self._upstream_key, own_capacity=self.capacity, say=self._say,
             load_progress=self._plain_progress if self.options.plain_progress else None))
 
     async def _watch_rpc_server(self) -> None:
@@ -241,6 +314,8 @@ class Node:
     async def _shutdown(self) -> None:
         if self.serving is not None:
             await self.serving.close()
+        if self.proxy is not None:
+            await self.proxy.close()
         if self.mesh is not None:
             # Cancelled by a second Ctrl-C; then the mesh closes without waiting.
             self._closing = asyncio.ensure_future(self.mesh.close(graceful=not self._force, for_good=self._for_good))
@@ -261,7 +336,10 @@ class Node:
         serving = self.options.serving
         paths = [model] if model else [path for path, _ in serving.models] if serving else [self.options.model]
         tiers = [Tier(path, await estimate_off_loop(path, ctx_size or self.options.ctx_size)) for path in paths]
-        return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), tiers)
+        # On a serving node, its own claim's place and --spread; elsewhere, as if it began serving now.
+        since = self.serving.since if self.serving is not None else time.time()
+        return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), tiers, since=since,
+                              spread=serving.spread if serving else False)
 
     def ticket(self) -> str:
         assert self.mesh is not None
@@ -307,6 +385,10 @@ class Node:
             "processes": processes,
             "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
                         if self.serving else None),
+            "api": {"enabled": self.options.api.enabled and self.api_port is not None, "port": self.api_port,
+                    "url": self.api_url(), "requires_key": self.options.api.access.api_key is not None,
+                    "fallback_from": self.api_fallback_from},
+            "models": self.catalog(self.proxy.in_flight if self.proxy else 0).to_json(),
             "mesh": mesh_json(self.mesh.mesh_view()) if self.mesh else {"quic_port": None},
             "peers": peers_json(self.peer_views()),
             "events": self.events.to_json(),

@@ -19,14 +19,16 @@ from aiohttp.typedefs import Middleware
 from .. import environment
 from ..errors import UsageError
 from ..units import MIB
+from ..wire.api_forward import FORWARDED_TOKEN_HEADER, MAX_FORWARDED_BODY_BYTES
 from .dashboard import KEYLESS_PATHS
 from .receipt import CONTINUE_AT_HEADER
 
-# About two million tokens of text: far beyond any context, small enough to hold in memory.
-MAX_REQUEST_BODY_BYTES = 8 * MIB
+# About two million tokens of text: far beyond any context, small enough to hold in memory; the
+# same limit as a request forwarded to another member, so any body accepted here can be forwarded.
+MAX_REQUEST_BODY_BYTES = MAX_FORWARDED_BODY_BYTES
 # Not forwarded: the client's key is for this proxy (llama-server has none), and where to continue
 # an answer is the proxy's to carry out.
-CLIENT_ONLY_HEADERS = frozenset({"authorization", CONTINUE_AT_HEADER.lower()})
+CLIENT_ONLY_HEADERS = frozenset({"authorization", CONTINUE_AT_HEADER.lower(), FORWARDED_TOKEN_HEADER.lower()})
 # Open without a key: readiness only, and load balancers and scripts probe it keyless.
 # /metrics is not open: it reveals usage (request counts, paths, speeds). Nor is the dashboard's
 # state; its page and files hold no data.
@@ -70,11 +72,21 @@ class ApiAccess:
 OPEN_ACCESS = ApiAccess()  # no key, no CORS: the default
 
 
-def guard(access: ApiAccess) -> Middleware:
-    """The middleware that turns away requests without the key, and bodies over the limit."""
+def guard(access: ApiAccess, forwarded: Callable[[web.Request], bool] = lambda request: False,
+          public: bool = True) -> Middleware:
+    """The middleware that turns away requests without the key, and bodies over the limit.
+
+    ``forwarded`` tells a request a member forwarded (net/api_forward.py): the member's node checked
+    its client's key already. ``public`` False (``--no-api`` on a serving node): only those are served.
+    """
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if forwarded(request):
+            return await _limited(request, handler)
+        if not public:
+            return openai_error(404, "The API is off on this node (--no-api); call it on another member.",
+                                "invalid_request_error", "api_off")
         if _is_allowed_preflight(access, request):
             return web.Response(status=204)  # browsers send preflights without the key; cors() answers it
         if request.path not in OPEN_PATHS and not access.admits(request.headers.get("Authorization")):
@@ -82,13 +94,17 @@ def guard(access: ApiAccess) -> Middleware:
                        if "Authorization" not in request.headers else "Incorrect API key provided.")
             return openai_error(401, message, "invalid_request_error", "invalid_api_key",
                                 headers={"WWW-Authenticate": 'Bearer realm="mesh-inference"'})
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            return openai_error(413, f"The request body is over the {MAX_REQUEST_BODY_BYTES // MIB} MiB limit.",
-                                "invalid_request_error", "request_too_large")
+        return await _limited(request, handler)
 
     return middleware
+
+
+async def _limited(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        return openai_error(413, f"The request body is over the {MAX_REQUEST_BODY_BYTES // MIB} MiB limit.",
+                            "invalid_request_error", "request_too_large")
 
 
 def _is_allowed_preflight(access: ApiAccess, request: web.Request) -> bool:

@@ -8,6 +8,7 @@ Routes, added to the API proxy's aiohttp app by ``add_routes``::
     GET /mesh/state            the state as JSON   wants the API key like /v1 (the proxy's guard)
 
 The page polls ``/mesh/state`` about once a second and draws members, the
+models served in the mesh (who serves each, its state, requests in flight), the
 layer map of the current plan, live tokens per second, RTTs and recent events.
 The files are plain HTML/CSS/JS shipped in ``dashboard/`` (package data): no
 build step, no CDN, no external fonts.
@@ -73,6 +74,20 @@ class Segment:
     output: bool  # it also holds the output head
 
 
+def models_from(models: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The status' "models", field by field (ids, names, states, counts): a field added there later
+    reaches the page only once it is named here."""
+    def node(entry: dict[str, Any]) -> dict[str, str]:
+        return {"id": entry["id"], "name": entry["name"]}
+
+    return [{"id": model["id"], "state": model["state"], "default": bool(model.get("default")),
+             "replicas": [{"node": node(replica["node"]), "local": bool(replica.get("local")),
+                           "state": replica.get("state", model["state"]), "in_flight": replica.get("in_flight", 0),
+                           "members": [node(member) for member in replica.get("members", [])]}
+                          for replica in model.get("replicas") or []]}
+            for model in models or []]
+
+
 def state_from(snapshot: dict[str, Any], peer_views: Sequence[PeerView]) -> dict[str, Any]:
     """What the page draws, from a node's ``status_snapshot()`` and its mesh's peer views;
     no paths, pids or secrets."""
@@ -91,6 +106,7 @@ def state_from(snapshot: dict[str, Any], peer_views: Sequence[PeerView]) -> dict
                  "uptime_s": node["uptime_s"]},
         "model": {"name": Path(snapshot["model"]["path"]).name, "ctx_size": snapshot["model"]["ctx_size"]},
         "members": [asdict(m) for m in (this, *peers)],
+        "models": models_from(snapshot.get("models")),
         "plan": None if plan is None else {
             "n_layers": plan["n_layers"],
             "segments": [asdict(Segment(n["id"], n["name"], n["layers"][0], n["layers"][1], bool(n["output_bytes"])))

@@ -88,6 +88,12 @@ class Metrics:
                                        registry=self.registry)
         self.slow_workers = Counter(PREFIX + "slow_workers", "Workers left out for holding tokens up far past "
                                     "a token's usual time", registry=self.registry)
+        self.forwarded = Counter(PREFIX + "forwarded_requests", "API requests sent over the mesh to the member "
+                                 "serving their model, by model and serving node", ["model", "node"],
+                                 registry=self.registry)
+        self.forward_errors = Counter(PREFIX + "forward_errors", "Forwarded requests whose serving node failed "
+                                      "under them (its connection lost, or it answered nothing), by model and "
+                                      "serving node", ["model", "node"], registry=self.registry)
         self.model = Info(PREFIX + "model", "The model in service: id, file and sha256", registry=self.registry)
         self.registry.register(_MeshCollector(peer_views, mesh_view))
 
@@ -105,4 +111,5 @@ class Metrics:
             "restarts": get(PREFIX + "restarts_total") or 0,
             "corrupt_outputs": get(PREFIX + "corrupt_outputs_total") or 0,
             "slow_workers": get(PREFIX + "slow_workers_total") or 0,
+            "forwarded": sum(s.value for m in self.forwarded.collect() for s in m.samples if s.name.endswith("_total")),
         }

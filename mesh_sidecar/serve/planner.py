@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PlanError
 from ..identity import short_id
 from ..units import format_gib
+from .assignment import ModelNeeds, Role
 
 if TYPE_CHECKING:
     # Only its interface is used here, so planning needs no GGUF reading.
@@ -107,6 +108,7 @@ class Plan:
     refused: tuple[tuple[NodeCapacity, Exclusion], ...] = ()
     model: str = ""  # the planned model's file name; "" when planned without a name
     tiers: tuple[TierFit, ...] = ()  # every tier considered, largest first
+    roles: tuple[Role, ...] = ()  # every member's place in the mesh's assignment of workers, and why
 
     def tensor_split(self) -> tuple[int, ...]:
         """``--tensor-split`` weights for ``-ngl 99`` that reproduce the planned runs exactly.
@@ -152,6 +154,9 @@ class Plan:
             "tensor_split": list(self.tensor_split()),
             "model": self.model,
             "tiers": [tier.to_json() for tier in self.tiers],
+            "assignment": [{"id": role.node_id.hex(), "name": role.name,
+                            "serves_with": None if role.serves_with is None else role.serves_with.hex(),
+                            "why": role.why} for role in self.roles],
         }
 
 
@@ -173,6 +178,12 @@ def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate) -> Pla
 def tier_needs_bytes(estimate: ModelEstimate) -> int:
     """What a tier needs at the least, its rank: the whole model on one device (each more device adds a margin)."""
     return estimate.total_bytes + estimate.compute_margin_bytes
+
+
+def model_needs(model: str, estimate: ModelEstimate) -> ModelNeeds:
+    """What holding ``model`` takes, as gossip carries it for the assignment of workers (assignment.py)."""
+    largest_layer = max((estimate.layer_bytes(i) for i in range(estimate.n_layers)), default=0)
+    return ModelNeeds(model, tier_needs_bytes(estimate), estimate.compute_margin_bytes, largest_layer)
 
 
 @dataclass(frozen=True)

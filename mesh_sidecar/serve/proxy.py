@@ -48,10 +48,13 @@ it relays, and llama-server's speed for each finished request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -59,9 +62,12 @@ from aiohttp import web
 
 from .. import environment
 from ..errors import MeshError, ServiceUnavailableError
+from ..net.api_forward import mesh_url
 from ..ports import LOOPBACK
+from ..wire.api_forward import FORWARDED_TOKEN_HEADER
 from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, ApiAccess, cors, guard, openai_error
 from .activity import TokenRate
+from .catalog import MeshCatalog, choose_replica, conversation_key
 from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly
 from .generation import Generation, PreparedRequest, prepare, requested_model
 from .metrics import Metrics
@@ -111,6 +117,10 @@ SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the nod
 MODEL_LOADING_MESSAGE = "The model is still being loaded on the mesh; retry in a moment."
 MODEL_LOADING_CODE = "model_loading"
 MODELS_PATH = "/v1/models"
+MODEL_UNAVAILABLE_CODE = "model_unavailable"
+MODEL_NOT_FOUND_CODE = "model_not_found"
+# Conversations remembered for routing to the replica that holds their prompt (least recently used go).
+MAX_REMEMBERED_CONVERSATIONS = 4096
 
 
 GenerationHook = Callable[[Generation], None]
@@ -128,6 +138,7 @@ class ProxyOptions:
     max_failovers: int = MAX_FAILOVERS_PER_REQUEST
     # False: a stream begun is replayed after a failover, never continued (MESH_RESUME=replay).
     continue_streams: bool = field(default_factory=lambda: not environment.resume_by_replay())
+    public: bool = True  # False (--no-api): only members' forwarded requests are served
 
 
 @dataclass(frozen=True)
@@ -144,12 +155,24 @@ class ServingHooks:
 
 
 @dataclass(frozen=True)
+class MeshRoutes:
+    """What the API needs of the mesh to route requests to the members that serve their model."""
+
+    catalog: Callable[[int], MeshCatalog]  # the models served now (given this node's requests in flight)
+    version: Callable[[], int]  # the mesh's change count (mesh/changes.py)
+    wait_after: Callable[[int], Awaitable[int]]  # wait for a change after a version
+    transport: httpx.AsyncBaseTransport  # requests to mesh_url(node) go to that member's API (net/api_forward.py)
+    name_of: Callable[[bytes], str]
+
+
+@dataclass(frozen=True)
 class Upstream:
-    """One llama-server as the proxy knows it."""
+    """One llama-server as the proxy knows it, or another member's API that serves the model."""
 
     url: str
     epoch: int  # bumped on every serve/refuse, so a retry can wait for a newer one
     model: str  # the id of the model it serves
+    node_id: bytes | None = None  # the member whose API this is (forwarded); None: this node's llama-server
 
 
 @dataclass
@@ -165,6 +188,16 @@ class _ClientSide:
     first_text_seen: bool = False
 
 
+@dataclass
+class _Route:
+    """Where one request goes: this node's llama-server (``model`` None), or the replicas of ``model``
+    in the mesh, this node's own among them."""
+
+    model: str | None
+    key: str | None  # its conversation, kept with one replica (catalog.conversation_key)
+    avoid: set[bytes] = field(default_factory=set)  # members that failed under it
+
+
 def _sse_error(message: str, code: str) -> bytes:
     body = {"error": {"message": message, "type": "server_error", "code": code}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -174,10 +207,22 @@ class ApiProxy:
     """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
 
     def __init__(self, metrics: Metrics, options: ProxyOptions = ProxyOptions(),
-                 hooks: ServingHooks = ServingHooks()) -> None:
+                 hooks: ServingHooks = ServingHooks(), *, mesh: MeshRoutes | None = None,
+                 forward_token: str | None = None) -> None:
+        """``mesh``: route requests for models other members serve to them (None: this node's llama-server
+        only). ``forward_token``: the secret this node's forwarding streams present (net/api_forward.py):
+        such requests come from an admitted member, which checked the client's key, and are served here."""
         self.metrics = metrics
         self._options = options
         self._hooks = hooks
+        self._mesh = mesh
+        self._forward_token = forward_token
+        # Whether this node has a llama-server of its own (a serving node): always, without a mesh.
+        self._serving_here = mesh is None
+        self._mesh_client = (httpx.AsyncClient(transport=mesh.transport, timeout=UPSTREAM_TIMEOUT)
+                             if mesh is not None else None)
+        self._forwarded_in_flight: Counter[bytes] = Counter()  # requests this node sent to each member now
+        self._conversations: OrderedDict[str, bytes] = OrderedDict()  # conversation -> the replica it went to
         self._pace = TokenPace()
         self._prompts_waiting = 0  # upstream requests that have not yet sent their first byte
         upstream_key = options.upstream_key
@@ -198,11 +243,33 @@ class ApiProxy:
         self._idle = asyncio.Event()
         self._idle.set()
         self.token_rate = TokenRate()
-        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES, middlewares=[guard(options.access)])
+        self.app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES,
+                                   middlewares=[guard(options.access, self.is_forwarded, options.public)])
         self.app.on_response_prepare.append(cors(options.access))
         self.app.router.add_route("*", "/v1/{tail:.*}", self._forward)
         self.app.router.add_route("GET", "/health", self._forward)
         self.app.router.add_route("GET", "/metrics", self._metrics)
+        # A member continuing a stream it forwarded here renders and spells it on this llama-server.
+        for path in (TEMPLATE_PATH, DETOKENIZE_PATH):
+            self.app.router.add_route("POST", path, self._forward_from_member)
+
+    def is_forwarded(self, request: web.Request) -> bool:
+        """Whether a request came from an admitted member's forwarding stream (it carries our secret)."""
+        token = request.headers.get(FORWARDED_TOKEN_HEADER)
+        return (self._forward_token is not None and token is not None
+                and hmac.compare_digest(token.encode(errors="replace"), self._forward_token.encode()))
+
+    def attach(self, hooks: ServingHooks, upstream_key: str) -> None:
+        """This node serves a model from now on: its llama-server (which needs ``upstream_key``) answers
+        the requests routed here."""
+        self._hooks = hooks
+        self._client.headers["Authorization"] = f"Bearer {upstream_key}"
+        self._serving_here = True
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this node's llama-server is answering now (gossip tells members, for routing)."""
+        return self._in_flight
 
     # --- states, driven by the serving loop -----------------------------------------
 
@@ -233,15 +300,19 @@ class ApiProxy:
             log.warning("%d request(s) still running after %.0f s; restarting anyway", self._in_flight, timeout_s)
 
     async def start(self, port: int, host: str = LOOPBACK) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=SHUTDOWN_GRACE_S)
-        await self._runner.setup()
+        """Listen on ``port``; OSError (the port is taken) leaves the proxy as it was, to try another."""
+        if self._runner is None:
+            self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                         shutdown_timeout=SHUTDOWN_GRACE_S)
+            await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
 
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
         await self._client.aclose()
+        if self._mesh_client is not None:
+            await self._mesh_client.aclose()
 
     # --- choosing an upstream ---------------------------------------------------------
 
@@ -275,47 +346,151 @@ class ApiProxy:
         return web.Response(body=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
+        forwarded = self.is_forwarded(request)
+        if request.path == "/health" and not self._serving_here:
+            return self._count(request, web.json_response({"status": "ok", "models": self._catalog().ids()}))
         if request.path == "/health" and not self._settled.is_set():
             # Health checks want an answer now, not a held request.
             return self._count(request, openai_error(503, MODEL_LOADING_MESSAGE, "unavailable", MODEL_LOADING_CODE))
-        if request.path == MODELS_PATH and request.method == "GET" and self._hooks.catalog is not None:
-            return self._count(request, web.json_response(models_list(self._hooks.catalog(), int(time.time()))))
+        if request.path == MODELS_PATH and request.method == "GET":
+            return self._count(request, web.json_response(self._models_list()))
         try:
             continue_at = parse_continue_at(request.headers.get(CONTINUE_AT_HEADER))
         except ValueError as exc:
             return self._count(request, openai_error(400, str(exc), "invalid_request_error", "invalid_header"))
         body = await request.read()
+        requested = requested_model(body)
+        route = self._route(requested, forwarded, request.path, body)
+        if isinstance(route, web.StreamResponse):
+            return self._count(request, route)
         prepared = PreparedRequest(body, Shape.WHOLE)
+        local = route.model is None
         if request.method == "POST" and request.path in GENERATION_PATHS:
             # The catalog plans every tier: asked for only when a request names a model.
-            requested = requested_model(body)
-            if (self._hooks.catalog is not None and requested not in DEFAULT_MODEL_NAMES
+            if (local and self._hooks.catalog is not None and requested not in DEFAULT_MODEL_NAMES
                     and (why := why_not_served(requested, self._hooks.catalog()))):
                 return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
-            prepared = prepare(request.path, body, receipts=self._hooks.on_generation is not None,
+            prepared = prepare(request.path, body, receipts=local and self._hooks.on_generation is not None,
                                continues=self._options.continue_streams)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
-            upstream = await self._upstream_for(None)
+            upstream = await self._next_upstream(route, None)
         except ServiceUnavailableError as exc:
             return self._count(request, openai_error(503, str(exc), "unavailable", exc.code))
         recovery = RequestRecovery(request.rel_url.path_qs, prepared.body, prepared.shape, upstream.model,
                                    prepared.continuation, continue_at, self._options.max_failovers)
         client = _ClientSide(request, headers, prepared.tap, prepared.assembly, time.monotonic())
-        self._in_flight += 1
-        self._idle.clear()
+        response, answered_by = await self._exchange(recovery, client, upstream, route)
+        if (self._hooks.on_generation is not None and prepared.meant is not None and prepared.tap is not None
+                and response.status == 200 and answered_by.node_id is None):
+            self._report(Generation(request.path, prepared.meant, prepared.tap, answered_by.model,
+                                    tuple(recovery.continued_at)))
+        return self._count(request, response)
+
+    async def _forward_from_member(self, request: web.Request) -> web.StreamResponse:
+        """llama-server's own endpoints a continuation needs: for members' forwarding streams only."""
+        if not self.is_forwarded(request):
+            raise web.HTTPNotFound()
+        return await self._forward(request)
+
+    # --- routing by model ---------------------------------------------------------------
+
+    def _catalog(self) -> MeshCatalog:
+        return self._mesh.catalog(self._in_flight) if self._mesh is not None else MeshCatalog((), None)
+
+    def _models_list(self) -> dict[str, object]:
+        """``/v1/models``: every model served in the mesh, with its replicas; this node's tiers as tiers.py
+        lists them."""
+        created = int(time.time())
+        entries = self._catalog().openai_entries(created)
+        if self._serving_here and self._hooks.catalog is not None:
+            by_id = {entry["id"]: entry for entry in entries}
+            for tier in models_list(self._hooks.catalog(), created)["data"]:
+                if tier["id"] in by_id:
+                    by_id[tier["id"]].update({k: v for k, v in tier.items() if k not in by_id[tier["id"]]})
+                else:
+                    entries.append(tier)
+        return {"object": "list", "data": entries}
+
+    def _route(self, requested: str, forwarded: bool, path: str, body: bytes) -> _Route | web.Response:
+        """Where a request naming ``requested`` goes: this node's llama-server, the members serving that
+        model, or an error (nobody serves it)."""
+        if forwarded or self._mesh is None:
+            # A member forwarded it here because we serve it (or said so a moment ago).
+            if not self._serving_here or (forwarded and not self._names_ours(requested)):
+                return openai_error(503, f"This member does not serve {requested or 'a model'} now; "
+                                    "retry: the mesh routes it to the member that does.", "unavailable",
+                                    MODEL_UNAVAILABLE_CODE)
+            return _Route(None, None)
+        catalog = self._catalog()
+        model = catalog.find(requested)
+        if model is None:
+            if self._serving_here and self._names_ours(requested):
+                return _Route(None, None)
+            return openai_error(404, catalog.not_found(requested), "invalid_request_error", MODEL_NOT_FOUND_CODE)
+        if model.local() is not None and len(model.replicas) == 1:
+            return _Route(None, None)
         try:
-            response, answered_by = await self._exchange(recovery, client, upstream)
-            if (self._hooks.on_generation is not None and prepared.meant is not None and prepared.tap is not None
-                    and response.status == 200):
-                self._report(Generation(request.path, prepared.meant, prepared.tap, answered_by.model,
-                                        tuple(recovery.continued_at)))
-            return self._count(request, response)
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+            key = conversation_key(path, json.loads(body))
+        except ValueError:
+            key = None
+        return _Route(model.id, key)
+
+    def _names_ours(self, requested: str) -> bool:
+        """Whether ``requested`` names the model this node serves, or one of its tiers."""
+        if requested in DEFAULT_MODEL_NAMES or requested in (self._model, f"{self._model}.gguf"):
+            return True
+        return self._hooks.catalog is not None and any(
+            requested in (view.id, view.file_name) for view in self._hooks.catalog())
+
+    async def _next_upstream(self, route: _Route, failed: Upstream | None) -> Upstream:
+        """The llama-server (or member) to ask next: a first one, or one after ``failed`` failed."""
+        if route.model is None:
+            return await self._upstream_for(failed.epoch if failed is not None else None)
+        return await self._mesh_upstream(route, failed)
+
+    async def _mesh_upstream(self, route: _Route, failed: Upstream | None) -> Upstream:
+        """A ready replica of the route's model, waiting (bounded) while it loads; a failed member is not
+        asked again by this request."""
+        assert self._mesh is not None and route.model is not None
+        if failed is not None and failed.node_id is not None:
+            route.avoid.add(failed.node_id)
+        deadline = time.monotonic() + self._options.hold_timeout_s
+        while True:
+            seen = self._mesh.version()
+            model = self._catalog().find(route.model)
+            if model is not None:
+                sticky = self._conversations.get(route.key) if route.key is not None else None
+                replica = choose_replica(model, self._forwarded_in_flight, avoid=frozenset(route.avoid),
+                                         sticky=sticky)
+                if replica is not None:
+                    self._remember(route.key, replica.node_id)
+                    if replica.local:
+                        local_failed = failed is not None and failed.node_id is None
+                        return await self._upstream_for(failed.epoch if local_failed and failed else None)
+                    return Upstream(mesh_url(replica.node_id), 0, model.id, replica.node_id)
+            left = [] if model is None else [r for r in model.replicas if r.node_id not in route.avoid]
+            if not left:
+                gone = ", ".join(self._mesh.name_of(node_id) for node_id in route.avoid)
+                raise ServiceUnavailableError(
+                    f"No member serves {route.model!r} now" + (f": {gone} stopped answering" if gone else "")
+                    + ". Retry later, or ask for another model (GET /v1/models lists them).", MODEL_UNAVAILABLE_CODE)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServiceUnavailableError(MODEL_LOADING_MESSAGE, MODEL_LOADING_CODE)
+            try:
+                await asyncio.wait_for(self._mesh.wait_after(seen), remaining)
+            except TimeoutError:
+                pass
+
+    def _remember(self, key: str | None, node_id: bytes) -> None:
+        if key is None:
+            return
+        self._conversations[key] = node_id
+        self._conversations.move_to_end(key)
+        while len(self._conversations) > MAX_REMEMBERED_CONVERSATIONS:
+            self._conversations.popitem(last=False)
 
     def _count(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
         self.metrics.requests.labels(request.path, str(response.status)).inc()
@@ -329,7 +504,7 @@ class ApiProxy:
             log.exception("could not record the generation for %s", generation.path)
 
     async def _exchange(self, recovery: RequestRecovery, client: _ClientSide,
-                        at: Upstream) -> tuple[web.StreamResponse, Upstream]:
+                        at: Upstream, route: _Route) -> tuple[web.StreamResponse, Upstream]:
         """Carry out the request's recovery (recovery.py): ask llama-server, and after a failover wait for
         the next one, prepare a continuation, retry, replay or give up, as the machine decides.
 
@@ -342,21 +517,55 @@ class ApiProxy:
                 return await self._give_up(client.response, decision), at
             if isinstance(decision, WaitForUpstream):
                 try:
-                    at = await self._wait_elsewhere(at.epoch)
+                    at = await self._next_upstream(route, at)
                 except ServiceUnavailableError as unavailable:
                     decision = recovery.handle(Unavailable(str(unavailable), unavailable.code))
                 else:
                     decision = recovery.handle(UpstreamReady(at.model))
                 continue
             if isinstance(decision, Prepare):
-                decision = recovery.handle(await self._prepare(decision, at))
+                with self._busy(at):
+                    decision = recovery.handle(await self._prepare(decision, at))
                 continue
             self._note(decision, client, counted=not planned_cut)
-            outcome = await self._ask(decision, recovery, client, at)
+            with self._busy(at):
+                outcome = await self._ask(decision, recovery, client, at)
+            if isinstance(outcome, Failed) and at.node_id is not None:
+                self.metrics.forward_errors.labels(at.model, self._mesh_name(at.node_id)).inc()
             if isinstance(outcome, web.StreamResponse):
                 return outcome, at
             planned_cut = isinstance(outcome, Cut)
             decision = recovery.handle(outcome)
+
+    @contextlib.contextmanager
+    def _busy(self, at: Upstream) -> Iterator[None]:
+        """Count a request in flight while it is at ``at``: this node's llama-server (a replan's drain waits
+        for those), or a member (routing spreads requests over replicas by it)."""
+        if at.node_id is not None:
+            self._forwarded_in_flight[at.node_id] += 1
+            try:
+                yield
+            finally:
+                self._forwarded_in_flight[at.node_id] -= 1
+            return
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def _mesh_name(self, node_id: bytes) -> str:
+        return self._mesh.name_of(node_id) if self._mesh is not None else node_id.hex()[:12]
+
+    def _client_for(self, at: Upstream) -> httpx.AsyncClient:
+        """This node's llama-server's client (it sends llama-server's key), or the mesh's (to a member's API)."""
+        if at.node_id is None:
+            return self._client
+        assert self._mesh_client is not None
+        return self._mesh_client
 
     def _note(self, ask: Ask, client: _ClientSide, counted: bool) -> None:
         """What a step means for the client's side: metrics, logs, the token ids and assembly kept."""
@@ -379,8 +588,11 @@ class ApiProxy:
                    at: Upstream) -> web.StreamResponse | Failed | Refused | Cut | Broken:
         """Send one ask and relay its answer: the client's response once done, or what went wrong."""
         request = client.request
+        http = self._client_for(at)
+        if at.node_id is not None:
+            self.metrics.forwarded.labels(at.model, self._mesh_name(at.node_id)).inc()
         try:
-            upstream = await self._client.send(self._client.build_request(
+            upstream = await http.send(http.build_request(
                 request.method, at.url + ask.target, headers=client.headers, content=ask.body), stream=True)
             try:
                 if ask.step is Step.CONTINUED and upstream.status_code != 200:
@@ -399,7 +611,10 @@ class ApiProxy:
                     await client.response.prepare(request)
                     recovery.began()
                 splitter = EventSplitter()
-                async for chunk in self._unless_stalled(upstream.aiter_raw(), request.path):
+                # A member's API judges its own llama-server's pace; here only its connection can fail.
+                chunks = (self._unless_stalled(upstream.aiter_raw(), request.path) if at.node_id is None
+                          else upstream.aiter_raw())
+                async for chunk in chunks:
                     for event in splitter.feed(chunk):
                         for out in recovery.relay(event):
                             await self._deliver(out, recovery, client)
@@ -413,7 +628,8 @@ class ApiProxy:
             finally:
                 await upstream.aclose()
         except httpx.TransportError as exc:
-            log.warning("llama-server failed under %s (%r); waiting for the next one", request.path, exc)
+            log.warning("%s failed under %s (%r); waiting for the next one",
+                        "llama-server" if at.node_id is None else self._mesh_name(at.node_id), request.path, exc)
             self.metrics.retries.inc()
             return Failed(repr(exc))
         except MeshError as exc:  # ReplayMismatchError, an oversized event
@@ -456,12 +672,13 @@ class ApiProxy:
         """Ask ``at`` to render the chat prompt and spell the resume ids, for a continuation."""
         try:
             prompt = None
+            http = self._client_for(at)
             if prepare.template is not None:
-                rendered = await self._client.post(at.url + TEMPLATE_PATH, json=prepare.template)
+                rendered = await http.post(at.url + TEMPLATE_PATH, json=prepare.template)
                 rendered.raise_for_status()
                 answer = rendered.json()
                 prompt = answer.get("prompt") if isinstance(answer, dict) else None
-            spelled = await self._client.post(at.url + DETOKENIZE_PATH, json=prepare.detokenize)
+            spelled = await http.post(at.url + DETOKENIZE_PATH, json=prepare.detokenize)
             spelled.raise_for_status()
             return Prepared(prompt, spelled.json())
         except (httpx.HTTPError, ValueError) as exc:
@@ -510,18 +727,6 @@ class ApiProxy:
             if pending is not None:
                 pending.cancel()
                 await asyncio.wait((pending,))  # the stream is closed next: its read must have ended
-
-    async def _wait_elsewhere(self, failed: int) -> Upstream:
-        """The next llama-server; while waiting this request does not count as in flight,
-        so it cannot hold up the very replan it waits for."""
-        self._in_flight -= 1
-        if self._in_flight == 0:
-            self._idle.set()
-        try:
-            return await self._upstream_for(failed)
-        finally:
-            self._in_flight += 1
-            self._idle.clear()
 
     @staticmethod
     def _headers(upstream: httpx.Response) -> dict[str, str]:

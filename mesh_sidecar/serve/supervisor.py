@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import secrets
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..environment import output_check
-from ..errors import PlanError, PortInUseError, ProcessError
+from ..errors import PlanError, ProcessError
 from ..home import write_private_file
 from ..identity import NodeIdentity, short_id
 from ..llama.build import LlamaBinaries
@@ -53,15 +53,17 @@ from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
+from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
 from ..wire.rpc_outputs import OutputRejected
-from . import dashboard, receipt
-from .access import OPEN_ACCESS, ApiAccess
+from . import receipt
+from .assignment import Assignment, Claim, ModelNeeds, Offer, assign, fits, pick_workers, pool_for
+from .catalog import LOADING, READY, UNAVAILABLE
 from .generation import Generation
 from .metrics import Metrics
 from .output_guard import OutputGuard
 from .pace import Slow
-from .planner import NodeCapacity, Plan, assess_tiers
-from .proxy import ApiProxy, ProxyOptions, ServingHooks
+from .planner import NodeCapacity, Plan, assess_tiers, model_needs
+from .proxy import ApiProxy, ServingHooks
 from .replan import (
     Blame,
     Replan,
@@ -86,7 +88,6 @@ RESTART_DELAY_S = 1.0
 START_RETRY_FIRST_S = 2.0
 START_RETRY_MAX_S = 60.0
 UPSTREAM_KEY_FILE = "llama-server.key"  # in the node's home, mode 0600
-UPSTREAM_KEY_BYTES = 32
 
 # A node asks for the estimate on every membership change; the first read of a GGUF
 # takes seconds (its tokenizer arrays), so it is cached and first made off the event loop.
@@ -115,12 +116,11 @@ class PlanAnnouncement:
 class ServeOptions:
     """What the user asked of the serving node: ``--serve`` and the options that go with it."""
 
-    port: int  # --serve: the API port
     models: tuple[tuple[Path, str], ...]  # (path, sha256) of every --model, in the order given: the tiers
     ctx_size: int
     min_peers: int = 0  # wait for this many peers before loading the model
     step_up: StepUpRules = StepUpRules()  # with several tiers: when a bigger one may replace the one in service
-    access: ApiAccess = OPEN_ACCESS
+    spread: bool = False  # --spread: split over every free worker, even when the model fits on fewer
     draft_model: Path | None = None  # a draft model (same tokenizer) for speculative decoding on this node's CPU
     receipts: Path | None = None  # write a signed run receipt per generation request here
     speculate: bool = True  # let the node choose speculative decoding (False: never)
@@ -137,40 +137,77 @@ class ServingHost:
     rpc_port: int  # this node's own rpc-server, on loopback
     logs: Path  # the node's log directory; llama-server's key goes beside it, in the node's home
     metrics: Metrics
+    proxy: ApiProxy  # the node's API: this node's llama-server is attached to it
+    api_url: Callable[[], str | None]  # where people reach the API (None: --no-api)
+    upstream_key: str  # llama-server's own key, known only to the proxy (see llama_server_argv)
     own_capacity: Callable[[], Capacity]  # what this node offers now
     say: Callable[[Any], None]  # a line (or a PlanAnnouncement) for the user
-    node_status: Callable[[], dict[str, Any]]  # the node's status_snapshot(), for the dashboard
     # A fresh reporter per llama-server start, told its load stages; None: loads are silent.
     load_progress: Callable[[], ProgressCallback] | None = None
 
 
-def planning_members(mesh: Mesh, identity: NodeIdentity, name: str,
-                     own: Capacity) -> tuple[list[NodeCapacity], tuple[tuple[NodeCapacity, Exclusion], ...]]:
-    """The members to plan over, and those refused with the reason.
+@dataclass(frozen=True)
+class MeshRound:
+    """The members one planning round may use: this node's share of the mesh's workers (assignment.py)."""
 
-    Peers come first (by id) and this node last: llama.cpp puts the output
-    layer on the last device, so the logits (vocabulary x 4 bytes a token)
-    stay on loopback instead of crossing the network.
+    members: tuple[NodeCapacity, ...]  # to plan over, in device order: peers first (by id), this node last
+    refused: tuple[tuple[NodeCapacity, Exclusion], ...]  # connected members left out, and why
+    needs: ModelNeeds  # what this node claims: the tier its workers were picked for
+    assignment: Assignment  # every member's place, for `plan`
+
+    def roles(self, own_id: bytes) -> tuple[Any, ...]:
+        return tuple(self.assignment.seen_by(own_id).values())
+
+
+def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
+                     since: float = math.inf, spread: bool = False) -> MeshRound:
+    """The members to plan ``tiers`` over, and those refused with the reason.
+
+    Every serving member claims workers in gossip (``MemberInfo.serves``); this node takes, from the
+    workers the claims before its own leave free, the fewest that hold the largest tier that can fit
+    (all of them with ``spread``). ``since``: when this node began serving (infinite: it does not
+    serve, as `plan` on a worker shows). Peers come first (by id) and this node last: llama.cpp puts
+    the output layer on the last device, so the logits (vocabulary x 4 bytes a token) stay on
+    loopback instead of crossing the network.
     """
-    members, refused = [], []
+    me = identity.node_id
+    offers, refused, claims = [], [], []
     for info in mesh.connected_members():
         # Less what the member's rpc-server holds for other serving nodes (they run their own models).
-        member = NodeCapacity(info.node_id, info.name,
-                              Capacity.from_gossip(dict(info.capacity)).usable_for(identity.node_id))
+        usable = Capacity.from_gossip(dict(info.capacity)).usable_for(me)
+        if (served := info.serves) is not None:
+            claims.append(Claim(info.node_id, served.since, ModelNeeds(
+                served.model, served.alone_bytes, served.margin_bytes, served.layer_bytes), served.spread))
         # As if this node served, so `plan` on any node shows what serving there would leave out.
         if (why := exclusion_of(info, mesh.self_info)) is not None:
-            refused.append((member, why))
-        else:
-            members.append(member)
+            refused.append((NodeCapacity(info.node_id, info.name, usable), why))
+            continue
+        offers.append(Offer(info.node_id, info.name, usable, shares=info.llama_build.b2b,
+                            serving=info.serving or served is not None))
     # The tier planning takes each tier's input embeddings off this node's share.
-    members.append(NodeCapacity(identity.node_id, name, max(0, own.usable_bytes - mesh.held_for_peers_bytes())))
-    return members, tuple(refused)
+    own_offer = Offer(me, name, max(0, own.usable_bytes - mesh.held_for_peers_bytes()), serving=True)
+    offers.append(own_offer)
+    largest_first = sorted(tiers, key=lambda tier: tier.needs_bytes, reverse=True)
+    needs = [model_needs(model_id(tier.path.name), tier.estimate) for tier in largest_first]
+    pool = pool_for(me, [*claims, Claim(me, since, needs[0], spread)], offers)
+    chosen, picked = needs[-1], tuple(pool)
+    for tier_needs in needs:
+        workers = pick_workers(own_offer, pool, tier_needs, spread)
+        if fits(own_offer.usable_bytes, [w.usable_bytes for w in workers], tier_needs):
+            chosen, picked = tier_needs, workers
+            break
+    members = [NodeCapacity(w.node_id, w.name, w.usable_bytes) for w in sorted(picked, key=lambda w: w.node_id)]
+    members.append(NodeCapacity(me, name, own_offer.usable_bytes))
+    assignment = assign([*claims, Claim(me, since, chosen, spread)], offers)
+    return MeshRound(tuple(members), tuple(refused), chosen, assignment)
 
 
-def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier]) -> Plan:
-    """The plan of the largest of ``tiers`` the members connected now can hold; PlanError if none."""
-    members, refused = planning_members(mesh, identity, name, own)
-    return plan_largest(tiers, members, refused)[1]
+def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
+                   since: float = math.inf, spread: bool = False) -> Plan:
+    """The plan of the largest of ``tiers`` this node's share of the mesh can hold now; PlanError if none."""
+    round_ = planning_members(mesh, identity, name, own, tiers, since=since, spread=spread)
+    plan = plan_largest(tiers, round_.members, round_.refused)[1]
+    return dataclasses.replace(plan, roles=round_.roles(identity.node_id))
 
 
 class ServingSupervisor:
@@ -191,13 +228,16 @@ class ServingSupervisor:
         self._draft_sha256: str | None = None
         self.speculation: Speculation | None = None
         # llama-server's own key, known only to our proxy (see llama_server_argv); its file is written in run().
-        self._upstream_key = secrets.token_hex(UPSTREAM_KEY_BYTES)
         self._upstream_key_file = host.logs.parent / UPSTREAM_KEY_FILE
-        # Its hooks are this loop's own methods; it opens its port in run().
-        self._proxy = ApiProxy(self._metrics, ProxyOptions(access=options.access, upstream_key=self._upstream_key),
-                               ServingHooks(on_stall=self.request_restart, on_slow=self._on_slow,
-                                            links_rtt_s=self._links_rtt_s, catalog=self.tier_views,
-                                            on_generation=None if options.receipts is None else self._write_receipt))
+        # The node's API sends its requests for our model to our llama-server, with these hooks.
+        self._proxy: ApiProxy = host.proxy
+        self._proxy.attach(ServingHooks(on_stall=self.request_restart, on_slow=self._on_slow,
+                                        links_rtt_s=self._links_rtt_s, catalog=self.tier_views,
+                                        on_generation=None if options.receipts is None else self._write_receipt),
+                           host.upstream_key)
+        self.since = time.time()  # announced: serving nodes that began earlier pick their workers first
+        self._state = LOADING  # what gossip says of our model: LOADING, READY or UNAVAILABLE
+        self._round: MeshRound | None = None  # the last planning round's share of the mesh
         self._restart_reason: str | None = None
         self._slow_kept: set[bytes] = set()  # slow workers kept because the model needs them (said once)
         self._wakeup = asyncio.Event()
@@ -211,11 +251,26 @@ class ServingSupervisor:
     # --- reading the mesh for the decisions (replan.py) ------------------------------
 
     def _snapshot(self) -> ServingSnapshot:
-        """The connected members, the tiers and the plan in service, at the loop's time now."""
-        members, refused = planning_members(self._mesh, self._identity, self._host.name, self._own_for_planning())
+        """This node's share of the connected members, the tiers and the plan in service, at the loop's time now."""
         tiers = tuple(Tier(path, cached_estimate(path, self._options.ctx_size)) for path, _ in self._options.models)
-        return ServingSnapshot(asyncio.get_running_loop().time(), tuple(members), refused, tiers,
+        self._round = planning_members(self._mesh, self._identity, self._host.name, self._own_for_planning(), tiers,
+                                       since=self.since, spread=self._options.spread)
+        return ServingSnapshot(asyncio.get_running_loop().time(), self._round.members, self._round.refused, tiers,
                                tier_index(tiers, self._in_service), self.plan)
+
+    def served(self) -> ServedModel:
+        """What this node says in gossip of the model it serves (read at each announcement)."""
+        needs = self._round.needs if self._round is not None else None
+        return ServedModel(
+            model=model_id(self.model.name), state=self._state, since=self.since, in_flight=self._proxy.in_flight,
+            alone_bytes=needs.alone_bytes if needs else 0, margin_bytes=needs.margin_bytes if needs else 0,
+            layer_bytes=needs.layer_bytes if needs else 0, spread=self._options.spread,
+            members=tuple(n.node_id for n in self.plan.nodes)[:MAX_SERVED_MEMBERS] if self.plan else ())
+
+    def _set_state(self, state: str) -> None:
+        if state != self._state:
+            self._state = state
+            self._mesh.serving_changed()
 
     def _own_for_planning(self) -> Capacity:
         own = self._host.own_capacity()
@@ -266,6 +321,7 @@ class ServingSupervisor:
             if replan.failover:
                 self._metrics.failovers.inc()
             await self._proxy.drain(0.0 if self._plan_unreachable() else DRAIN_TIMEOUT_S)
+            self._set_state(LOADING)
             if self.llama_server is not None:
                 await self.llama_server.stop()
                 self.llama_server = None
@@ -274,17 +330,12 @@ class ServingSupervisor:
                 await asyncio.sleep(RESTART_DELAY_S)
 
     async def _open(self) -> None:
-        """Before the first plan: llama-server's key file, the dashboard, the output check, the API port (holding)."""
-        write_private_file(self._upstream_key_file, self._upstream_key + "\n")
-        dashboard.add_routes(self._proxy.app, self._host.node_status, self._mesh.peer_views)
+        """Before the first plan: llama-server's key file, the output check, requests held, the claim announced."""
+        write_private_file(self._upstream_key_file, self._host.upstream_key + "\n")
         self._mesh.install_serving(OutputGuard().judge if output_check() else None, self._on_corrupt_output)
-        try:
-            await self._proxy.start(self._options.port)
-        except OSError as exc:
-            raise PortInUseError(
-                f"Cannot listen on port {self._options.port} ({exc.strerror}). "
-                "Stop the program holding it or choose another with --serve PORT."
-            ) from exc
+        self._proxy.hold()
+        self._snapshot()  # the claim's figures, before the first announcement
+        self._mesh.announce_serving(self.served)
 
     def _plan_unreachable(self) -> bool:
         """Whether a member of the plan has no connection left: what runs through it cannot finish, so
@@ -349,7 +400,6 @@ class ServingSupervisor:
     async def close(self) -> None:
         # Held requests get their answer now instead of keeping the node alive.
         self._proxy.refuse("This node is shutting down; retry against another serving node or later.")
-        await self._proxy.close()
         if self.llama_server is not None:
             await self.llama_server.stop()
 
@@ -368,9 +418,12 @@ class ServingSupervisor:
             self.plan, self.outage = None, str(exc)
             self._say(f"Cannot load the model: {exc}")
             self._proxy.refuse(str(exc))
+            self._set_state(UNAVAILABLE)
             return
         self._keep_step_up(choice.step_up)
-        self.plan, self.outage = choice.plan, None
+        roles = self._round.roles(self._identity.node_id) if self._round is not None else ()
+        self.plan, self.outage = dataclasses.replace(choice.plan, roles=roles), None
+        self._set_state(LOADING)
         path, sha256 = self._options.models[choice.tier]
         if choice.switch is not None and self._in_service is not None:
             self._say(f"Switching model {choice.switch}: {self._in_service.name} -> {path.name} "
@@ -387,9 +440,12 @@ class ServingSupervisor:
         if self.speculation.kind != "none":
             self._say(f"Speculative decoding: {self.speculation.reason}")
         self.llama_port = free_tcp_port()
+        # Alone, llama-server holds the model itself: no RPC between it and its own machine's memory.
+        alone = len(self.plan.nodes) == 1
         argv = llama_server_argv(
-            self._host.binaries, self.model, [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
-            tensor_split=self.plan.tensor_split(), api_key_file=self._upstream_key_file,
+            self._host.binaries, self.model,
+            [] if alone else [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
+            tensor_split=() if alone else self.plan.tensor_split(), api_key_file=self._upstream_key_file,
             extra=["--ctx-size", str(self._options.ctx_size), *self.speculation.llama_server_args()],
         )
         # Workers map REGISTER_PEER's peer ids through this order.
@@ -403,12 +459,14 @@ class ServingSupervisor:
             self.outage = f"llama-server failed to start: {exc}"
             self._say(f"{self.outage}\nTrying again in {start_retry_delay(self._start_failures):.0f} s.")
             self._proxy.refuse(self.outage)
+            self._set_state(UNAVAILABLE)
             return
         self._start_failures = 0
         self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}", model_id(path.name))
-        self._say(f"OpenAI-compatible API ready on http://localhost:{self._options.port}/v1"
-                  + (" (requires the API key: Authorization: Bearer KEY)"
-                     if self._options.access.api_key is not None else ""))
+        self._set_state(READY)
+        where = self._host.api_url()
+        self._say(f"{model_id(path.name)} is ready" + (f": OpenAI-compatible API on {where}" if where else
+                                                       " (this node's API is off: members forward to it)"))
 
     async def _trouble(self) -> Replan:
         """Wait until llama-server must be restarted (or started); say why, and if it is a failover."""
@@ -465,8 +523,6 @@ class ServingSupervisor:
 
     def status(self) -> dict[str, Any]:
         return {
-            "api": {"port": self._options.port, "url": f"http://localhost:{self._options.port}/v1",
-                    "requires_key": self._options.access.api_key is not None},
             "model": str(self.model),  # the tier in service, or the last one planned
             "step_up": ({"model": self.step_up_pending[0],
                          "in_s": round(max(0.0, self.step_up_pending[1] - asyncio.get_running_loop().time()), 1)}

@@ -39,13 +39,15 @@ from .auth import MESH_SECRET_BYTES
 from .frames import MAX_CONTROL_MESSAGE_BYTES
 from .rpc_hello import RpcVersion
 
+# 5: MemberInfo.serves (what a serving node serves: the mesh routes requests and assigns workers by it);
+# at most 200 members a list (was 256), to make room for it.
 # 4: MemberInfo.llama_build; Observed. Later in 4, optional (absent means none, and they are left out
 # when empty): MemberInfo.run_id, corrupt_outputs and slow_workers. Version 3 is not decoded: a
 # version-3 node closes the connection on our first version-4 frame, so reading its frames would
 # keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
-GOSSIP_WIRE_VERSION = 4
+GOSSIP_WIRE_VERSION = 5
 MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
@@ -56,9 +58,9 @@ MAX_ADDRESS_CHARS = 259  # a 253-char DNS name, ":" and a 5-digit port
 MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
-# The largest mesh gossip can describe: 256 members at every field's limit take about
-# 850 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
-MAX_MEMBERS_PER_LIST = 256
+# The largest mesh gossip can describe: 200 members at every field's limit take about
+# 980 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
+MAX_MEMBERS_PER_LIST = 200
 MAX_RPC_ORDER_ENTRIES = 256
 MAX_REASON_CHARS = 256
 MAX_NONCE = 2**64 - 1
@@ -70,6 +72,10 @@ MAX_RUN_ID = 2**63 - 1
 MAX_JUDGED_MEMBERS = 4
 MAX_FAULT_CHARS = 24
 MAX_JUDGED_MS = 10**9  # the times a slow verdict names, in ms (11 days: any real window fits)
+MAX_MODEL_ID_CHARS = 64
+MAX_SERVED_MEMBERS = 8  # a plan's members as gossip shows them (status); the first ones of a larger plan
+MAX_IN_FLIGHT = 10**6
+SERVED_STATES = ("loading", "ready", "unavailable")
 
 _NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
 _ADDRESS_RE = re.compile(r"(?:\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
@@ -261,6 +267,49 @@ class SlowWorker:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """What a serving node serves and what holding it takes. Travels inside MemberInfo.
+
+    Every node routes API requests by it (``model``, ``state``, ``in_flight``) and computes the
+    same assignment of workers to serving nodes from it (``since`` orders the claims; the byte
+    figures say how many workers the model needs: serve/assignment.py).
+    """
+
+    model: str  # the id clients send (the file's stem)
+    state: str  # one of SERVED_STATES
+    since: float  # wall time it began serving: earlier serving nodes pick their workers first
+    in_flight: int  # API requests it is answering now
+    alone_bytes: int  # the whole model on the serving node alone
+    margin_bytes: int  # what each more device costs
+    layer_bytes: int  # the largest layer
+    spread: bool = False  # --spread: it takes every free worker
+    members: tuple[bytes, ...] = ()  # its plan's members in --rpc order (the first MAX_SERVED_MEMBERS)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"model": self.model, "state": self.state, "since": self.since, "in_flight": self.in_flight,
+                "alone_bytes": self.alone_bytes, "margin_bytes": self.margin_bytes,
+                "layer_bytes": self.layer_bytes, "spread": self.spread,
+                "members": [node_id.hex() for node_id in self.members]}
+
+    @classmethod
+    def from_body(cls, body: Any, what: str) -> ServedModel:
+        keys = ("model", "state", "since", "in_flight", "alone_bytes", "margin_bytes", "layer_bytes", "spread",
+                "members")
+        fields = _object(body, what, keys)
+        state = fields["state"]
+        if state not in SERVED_STATES:
+            raise _bad(f"{what}.state", f"one of {', '.join(SERVED_STATES)}")
+        return cls(
+            model=_text(fields["model"], f"{what}.model", MAX_MODEL_ID_CHARS, min_chars=1),
+            state=state, since=_time(fields["since"], f"{what}.since"),
+            in_flight=_int(fields["in_flight"], f"{what}.in_flight", MAX_IN_FLIGHT),
+            **{key: _int(fields[key], f"{what}.{key}", MAX_CAPACITY_VALUE)
+               for key in ("alone_bytes", "margin_bytes", "layer_bytes")},
+            spread=_bool(fields["spread"], f"{what}.spread"),
+            members=_node_ids(fields["members"], f"{what}.members", MAX_SERVED_MEMBERS))
+
+
+@dataclass(frozen=True)
 class MemberInfo:
     """What a node says about itself. Travels inside MemberList.
 
@@ -288,6 +337,8 @@ class MemberInfo:
     corrupt_outputs: tuple[CorruptOutput, ...] = ()
     # A serving node's: members it leaves out as too slow, until they restart or for a while (newest last).
     slow_workers: tuple[SlowWorker, ...] = ()
+    # A serving node's: the model it serves (None: it serves none, or has not planned yet).
+    serves: ServedModel | None = None
 
     def judged_within_limit(self, what: str) -> MemberInfo:
         if len(self.corrupt_outputs) + len(self.slow_workers) > MAX_JUDGED_MEMBERS:
@@ -316,6 +367,7 @@ class MemberInfo:
             **({"run_id": self.run_id} if self.run_id else {}),
             **({"corrupt_outputs": [c.to_body() for c in self.corrupt_outputs]} if self.corrupt_outputs else {}),
             **({"slow_workers": [w.to_body() for w in self.slow_workers]} if self.slow_workers else {}),
+            **({"serves": self.serves.to_body()} if self.serves is not None else {}),
         }
 
     @classmethod
@@ -325,7 +377,7 @@ class MemberInfo:
             what,
             ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready",
              "llama_build", "model_sha256", "secret_epoch"),
-            ("run_id", "corrupt_outputs", "slow_workers"),
+            ("run_id", "corrupt_outputs", "slow_workers", "serves"),
         )
         capacity = fields["capacity"]
         if not isinstance(capacity, dict) or len(capacity) > MAX_CAPACITY_ENTRIES:
@@ -372,6 +424,7 @@ class MemberInfo:
                 SlowWorker.from_body(w, f"{what}.slow_workers[{i}]")
                 for i, w in enumerate(_list(fields.get("slow_workers", []), f"{what}.slow_workers",
                                             MAX_JUDGED_MEMBERS))),
+            serves=None if fields.get("serves") is None else ServedModel.from_body(fields["serves"], f"{what}.serves"),
         ).judged_within_limit(what)
 
 

@@ -6,6 +6,7 @@
     MODEL_FILE      a model file request (net/model_transfer.py)
     RELAY_REQUEST   relay my packets to a member you reach (wire/relay.py)
     RELAY_DELIVERY  packets relayed to you from a member (wire/relay.py)
+    API_FORWARD     an HTTP request for your API, answered on the stream (wire/api_forward.py)
 
 The control stream (stream 0, wire/frames.py) has no kind byte.
 """
@@ -22,3 +23,4 @@ class StreamKind(enum.IntEnum):
     MODEL_FILE = 2
     RELAY_REQUEST = 3
     RELAY_DELIVERY = 4
+    API_FORWARD = 5

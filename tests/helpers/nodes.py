@@ -46,9 +46,10 @@ class NodeProcess:
     home: Path
     proc: subprocess.Popen
     output: Path
-    serve_port: int | None = None
+    serve_port: int | None = None  # a serving node's API port (its readiness is the model's)
     extra_pids: list[int] = field(default_factory=list)
     prefix: Sequence[str] = ()
+    api_port: int | None = None  # every node's API, serving or not
 
     def status(self) -> dict:
         result = cli("status", "--home", str(self.home), "--json", prefix=self.prefix)
@@ -127,19 +128,24 @@ class LoopbackNodes:
         self.started: list[NodeProcess] = []
 
     def start(self, name: str, *args: str, serve: bool = False, wait: bool = True,
-              env: dict[str, str] | None = None) -> NodeProcess:
+              env: dict[str, str] | None = None, spread: bool = True) -> NodeProcess:
+        """``spread``: a serving node splits its model over every free member (the tests of splitting
+        use the default model, which fits on one node)."""
         home = self.root / name
         home.mkdir()
-        port = free_tcp_port() if serve else None
+        # Every node has an API; each gets a free port here, never the machine's 8080.
+        api_port = free_tcp_port()
         # No mDNS: these nodes share the machine's own network, where a test must send nothing.
         argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", name,
                 "--port", str(free_udp_port()), "--no-mdns", *args]
-        if port is not None:
-            argv += ["--serve", str(port)]
+        if serve:
+            argv += ["--serve", str(api_port)] + (["--spread"] if spread else [])
+        else:
+            argv += ["--api-port", str(api_port)]
         output = self.root / f"{name}.out"
         proc = subprocess.Popen(argv, stdout=open(output, "w"), stderr=subprocess.STDOUT,
                                 env={**os.environ, **env} if env else None)
-        node = NodeProcess(home, proc, output, port)
+        node = NodeProcess(home, proc, output, api_port if serve else None, api_port=api_port)
         self.started.append(node)
         if wait:
             try:

@@ -1,4 +1,4 @@
-"""One node with real llama.cpp processes: rpc-only serving, streaming, clean shutdown."""
+"""One node with real llama.cpp processes: the model alone in llama-server, streaming, clean shutdown."""
 
 from __future__ import annotations
 
@@ -16,22 +16,25 @@ from tests.helpers.nodes import NODE_START_TIMEOUT_S, cli
 pytestmark = pytest.mark.slow
 
 
-def test_rpc_only_node_matches_plain_llama_server(start_node, reference_text, model_path):
+def test_a_lone_node_runs_the_model_alone_and_matches_plain_llama_server(start_node, reference_text, model_path):
     node = start_node("solo", serve=True)
     status = node.status()
     rpc = next(p for p in status["processes"] if p["name"] == "ggml-rpc-server")
     llama = next(p for p in status["processes"] if p["name"] == "llama-server")
     argv = psutil.Process(llama["pid"]).cmdline()
-    # llama-server reaches compute only through the local rpc-server.
-    assert argv[argv.index("--rpc") + 1] == f"127.0.0.1:{rpc['port']}"
+    # The model fits here: llama-server holds it itself, with no RPC to its own machine.
+    assert "--rpc" not in argv and "--tensor-split" not in argv
     assert argv[argv.index("-ngl") + 1] == "99"
+    assert status["serving"]["plan"]["nodes"][0]["name"] == "solo" and len(status["serving"]["plan"]["nodes"]) == 1
 
     through_mesh = complete(node.serve_port)
     assert through_mesh == reference_text
     assert len(through_mesh.split()) > 5
 
-    # The weights live in the rpc-server's memory, not only in llama-server's mapping.
-    assert psutil.Process(rpc["pid"]).memory_info().rss > 0.8 * model_path.stat().st_size
+    # The weights are not in the rpc-server's memory: it holds nothing for this model.
+    assert psutil.Process(rpc["pid"]).memory_info().rss < 0.5 * model_path.stat().st_size
+    assert [m["id"] for m in status["models"]] == [model_path.stem]
+    assert status["models"][0]["replicas"][0]["local"] is True
 
 
 def test_streaming_arrives_in_many_chunks(start_node):

@@ -60,15 +60,15 @@ def test_gib_for_people(n_bytes: int, up: bool, shown: str) -> None:
 
 def test_cap_limits_what_is_offered() -> None:
     cpu = (Device("CPU", "cpu", 64 * 1024 * MIB, 32 * 1024 * MIB),)
-    capped = measure(cpu, None, 300 * MIB)
+    capped = measure(cpu, (), 300 * MIB)
     assert capped.usable_bytes == 300 * MIB and capped.max_memory_bytes == 300 * MIB
-    uncapped = measure(cpu, None, None)
+    uncapped = measure(cpu, (), None)
     assert uncapped.usable_bytes == uncapped.device_free_bytes > 300 * MIB
 
 
 def test_gpu_memory_counts_from_the_listing() -> None:
     gpu_only = (Device("CUDA0", "gpu", 12 * 1024 * MIB, 11 * 1024 * MIB),)
-    assert measure(gpu_only, None, None).usable_bytes == 11 * 1024 * MIB
+    assert measure(gpu_only, (), None).usable_bytes == 11 * 1024 * MIB
 
 
 def test_gossip_round_trip() -> None:

@@ -55,6 +55,10 @@ def a_snapshot(events: RecentEvents) -> dict:
             "counters": {"requests": 3, "failovers": 0, "retries": 0, "restarts": 0},
         },
         "mesh": {"quic_port": 47470, "secret_epoch": 0, "removed": [], "ignored_datagrams": 0, "model_sha256": None},
+        "models": [{"id": "SmolLM2-135M-Instruct.Q4_1", "state": "ready", "default": True, "replicas": [
+            {"node": {"id": SERVER_ID, "name": "server"}, "local": True, "state": "ready", "in_flight": 2,
+             "members": [{"id": WORKER_ID, "name": "worker"}, {"id": SERVER_ID, "name": "server"}],
+             "a_field_added_later": "/models/secret-path"}]}],
         "peers": peers_json([WORKER]),
         "events": events.to_json(),
     }
@@ -108,7 +112,20 @@ async def test_the_state_has_members_plan_live_figures_and_events_but_no_secrets
         ("worker", 0, 14, False), ("server", 14, 30, True)]
     assert state["live"] == {"tokens_per_second_now": 21.5, "last_request_tokens_per_second": 19.0}
     assert state["counters"]["requests"] == 3
+    assert state["models"] == [{"id": "SmolLM2-135M-Instruct.Q4_1", "state": "ready", "default": True, "replicas": [
+        {"node": {"id": SERVER_ID, "name": "server"}, "local": True, "state": "ready", "in_flight": 2,
+         "members": [{"id": WORKER_ID, "name": "worker"}, {"id": SERVER_ID, "name": "server"}]}]}]
     assert [e["message"] for e in state["events"]] == [
         f"Node ticket: {TICKET_PLACEHOLDER}", "Connected to peer worker (bbbbbbbb)"]
     for secret_or_path in (TICKET, "/home/someone", "/x.log", "/models/"):
         assert secret_or_path not in response.text
+
+
+def test_the_state_has_no_models_list_for_a_node_that_knows_none():
+    """An older node's status has no "models"; a mesh serving nothing has an empty one: both draw as none."""
+    snapshot = a_snapshot(RecentEvents())
+    for models in (None, []):
+        snapshot["models"] = models
+        assert dashboard.state_from(snapshot, [WORKER])["models"] == []
+    del snapshot["models"]
+    assert dashboard.state_from(snapshot, [WORKER])["models"] == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import defaultdict, deque
 from dataclasses import replace
 from itertools import pairwise
@@ -43,13 +44,16 @@ from mesh_sidecar.wire.gossip import (
     MAX_CAPACITY_KEY_CHARS,
     MAX_CAPACITY_VALUE,
     MAX_EPOCH,
+    MAX_IN_FLIGHT,
     MAX_JUDGED_MEMBERS,
     MAX_JUDGED_MS,
     MAX_MEMBERS_PER_LIST,
+    MAX_MODEL_ID_CHARS,
     MAX_NAME_CHARS,
     MAX_NONCE,
     MAX_REASON_CHARS,
     MAX_RUN_ID,
+    MAX_SERVED_MEMBERS,
     MAX_VERSION_CHARS,
     Leave,
     LlamaBuild,
@@ -60,6 +64,7 @@ from mesh_sidecar.wire.gossip import (
     Pong,
     Rekey,
     RpcOrder,
+    ServedModel,
     SlowWorker,
     decode_message,
     encode_message,
@@ -102,6 +107,12 @@ member_infos = st.builds(
     ),
     model_sha256=st.one_of(st.just(""), st.binary(min_size=32, max_size=32).map(bytes.hex)),
     secret_epoch=st.integers(0, MAX_EPOCH),
+    serves=st.none() | st.builds(
+        ServedModel, st.text(printable_chars, min_size=1, max_size=MAX_MODEL_ID_CHARS),
+        st.sampled_from(("loading", "ready", "unavailable")), st.floats(allow_nan=False, allow_infinity=False),
+        st.integers(0, MAX_IN_FLIGHT), st.integers(0, MAX_CAPACITY_VALUE), st.integers(0, MAX_CAPACITY_VALUE),
+        st.integers(0, MAX_CAPACITY_VALUE), st.booleans(),
+        st.lists(node_ids, max_size=MAX_SERVED_MEMBERS, unique=True).map(tuple)),
 )
 times = st.floats(allow_nan=False, allow_infinity=False)
 messages = st.one_of(
@@ -169,10 +180,10 @@ def test_every_message_round_trips(msg: object) -> None:
 def test_known_frame_bytes() -> None:
     # Pins the layout, so a change to it fails here and not only between two releases.
     data = encode_message(Ping(nonce=7, sent_at=1.5))
-    assert data == b"\x04\x04" + b'{"nonce":7,"sent_at":1.5}'
-    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x04\x04"  # the transport's length, then ours
-    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x04\x02"
-    assert encode_message(Observed("203.0.113.5:47470")) == b"\x04\x07" + b'{"address":"203.0.113.5:47470"}'
+    assert data == b"\x05\x04" + b'{"nonce":7,"sent_at":1.5}'
+    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x05\x04"  # the transport's length, then ours
+    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x05\x02"
+    assert encode_message(Observed("203.0.113.5:47470")) == b"\x05\x07" + b'{"address":"203.0.113.5:47470"}'
 
 
 def test_node_ids_travel_as_lowercase_hex() -> None:
@@ -412,6 +423,9 @@ def test_the_largest_member_list_fits_in_one_frame() -> None:
         # The longer kind of verdict, as many as both lists may hold together.
         slow_workers=(SlowWorker(b"\x00" * 32, MAX_RUN_ID, MAX_JUDGED_MS, MAX_JUDGED_MS, MAX_JUDGED_MS),)
         * MAX_JUDGED_MEMBERS,
+        serves=ServedModel("\U0001f600" * MAX_MODEL_ID_CHARS, "unavailable", -sys.float_info.max, MAX_IN_FLIGHT,
+                           MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE, True,
+                           tuple(i.to_bytes(32, "big") for i in range(MAX_SERVED_MEMBERS))),
     )
     members = tuple(
         replace(widest, node_id=i.to_bytes(32, "big")) for i in range(MAX_MEMBERS_PER_LIST)

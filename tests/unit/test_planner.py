@@ -352,4 +352,5 @@ def test_to_json():
         "tensor_split": [2, 2],
         "model": "",
         "tiers": [],
+        "assignment": [],
     }

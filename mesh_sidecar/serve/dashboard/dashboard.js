@@ -89,14 +89,25 @@ function showApiState(text, tone) {
 function draw(state) {
   $("node-name").textContent = `${state.node.name} (${state.node.short_id})`;
   $("model-name").textContent = `${state.model.name} · ctx ${state.model.ctx_size}`;
+  const models = state.models || [];
   if (state.plan) showApiState("serving", "good");
   else if (state.refusal) showApiState("refusing requests", "bad");
-  else showApiState("loading", "warn");
+  else if (!servesHere(state)) {
+    // A node that serves no model: its API forwards to the nodes that do.
+    const ready = models.some((m) => m.state === "ready");
+    showApiState(ready ? "API forwards to the mesh" : "no model ready in the mesh", ready ? "good" : "warn");
+  } else showApiState("loading", "warn");
   $("updated").textContent = `updated ${new Date().toLocaleTimeString([], { hour12: false })}`;
   drawFigures(state);
+  drawModels(models);
   drawLayerMap(state);
   drawMembers(state.members);
   drawEvents(state.events);
+}
+
+function servesHere(state) {
+  const self = state.members.find((m) => m.state === "self");
+  return Boolean(self && self.serving);
 }
 
 function drawFigures(state) {
@@ -125,8 +136,10 @@ function drawLayerMap(state) {
   if (!plan) {
     $("plan-caption").textContent = "";
     $("plan-notes").textContent = "";
-    map.replaceChildren(el("div", state.refusal ? `No plan: ${state.refusal}` : "No plan yet: waiting for members.",
-                           "no-plan"));
+    let why = "No plan yet: waiting for members.";
+    if (state.refusal) why = `No plan: ${state.refusal}`;
+    else if (!servesHere(state)) why = "This node serves no model: see the models in the mesh above.";
+    map.replaceChildren(el("div", why, "no-plan"));
     return;
   }
   $("plan-caption").textContent = `${plan.n_layers} layers over ${plan.segments.length} node(s)`;
@@ -151,6 +164,49 @@ function drawLayerMap(state) {
   if (plan.left_out.length) notes.push(`Left out (too small): ${plan.left_out.join(", ")}.`);
   for (const r of plan.refused) notes.push(`Refused: ${r.name} (${r.reason}: ${r.detail}).`);
   $("plan-notes").textContent = notes.join(" ");
+}
+
+const MODEL_STATE_TONES = { ready: "good", loading: "warn", unavailable: "bad" };
+
+// One row per node serving a model (a replica); the model's name on its first row only.
+function drawModels(models) {
+  const rows = [];
+  for (const model of models) {
+    const replicas = model.replicas.length ? model.replicas : [null];
+    replicas.forEach((replica, index) => {
+      const row = el("tr");
+      row.dataset.model = model.id;
+      const name = el("td");
+      if (index === 0) {
+        name.append(el("span", model.id, "mono"));
+        if (model.default && models.length > 1) name.append(el("span", "default", "self-tag"));
+      }
+      const state = replica ? replica.state : model.state;
+      const servedBy = el("td");
+      if (replica) {
+        row.dataset.node = replica.node.name;
+        const swatch = el("span", null, "swatch");
+        swatch.style.background = colourOf(replica.node.id);
+        servedBy.append(swatch, el("span", replica.node.name));
+        if (replica.local) servedBy.append(el("span", "this node", "self-tag"));
+      } else {
+        servedBy.textContent = "–";
+      }
+      row.append(
+        name,
+        el("td", state, MODEL_STATE_TONES[state] || "muted"),
+        servedBy,
+        el("td", replica && replica.members.length ? replica.members.map((m) => m.name).join(", ") : "–"),
+        el("td", replica ? replica.in_flight : "–", "num"),
+      );
+      rows.push(row);
+    });
+  }
+  $("models").querySelector("tbody").replaceChildren(...rows);
+  $("models").hidden = models.length === 0;
+  $("models-empty").hidden = models.length > 0;
+  const ready = models.filter((m) => m.state === "ready").length;
+  $("models-caption").textContent = models.length ? `${ready} of ${models.length} ready` : "";
 }
 
 function tick(layer, nLayers) {

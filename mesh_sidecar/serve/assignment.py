@@ -1,0 +1,252 @@
+"""Which workers each serving node may use: a pure function of the serving nodes' claims and the members' offers.
+
+Some members serve a model: each announces a *claim* (when it began serving, what its model
+needs). Every member *offers* its rpc-server's memory. Stock rpc-server serves one client at a
+time, so a worker holds layers for one serving node only, unless it *shares* (the b2b build's
+rpc-server accepts several clients). The rule:
+
+1. Claims pick in the order (since, node id); a claim from a member not connected is skipped.
+2. Each takes, from the workers still free, the fewest that hold its model together with its
+   own memory, largest offer first (ties by node id): none when it fits alone, all of them
+   with ``--spread``, and all of them when even all fall short (the planner then names the
+   shortfall).
+3. A worker picked is no longer free for later claims, unless it shares. A serving member is
+   never a worker.
+
+The test is conservative (:func:`fits`): each device added pays its own compute margin, and a
+split by whole layers can leave up to about one layer unused where each device's run ends. So
+each worker is counted at its offer less a margin and a layer. Where the split would have been
+tight, the price is one worker more than needed.
+
+Why (since, node id): a serving node that began earlier picks first, so it keeps its workers
+when a new one starts; two that start at the same moment are ordered by node id, so they end
+up with a plan each instead of both reaching for the same workers. Nothing depends on the order
+of the inputs, so every node computes the same assignment from the same gossip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..units import format_gib
+
+
+@dataclass(frozen=True)
+class ModelNeeds:
+    """What holding one model takes, as a serving node announces it (so others need not read its GGUF)."""
+
+    model: str  # the model id, e.g. "SmolLM2-135M-Instruct-Q8_0"
+    alone_bytes: int  # the whole model on the serving node alone: weights, KV, output head, a margin, input embeddings
+    margin_bytes: int  # what each device added costs (its compute margin)
+    layer_bytes: int  # the largest layer (a split can waste up to about one layer per device)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One member's rpc-server as the others see it."""
+
+    node_id: bytes
+    name: str
+    usable_bytes: int
+    shares: bool = False  # its rpc-server accepts several clients (b2b): may be in several assignments
+    serving: bool = False  # it serves a model itself: never a worker for another serving node
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A serving node's claim on workers."""
+
+    node_id: bytes  # the serving node
+    since: float  # when it began serving (announced wall time): earlier claims pick first
+    needs: ModelNeeds
+    spread: bool = False  # --spread: take every free worker, a split over all members
+
+
+@dataclass(frozen=True)
+class Role:
+    """One member's place in the assignment, for ``plan``: why it is in or out."""
+
+    node_id: bytes
+    name: str
+    serves_with: bytes | None  # the serving node whose layers it holds (itself for a serving node); None: idle
+    why: str  # one sentence, e.g. "holds layers of gemma for nodeB"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The workers of every serving node whose claim was taken, and every offered member's role."""
+
+    workers: Mapping[bytes, tuple[bytes, ...]]  # serving node id -> its workers, largest offer first (empty: alone)
+    roles: Mapping[bytes, Role]  # every member offered, serving or not
+    models: Mapping[bytes, str]  # serving node id -> the model it claimed workers for
+
+    def workers_of(self, serving: bytes) -> tuple[bytes, ...]:
+        """``serving``'s workers; none for a node whose claim was not taken (or that made none)."""
+        return self.workers.get(serving, ())
+
+    def alone(self, serving: bytes) -> bool:
+        """Whether ``serving``'s claim was taken with no workers: its model fits on it alone."""
+        return serving in self.workers and not self.workers[serving]
+
+    def seen_by(self, serving: bytes) -> dict[bytes, Role]:
+        """The roles as ``serving`` tells them: workers of other serving nodes are "taken by" them."""
+        seen = dict(self.roles)
+        for node_id, role in self.roles.items():
+            if node_id in self.workers_of(serving):
+                seen[node_id] = Role(node_id, role.name, serving,
+                                     f"holds layers of {self.models[serving]} for {self.roles[serving].name}")
+            elif (owner := role.serves_with) is not None and owner not in (node_id, serving):
+                seen[node_id] = Role(node_id, role.name, owner,
+                                     f"taken by {self.roles[owner].name} for {self.models[owner]}")
+        return seen
+
+
+def needed_bytes(n_workers: int, needs: ModelNeeds) -> int:
+    """What the serving node and ``n_workers`` workers must offer together to hold the model."""
+    return needs.alone_bytes + n_workers * (needs.margin_bytes + needs.layer_bytes)
+
+
+def fits(own_bytes: int, worker_bytes: Sequence[int], needs: ModelNeeds) -> bool:
+    """Conservatively, whether the serving node's ``own_bytes`` and the workers' offers hold the model.
+
+    Alone: ``own_bytes >= alone_bytes``. With k workers, each pays a margin and may waste a layer:
+    ``own + sum(workers) >= alone_bytes + k * (margin_bytes + layer_bytes)``.
+    """
+    return own_bytes + sum(worker_bytes) >= needed_bytes(len(worker_bytes), needs)
+
+
+def largest_first(offers: Sequence[Offer]) -> tuple[Offer, ...]:
+    """``offers`` by usable bytes, largest first, ties by node id: the order workers are taken in."""
+    return tuple(sorted(offers, key=lambda offer: (-offer.usable_bytes, offer.node_id)))
+
+
+def pick_workers(own: Offer, pool: Sequence[Offer], needs: ModelNeeds, spread: bool) -> tuple[Offer, ...]:
+    """The fewest of ``pool`` that, with ``own``, hold the model, largest offer first (ties by node id).
+
+    None (alone) when ``own`` fits by itself; all of the pool with ``spread``, and when even all
+    of it does not fit (the planner then names the shortfall). ``own`` is never its own worker.
+    The k largest offers are the best k any pick could have, so the first prefix that fits is
+    the fewest.
+    """
+    ordered = largest_first([offer for offer in pool if offer.node_id != own.node_id])
+    if spread:
+        return ordered
+    for k in range(len(ordered) + 1):
+        if fits(own.usable_bytes, [offer.usable_bytes for offer in ordered[:k]], needs):
+            return ordered[:k]
+    return ordered
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """One claim's turn: the claim, its node's offer, and the workers it took."""
+
+    claim: Claim
+    own: Offer
+    picked: tuple[Offer, ...]
+
+
+def _inputs(claims: Sequence[Claim], offers: Sequence[Offer]) -> tuple[list[Claim], dict[bytes, Offer]]:
+    """The claims in picking order and the offers by node id; ValueError when a node appears twice in either."""
+    offered = {offer.node_id: offer for offer in offers}
+    if len(offered) != len(offers):
+        raise ValueError("assignment: a node offers twice")
+    if len({claim.node_id for claim in claims}) != len(claims):
+        raise ValueError("assignment: a node claims twice")
+    return sorted(claims, key=_order), offered
+
+
+def _order(claim: Claim) -> tuple[float, bytes]:
+    return claim.since, claim.node_id
+
+
+def _turns(ordered: Sequence[Claim], offered: Mapping[bytes, Offer],
+           serving: frozenset[bytes]) -> tuple[list[_Pick], tuple[Offer, ...]]:
+    """Each claim of ``ordered`` whose node is offered, picking from what the ones before it left;
+    and what is left after the last, largest first. ``serving``: the members that are never workers."""
+    free = largest_first([offer for offer in offered.values() if offer.node_id not in serving])
+    picks = []
+    for claim in ordered:
+        own = offered.get(claim.node_id)
+        if own is None:
+            continue  # not connected: it cannot use workers through this mesh
+        picked = pick_workers(own, free, claim.needs, claim.spread)
+        picks.append(_Pick(claim, own, picked))
+        taken = {offer.node_id for offer in picked if not offer.shares}
+        free = tuple(offer for offer in free if offer.node_id not in taken)
+    return picks, free
+
+
+def _serving(claims: Sequence[Claim], offered: Mapping[bytes, Offer]) -> frozenset[bytes]:
+    """Who serves: a member that says so in its offer, or that claims."""
+    return frozenset(claim.node_id for claim in claims) | {o.node_id for o in offered.values() if o.serving}
+
+
+def pool_for(serving: bytes, claims: Sequence[Claim], offers: Sequence[Offer]) -> tuple[Offer, ...]:
+    """The workers free for ``serving``, largest offer first: the offers of members that do not
+    serve, less those taken (not sharing) by the claims that pick before it (earlier ``since``,
+    ties by node id). A node with no claim picks after every claim. Every node computes the same.
+    """
+    ordered, offered = _inputs(claims, offers)
+    mine = next((claim for claim in ordered if claim.node_id == serving), None)
+    before = [claim for claim in ordered if mine is None or _order(claim) < _order(mine)]
+    return _turns(before, offered, _serving(claims, offered) | {serving})[1]
+
+
+def assign(claims: Sequence[Claim], offers: Sequence[Offer]) -> Assignment:
+    """Every claim's workers and every offered member's role.
+
+    Claims pick in the order (since, node id), each with :func:`pick_workers` from what the
+    earlier ones left; a claim whose node has no offer (not connected) is skipped. Sharing
+    workers stay free for later claims. ValueError when a node offers or claims twice.
+    """
+    ordered, offered = _inputs(claims, offers)
+    serving = _serving(claims, offered)
+    picks, _ = _turns(ordered, offered, serving)
+    workers = {pick.claim.node_id: tuple(offer.node_id for offer in pick.picked) for pick in picks}
+    models = {pick.claim.node_id: pick.claim.needs.model for pick in picks}
+    roles = {pick.own.node_id: Role(pick.own.node_id, pick.own.name, pick.own.node_id, _serving_why(pick))
+             for pick in picks}
+    for node_id, offer in offered.items():
+        if node_id in roles:
+            continue
+        if node_id in serving:
+            roles[node_id] = Role(node_id, offer.name, node_id, "serves its own model")
+            continue
+        held_for = [pick for pick in picks if node_id in workers[pick.claim.node_id]]
+        if held_for:
+            roles[node_id] = Role(node_id, offer.name, held_for[0].claim.node_id, _worker_why(held_for))
+        else:
+            roles[node_id] = Role(node_id, offer.name, None, _idle_why(picks))
+    return Assignment(workers, roles, models)
+
+
+def _serving_why(pick: _Pick) -> str:
+    model, own, picked = pick.claim.needs.model, pick.own.usable_bytes, pick.picked
+    have = own + sum(offer.usable_bytes for offer in picked)
+    need = needed_bytes(len(picked), pick.claim.needs)
+    amounts = f"{format_gib(need, up=True)} of {format_gib(have)} GiB free"
+    if not picked:
+        if fits(own, [], pick.claim.needs):
+            return f"serves {model} alone: it fits ({amounts})"
+        return f"serves {model} alone, with no worker free: it needs {amounts}"
+    count = f"{len(picked)} worker{'s' if len(picked) > 1 else ''}"
+    if pick.claim.spread:
+        return f"serves {model} over every free worker (--spread): {count}, {amounts}"
+    if not fits(own, [offer.usable_bytes for offer in picked], pick.claim.needs):
+        return f"serves {model} with every free worker ({count}), still short: it needs {amounts}"
+    return f"serves {model} with {count}, the fewest that hold it ({amounts})"
+
+
+def _worker_why(held_for: Sequence[_Pick]) -> str:
+    models = " and ".join(f"{pick.claim.needs.model} for {pick.own.name}" for pick in held_for)
+    return f"holds layers of {models}" + (" (its rpc-server takes several clients)" if len(held_for) > 1 else "")
+
+
+def _idle_why(picks: Sequence[_Pick]) -> str:
+    if not picks:
+        return "idle: no member serves a model"
+    if len(picks) == 1:
+        return f"not needed: {picks[0].claim.needs.model} fits on fewer members"
+    return "not needed: each serving node's model fits on fewer members"
