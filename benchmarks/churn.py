@@ -171,7 +171,7 @@ def start_node(node: Node, started: Started, *extra: str) -> None:
     argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(node.home), "--name", node.name,
             "--port", str(node.port), "--no-mdns", *node.args, *extra]
     if node.serve_port is not None:
-        argv += ["--serve", str(node.serve_port)]
+        argv += ["--serve", str(node.serve_port), "--spread"]
     # A session of its own: a terminal's Ctrl-C reaches only us, and we stop the nodes in order.
     node.proc = subprocess.Popen(argv, stdout=open(node.log, "w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                  start_new_session=True)

@@ -291,7 +291,7 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
     t_a = ticket(procs["a"][1])
     procs["b"] = start("b", "--join", t_a)
     t_b = ticket(procs["b"][1])
-    procs["c"] = start("c", "--join", t_b, "--serve", str(MESH_API_PORT), "--min-peers", "2",
+    procs["c"] = start("c", "--join", t_b, "--serve", str(MESH_API_PORT), "--spread", "--min-peers", "2",
                        *(["--model", str(model)] if model is not None else []), *serve_args)
 
     def api_ready() -> bool:

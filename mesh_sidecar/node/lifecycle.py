@@ -43,8 +43,9 @@ from ..serve.activity import RecentEvents
 from ..serve.catalog import MeshCatalog, mesh_catalog
 from ..serve.metrics import Metrics
 from ..serve.planner import Plan
-from ..serve.proxy import ApiProxy, MeshRoutes, ProxyOptions
+from ..serve.proxy import ApiProxy, ProxyOptions
 from ..serve.replan import Tier
+from ..serve.routing import MeshRoutes
 from ..serve.supervisor import ServeOptions, ServingHost, ServingSupervisor, estimate_off_loop, plan_over_mesh
 from ..units import format_gib
 from ..wire.gossip import LlamaBuild

@@ -1,9 +1,12 @@
-"""The user's API port: a streaming reverse proxy in front of llama-server.
+"""The user's API port: a streaming reverse proxy in front of the mesh's llama-servers.
 
-The port (``--serve``, e.g. 8080) belongs to the sidecar, not to llama-server,
-so llama-server can be restarted (new plan, lost peer) while clients keep one
-address. Responses are relayed chunk by chunk, so server-sent events reach the
-client token by token.
+Every node has one (``--api-port``, 8080 by default). A request goes where its
+``model`` is served (routing.py): to this node's own llama-server, or over the
+mesh to the API of a member that serves it (net/api_forward.py; that member's
+proxy answers it as its own, with the forwarding token in place of the key).
+The port belongs to the sidecar, not to llama-server, so llama-server can be
+restarted (new plan, lost peer) while clients keep one address. Responses are
+relayed chunk by chunk, so server-sent events reach the client token by token.
 
 The node drives the proxy through three states:
 
@@ -31,9 +34,12 @@ When the next llama-server runs another model (a smaller tier, tiers.py), a
 stream that already sent text cannot continue: it ends with an error event
 saying so, while a plain request is answered whole by the new model.
 
-With a model catalog (the serving node's tiers) the proxy answers
-``/v1/models`` itself, and a generation request naming a tier that is not in
-service gets an OpenAI-style 503 saying which one is and why.
+The proxy answers ``/v1/models`` itself: every model served in the mesh, and a
+serving node's tiers (tiers.py); a generation request naming a tier that is not
+in service gets an OpenAI-style 503 saying which one is and why. The recovery
+below works the same for a member's API as for our llama-server: a forwarded
+stream whose member died continues on another replica, or ends with
+``model_unavailable`` when there is none.
 
 aiohttp serves (it embeds in our event loop without taking over signals and
 streams responses); httpx is the client to the internal llama-server.
@@ -53,8 +59,7 @@ import hmac
 import json
 import logging
 import time
-from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -64,10 +69,10 @@ from .. import environment
 from ..errors import MeshError, ServiceUnavailableError
 from ..net.api_forward import mesh_url
 from ..ports import LOOPBACK
-from ..wire.api_forward import FORWARDED_TOKEN_HEADER
+from ..wire.api_forward import FORWARDED_TOKEN_HEADER, HOP_BY_HOP_HEADERS
 from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, ApiAccess, cors, guard, openai_error
 from .activity import TokenRate
-from .catalog import MeshCatalog, choose_replica, conversation_key
+from .catalog import MeshCatalog
 from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly
 from .generation import Generation, PreparedRequest, prepare, requested_model
 from .metrics import Metrics
@@ -93,6 +98,7 @@ from .recovery import (
     WaitForUpstream,
 )
 from .replay import GENERATION_PATHS, EventSplitter
+from .routing import MODEL_LOADING_CODE, MODEL_LOADING_MESSAGE, MeshRouter, MeshRoutes, Refusal, Route
 from .tiers import DEFAULT_MODEL_NAMES, TierView, models_list, why_not_served
 
 log = logging.getLogger(__name__)
@@ -106,21 +112,9 @@ PACE_CHECK_S = 0.5  # how often a stream with no new byte is judged against its 
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=60.0, pool=None)
-# Headers that describe one hop, not the message (RFC 9110 section 7.6.1), plus
-# those aiohttp/httpx recompute for their own hop.
-HOP_HEADERS = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-    "trailer", "transfer-encoding", "upgrade", "host", "content-length",
-})
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
-MODEL_LOADING_MESSAGE = "The model is still being loaded on the mesh; retry in a moment."
-MODEL_LOADING_CODE = "model_loading"
 MODELS_PATH = "/v1/models"
-MODEL_UNAVAILABLE_CODE = "model_unavailable"
-MODEL_NOT_FOUND_CODE = "model_not_found"
-# Conversations remembered for routing to the replica that holds their prompt (least recently used go).
-MAX_REMEMBERED_CONVERSATIONS = 4096
 
 
 GenerationHook = Callable[[Generation], None]
@@ -155,17 +149,6 @@ class ServingHooks:
 
 
 @dataclass(frozen=True)
-class MeshRoutes:
-    """What the API needs of the mesh to route requests to the members that serve their model."""
-
-    catalog: Callable[[int], MeshCatalog]  # the models served now (given this node's requests in flight)
-    version: Callable[[], int]  # the mesh's change count (mesh/changes.py)
-    wait_after: Callable[[int], Awaitable[int]]  # wait for a change after a version
-    transport: httpx.AsyncBaseTransport  # requests to mesh_url(node) go to that member's API (net/api_forward.py)
-    name_of: Callable[[bytes], str]
-
-
-@dataclass(frozen=True)
 class Upstream:
     """One llama-server as the proxy knows it, or another member's API that serves the model."""
 
@@ -188,14 +171,11 @@ class _ClientSide:
     first_text_seen: bool = False
 
 
-@dataclass
-class _Route:
-    """Where one request goes: this node's llama-server (``model`` None), or the replicas of ``model``
-    in the mesh, this node's own among them."""
-
-    model: str | None
-    key: str | None  # its conversation, kept with one replica (catalog.conversation_key)
-    avoid: set[bytes] = field(default_factory=set)  # members that failed under it
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(json.loads(body), dict)
+    except ValueError:
+        return False
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -215,14 +195,12 @@ class ApiProxy:
         self.metrics = metrics
         self._options = options
         self._hooks = hooks
-        self._mesh = mesh
+        self._router = MeshRouter(mesh, options.hold_timeout_s)
         self._forward_token = forward_token
         # Whether this node has a llama-server of its own (a serving node): always, without a mesh.
         self._serving_here = mesh is None
         self._mesh_client = (httpx.AsyncClient(transport=mesh.transport, timeout=UPSTREAM_TIMEOUT)
                              if mesh is not None else None)
-        self._forwarded_in_flight: Counter[bytes] = Counter()  # requests this node sent to each member now
-        self._conversations: OrderedDict[str, bytes] = OrderedDict()  # conversation -> the replica it went to
         self._pace = TokenPace()
         self._prompts_waiting = 0  # upstream requests that have not yet sent their first byte
         upstream_key = options.upstream_key
@@ -359,10 +337,16 @@ class ApiProxy:
         except ValueError as exc:
             return self._count(request, openai_error(400, str(exc), "invalid_request_error", "invalid_header"))
         body = await request.read()
+        if request.method == "POST" and request.path in GENERATION_PATHS and not _is_json_object(body):
+            # Refused here, where the client called: a member serving the model never sees it.
+            return self._count(request, openai_error(400, "The request body is not a JSON object.",
+                                                     "invalid_request_error", "invalid_json"))
         requested = requested_model(body)
-        route = self._route(requested, forwarded, request.path, body)
-        if isinstance(route, web.StreamResponse):
-            return self._count(request, route)
+        ours = self._names_ours if self._serving_here else None
+        route = self._router.route(requested, forwarded=forwarded, ours=ours, own_in_flight=self._in_flight,
+                                   path=request.path, body=body)
+        if isinstance(route, Refusal):
+            return self._count(request, openai_error(route.status, route.message, route.error_type, route.code))
         prepared = PreparedRequest(body, Shape.WHOLE)
         local = route.model is None
         if request.method == "POST" and request.path in GENERATION_PATHS:
@@ -373,7 +357,7 @@ class ApiProxy:
             prepared = prepare(request.path, body, receipts=local and self._hooks.on_generation is not None,
                                continues=self._options.continue_streams)
         headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
+                   if k.lower() not in HOP_BY_HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
             upstream = await self._next_upstream(route, None)
         except ServiceUnavailableError as exc:
@@ -394,10 +378,10 @@ class ApiProxy:
             raise web.HTTPNotFound()
         return await self._forward(request)
 
-    # --- routing by model ---------------------------------------------------------------
+    # --- routing by model (routing.py) ---------------------------------------------------
 
     def _catalog(self) -> MeshCatalog:
-        return self._mesh.catalog(self._in_flight) if self._mesh is not None else MeshCatalog((), None)
+        return self._router.catalog(self._in_flight)
 
     def _models_list(self) -> dict[str, object]:
         """``/v1/models``: every model served in the mesh, with its replicas; this node's tiers as tiers.py
@@ -413,30 +397,6 @@ class ApiProxy:
                     entries.append(tier)
         return {"object": "list", "data": entries}
 
-    def _route(self, requested: str, forwarded: bool, path: str, body: bytes) -> _Route | web.Response:
-        """Where a request naming ``requested`` goes: this node's llama-server, the members serving that
-        model, or an error (nobody serves it)."""
-        if forwarded or self._mesh is None:
-            # A member forwarded it here because we serve it (or said so a moment ago).
-            if not self._serving_here or (forwarded and not self._names_ours(requested)):
-                return openai_error(503, f"This member does not serve {requested or 'a model'} now; "
-                                    "retry: the mesh routes it to the member that does.", "unavailable",
-                                    MODEL_UNAVAILABLE_CODE)
-            return _Route(None, None)
-        catalog = self._catalog()
-        model = catalog.find(requested)
-        if model is None:
-            if self._serving_here and self._names_ours(requested):
-                return _Route(None, None)
-            return openai_error(404, catalog.not_found(requested), "invalid_request_error", MODEL_NOT_FOUND_CODE)
-        if model.local() is not None and len(model.replicas) == 1:
-            return _Route(None, None)
-        try:
-            key = conversation_key(path, json.loads(body))
-        except ValueError:
-            key = None
-        return _Route(model.id, key)
-
     def _names_ours(self, requested: str) -> bool:
         """Whether ``requested`` names the model this node serves, or one of its tiers."""
         if requested in DEFAULT_MODEL_NAMES or requested in (self._model, f"{self._model}.gguf"):
@@ -444,53 +404,15 @@ class ApiProxy:
         return self._hooks.catalog is not None and any(
             requested in (view.id, view.file_name) for view in self._hooks.catalog())
 
-    async def _next_upstream(self, route: _Route, failed: Upstream | None) -> Upstream:
-        """The llama-server (or member) to ask next: a first one, or one after ``failed`` failed."""
-        if route.model is None:
-            return await self._upstream_for(failed.epoch if failed is not None else None)
-        return await self._mesh_upstream(route, failed)
-
-    async def _mesh_upstream(self, route: _Route, failed: Upstream | None) -> Upstream:
-        """A ready replica of the route's model, waiting (bounded) while it loads; a failed member is not
-        asked again by this request."""
-        assert self._mesh is not None and route.model is not None
-        if failed is not None and failed.node_id is not None:
-            route.avoid.add(failed.node_id)
-        deadline = time.monotonic() + self._options.hold_timeout_s
-        while True:
-            seen = self._mesh.version()
-            model = self._catalog().find(route.model)
-            if model is not None:
-                sticky = self._conversations.get(route.key) if route.key is not None else None
-                replica = choose_replica(model, self._forwarded_in_flight, avoid=frozenset(route.avoid),
-                                         sticky=sticky)
-                if replica is not None:
-                    self._remember(route.key, replica.node_id)
-                    if replica.local:
-                        local_failed = failed is not None and failed.node_id is None
-                        return await self._upstream_for(failed.epoch if local_failed and failed else None)
-                    return Upstream(mesh_url(replica.node_id), 0, model.id, replica.node_id)
-            left = [] if model is None else [r for r in model.replicas if r.node_id not in route.avoid]
-            if not left:
-                gone = ", ".join(self._mesh.name_of(node_id) for node_id in route.avoid)
-                raise ServiceUnavailableError(
-                    f"No member serves {route.model!r} now" + (f": {gone} stopped answering" if gone else "")
-                    + ". Retry later, or ask for another model (GET /v1/models lists them).", MODEL_UNAVAILABLE_CODE)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ServiceUnavailableError(MODEL_LOADING_MESSAGE, MODEL_LOADING_CODE)
-            try:
-                await asyncio.wait_for(self._mesh.wait_after(seen), remaining)
-            except TimeoutError:
-                pass
-
-    def _remember(self, key: str | None, node_id: bytes) -> None:
-        if key is None:
-            return
-        self._conversations[key] = node_id
-        self._conversations.move_to_end(key)
-        while len(self._conversations) > MAX_REMEMBERED_CONVERSATIONS:
-            self._conversations.popitem(last=False)
+    async def _next_upstream(self, route: Route, failed: Upstream | None) -> Upstream:
+        """The llama-server (or member) to ask: a first one, or another after ``failed`` failed."""
+        local_failed = failed is not None and failed.node_id is None
+        if route.model is not None:
+            node_id = await self._router.replica(route, failed.node_id if failed is not None else None,
+                                                 self._in_flight)
+            if node_id is not None:
+                return Upstream(mesh_url(node_id), 0, route.model, node_id)
+        return await self._upstream_for(failed.epoch if failed is not None and local_failed else None)
 
     def _count(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
         self.metrics.requests.labels(request.path, str(response.status)).inc()
@@ -504,7 +426,7 @@ class ApiProxy:
             log.exception("could not record the generation for %s", generation.path)
 
     async def _exchange(self, recovery: RequestRecovery, client: _ClientSide,
-                        at: Upstream, route: _Route) -> tuple[web.StreamResponse, Upstream]:
+                        at: Upstream, route: Route) -> tuple[web.StreamResponse, Upstream]:
         """Carry out the request's recovery (recovery.py): ask llama-server, and after a failover wait for
         the next one, prepare a continuation, retry, replay or give up, as the machine decides.
 
@@ -531,7 +453,7 @@ class ApiProxy:
             with self._busy(at):
                 outcome = await self._ask(decision, recovery, client, at)
             if isinstance(outcome, Failed) and at.node_id is not None:
-                self.metrics.forward_errors.labels(at.model, self._mesh_name(at.node_id)).inc()
+                self.metrics.forward_errors.labels(at.model, self._router.name_of(at.node_id)).inc()
             if isinstance(outcome, web.StreamResponse):
                 return outcome, at
             planned_cut = isinstance(outcome, Cut)
@@ -542,11 +464,8 @@ class ApiProxy:
         """Count a request in flight while it is at ``at``: this node's llama-server (a replan's drain waits
         for those), or a member (routing spreads requests over replicas by it)."""
         if at.node_id is not None:
-            self._forwarded_in_flight[at.node_id] += 1
-            try:
+            with self._router.forwarding(at.node_id):
                 yield
-            finally:
-                self._forwarded_in_flight[at.node_id] -= 1
             return
         self._in_flight += 1
         self._idle.clear()
@@ -556,9 +475,6 @@ class ApiProxy:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
-
-    def _mesh_name(self, node_id: bytes) -> str:
-        return self._mesh.name_of(node_id) if self._mesh is not None else node_id.hex()[:12]
 
     def _client_for(self, at: Upstream) -> httpx.AsyncClient:
         """This node's llama-server's client (it sends llama-server's key), or the mesh's (to a member's API)."""
@@ -590,7 +506,7 @@ class ApiProxy:
         request = client.request
         http = self._client_for(at)
         if at.node_id is not None:
-            self.metrics.forwarded.labels(at.model, self._mesh_name(at.node_id)).inc()
+            self.metrics.forwarded.labels(at.model, self._router.name_of(at.node_id)).inc()
         try:
             upstream = await http.send(http.build_request(
                 request.method, at.url + ask.target, headers=client.headers, content=ask.body), stream=True)
@@ -629,7 +545,7 @@ class ApiProxy:
                 await upstream.aclose()
         except httpx.TransportError as exc:
             log.warning("%s failed under %s (%r); waiting for the next one",
-                        "llama-server" if at.node_id is None else self._mesh_name(at.node_id), request.path, exc)
+                        "llama-server" if at.node_id is None else self._router.name_of(at.node_id), request.path, exc)
             self.metrics.retries.inc()
             return Failed(repr(exc))
         except MeshError as exc:  # ReplayMismatchError, an oversized event
@@ -731,7 +647,7 @@ class ApiProxy:
     @staticmethod
     def _headers(upstream: httpx.Response) -> dict[str, str]:
         # Its CORS headers are dropped later, in _cors, with any others.
-        return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+        return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP_HEADERS}
 
     @staticmethod
     async def _give_up(response: web.StreamResponse | None, give_up: GiveUp) -> web.StreamResponse:

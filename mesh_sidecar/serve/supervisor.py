@@ -465,8 +465,8 @@ class ServingSupervisor:
         self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}", model_id(path.name))
         self._set_state(READY)
         where = self._host.api_url()
-        self._say(f"{model_id(path.name)} is ready" + (f": OpenAI-compatible API on {where}" if where else
-                                                       " (this node's API is off: members forward to it)"))
+        self._say(f"OpenAI-compatible API ready on {where}, serving {model_id(path.name)}" if where else
+                  f"{model_id(path.name)} is ready (this node's API is off: members forward requests to it)")
 
     async def _trouble(self) -> Replan:
         """Wait until llama-server must be restarted (or started); say why, and if it is a failover."""

@@ -194,7 +194,7 @@ def start_nat_mesh(root: Path, *, random_ports: bool) -> NatMesh:
         ticket = ticket_of(nodes["p"])
         nodes["h1"] = start_in(mesh.homes[0].host, root / "h1", "--no-mdns", "--join", ticket)
         nodes["h2"] = start_in(mesh.homes[1].host, root / "h2", "--no-mdns", "--join", ticket,
-                               "--serve", str(API_PORT), "--min-peers", "2")
+                               "--serve", str(API_PORT), "--spread", "--min-peers", "2")
         wait_until(lambda: all((root / n / "control.json").exists() for n in ("h1", "h2")), MESH_TIMEOUT_S,
                    "both home nodes up")
         wait_until(lambda: peer(nodes["h1"], "h2").get("path") and peer(nodes["h2"], "h1").get("path"),

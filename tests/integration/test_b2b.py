@@ -60,7 +60,7 @@ def run_mesh(lab_hosts, root: Path, *flags: str) -> dict:
         nodes.append(start_in(x, root / "x", *flags))
         ticket = ticket_of(nodes[0])
         nodes.append(start_in(y, root / "y", "--join", ticket, *flags))
-        nodes.append(start_in(s, root / "s", "--join", ticket, "--serve", str(API_PORT), "--min-peers", "2",
+        nodes.append(start_in(s, root / "s", "--join", ticket, "--serve", str(API_PORT), "--spread", "--min-peers", "2",
                               *flags))
         serving = nodes[2]
         wait_until(lambda: "API ready" in serving.text() or serving.proc.poll() is not None, LOAD_TIMEOUT_S,
@@ -165,7 +165,7 @@ def test_two_serving_nodes_answer_at_once(b2b_binaries, reference_text, tmp_path
         nodes.append(start_in(w, tmp_path / "w", "--b2b"))
         ticket = ticket_of(nodes[0])
         for host in (a, b):
-            nodes.append(start_in(host, tmp_path / host.name, "--join", ticket, "--b2b", "--serve", str(API_PORT),
+            nodes.append(start_in(host, tmp_path / host.name, "--join", ticket, "--b2b", "--serve", str(API_PORT), "--spread",
                                   "--min-peers", "2"))
         for node in nodes[1:]:
             wait_until(lambda node=node: "API ready" in node.text() or node.proc.poll() is not None, LOAD_TIMEOUT_S,

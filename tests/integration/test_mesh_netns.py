@@ -67,7 +67,7 @@ def mesh3(binaries, model_path, tmp_path_factory):
         tickets["b"] = ticket_of(nodes["b"])
         wait_until(lambda: connected_names(nodes["a"]) == {"b"}, 30, "a and b connect")
         started = time.monotonic()  # includes C's Python start-up and its rpc-server's: an upper bound
-        nodes["c"] = start_in(hosts["c"], root / "c", "--join", tickets["b"], "--serve", str(API_PORT),
+        nodes["c"] = start_in(hosts["c"], root / "c", "--join", tickets["b"], "--serve", str(API_PORT), "--spread",
                               "--min-peers", "2")
         tickets["c"] = ticket_of(nodes["c"])
         wait_until(lambda: all(connected_names(nodes[n]) == {"a", "b", "c"} - {n} for n in "abc"),

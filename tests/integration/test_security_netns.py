@@ -78,7 +78,7 @@ def lab_mesh(binaries, model_path, tmp_path_factory):
         nodes["a"] = start_in(hosts["a"], root / "a")
         ticket_a = ticket_of(nodes["a"])
         nodes["b"] = start_in(hosts["b"], root / "b", "--join", ticket_a)
-        nodes["c"] = start_in(hosts["c"], root / "c", "--join", ticket_a, "--serve", str(API_PORT),
+        nodes["c"] = start_in(hosts["c"], root / "c", "--join", ticket_a, "--serve", str(API_PORT), "--spread",
                               "--min-peers", "2")
         wait_until(lambda: all(connected_names(nodes[n]) >= {"a", "b", "c"} - {n} for n in "abc"), 60,
                    "full mesh of a, b and c")
