@@ -555,8 +555,11 @@ def _replay(body: dict, node_status: dict, api_key: str | None) -> str:
     serving = node_status.get("serving")
     if not serving:
         raise ReceiptError("The node in --home does not serve the API: replay against a serving node.")
+    port = (node_status.get("api") or {}).get("port")
+    if port is None:
+        raise ReceiptError("The node in --home has no API port (--no-api): replay against a node with one.")
     replay = receipts.replay_request(body, api_key)
-    url = f"http://{LOOPBACK}:{serving['api']['port']}{replay.path}"
+    url = f"http://{LOOPBACK}:{port}{replay.path}"
     try:
         response = httpx.post(url, json=replay.body, headers=replay.headers, timeout=RECEIPT_REPLAY_TIMEOUT_S)
         response.raise_for_status()

@@ -29,6 +29,6 @@ def test_a_node_with_an_api_key_refuses_requests_without_it(start_node):
     assert answered.json()["choices"][0]["message"]["content"]
     assert_no_cors(answered)  # llama-server's own "Access-Control-Allow-Origin: *" is gone
     assert "requires the API key" in node.text() and KEY not in node.text()
-    assert node.status()["serving"]["api"]["requires_key"] is True
+    assert node.status()["api"]["requires_key"] is True
     logs = "".join(path.read_text(errors="replace") for path in (node.home / "logs").glob("*.log"))
     assert KEY not in logs
