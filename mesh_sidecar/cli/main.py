@@ -263,11 +263,21 @@ def run_node(
     ctx: typer.Context,
     serve: Annotated[int | None, typer.Option(
         "--serve", metavar="PORT", rich_help_panel=SERVING_PANEL,
-        help="Serve the model, with the OpenAI-compatible API on this port.")] = None,
+        help="Serve a model (--model) here, with the API on this port.")] = None,
+    api_port: Annotated[int | None, typer.Option(
+        "--api-port", metavar="PORT", rich_help_panel=SERVING_PANEL,
+        help=f"The API's port on 127.0.0.1, on every node (default {DEFAULT_API_PORT}, else a free one).")] = None,
+    no_api: Annotated[bool, typer.Option(
+        "--no-api", metavar=FLAG, rich_help_panel=SERVING_PANEL,
+        help="No API port on this node (with --serve, its port stays closed; members still reach the "
+             "model it serves).")] = False,
     model: Annotated[list[Path] | None, typer.Option(
         "--model", metavar="FILE", rich_help_panel=SERVING_PANEL,
         help="GGUF model file (default: SmolLM2-135M-Instruct). With --serve, give several for tiers: "
              "the largest the mesh can hold is served.")] = None,
+    spread: Annotated[bool, typer.Option(
+        "--spread", metavar=FLAG, rich_help_panel=SERVING_PANEL,
+        help="With --serve: split the model over every free member, even when it fits on fewer.")] = False,
     name: Annotated[str | None, typer.Option(
         "--name", metavar="NAME", rich_help_panel=MESH_PANEL,
         help="This node's name in the mesh (default: the host name).")] = None,
@@ -332,16 +342,6 @@ def run_node(
     verbose: Annotated[bool, typer.Option(
         "--verbose", "-v", metavar=FLAG, rich_help_panel=ADVANCED_PANEL,
         help="Print the sidecar's log here too.")] = False,
-    api_port: Annotated[int | None, typer.Option(
-        "--api-port", metavar="PORT", rich_help_panel=SERVING_PANEL,
-        help=f"The API's port on 127.0.0.1, on every node (default {DEFAULT_API_PORT}, else a free one).")] = None,
-    no_api: Annotated[bool, typer.Option(
-        "--no-api", metavar=FLAG, rich_help_panel=SERVING_PANEL,
-        help="No API port on this node (with --serve, its port stays closed; members still reach the "
-             "model it serves).")] = False,
-    spread: Annotated[bool, typer.Option(
-        "--spread", metavar=FLAG, rich_help_panel=SERVING_PANEL,
-        help="With --serve: split the model over every free member, even when it fits on fewer.")] = False,
 ) -> None:
     """Start a node (no subcommand): a member of the mesh with the OpenAI API on localhost:8080.
     With --serve PORT it also serves a model."""

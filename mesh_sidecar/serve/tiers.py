@@ -112,7 +112,7 @@ def models_list(views: Sequence[TierView], created: int) -> dict[str, Any]:
 def why_not_served(requested: str, views: Sequence[TierView]) -> str | None:
     """Why a request naming ``requested`` cannot be served now, or None when it goes to the model in service.
 
-    Names that are not tiers go to the model in service too: many clients send a fixed name.
+    Only names of this node's tiers come here (routing.py answers a name no member serves with 404).
     """
     if requested in DEFAULT_MODEL_NAMES:
         return None
