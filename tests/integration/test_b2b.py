@@ -165,8 +165,8 @@ def test_two_serving_nodes_answer_at_once(b2b_binaries, reference_text, tmp_path
         nodes.append(start_in(w, tmp_path / "w", "--b2b"))
         ticket = ticket_of(nodes[0])
         for host in (a, b):
-            nodes.append(start_in(host, tmp_path / host.name, "--join", ticket, "--b2b", "--serve", str(API_PORT), "--spread",
-                                  "--min-peers", "2"))
+            nodes.append(start_in(host, tmp_path / host.name, "--join", ticket, "--b2b", "--serve", str(API_PORT),
+                                  "--spread", "--min-peers", "2"))
         for node in nodes[1:]:
             wait_until(lambda node=node: "API ready" in node.text() or node.proc.poll() is not None, LOAD_TIMEOUT_S,
                        f"{node.home.name} loads the model")
