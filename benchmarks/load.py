@@ -156,8 +156,8 @@ def run_mesh(hosts, started: Started, workdir: Path, model: Path, seeded: bool, 
     seeding_s = time.monotonic() - seed_started  # workers' start: mostly seeding when seeded
     rx_before = {n: _rx_bytes(hosts[n]) for n in "ab"}
     started_at = time.monotonic()
-    log_c = start("c", "--join", ticket, "--serve", str(MESH_API_PORT), "--spread", "--min-peers", "2", "--model", str(model),
-                  *([] if seeded else ["--no-weight-cache"]))
+    log_c = start("c", "--join", ticket, "--serve", str(MESH_API_PORT), "--spread", "--min-peers", "2",
+                  "--model", str(model), *([] if seeded else ["--no-weight-cache"]))
     wait_until(lambda: "Plan: " in log_c.read_text(errors="replace"), START_TIMEOUT_S, f"{label}: c plans")
     planned_at = time.monotonic()
     wait_until(lambda: "API ready" in log_c.read_text(errors="replace"), START_TIMEOUT_S * 3, f"{label}: c loads",
