@@ -229,6 +229,11 @@ class Membership:
             self._set_state(record, MemberState.LOST, now)
 
     def receive(self, from_id: bytes, msg: GossipMessage, now: float) -> None:
+        if self._left and isinstance(msg, Leave) and msg.node_id == from_id:
+            # Both of us are leaving: neither has work on the other to wait for, so close now
+            # rather than each waiting out the other's leave grace.
+            self._actions.append(Disconnect(from_id, msg.reason))
+            return
         if self._left or not self._is_connected(from_id):
             return
         match msg:

@@ -92,9 +92,11 @@ class MeshCatalog:
     def not_found(self, requested: str) -> str:
         """What a client naming a model nobody serves is told."""
         there = ", ".join(repr(model_id) for model_id in self.ids())
-        return (f"The model {requested!r} is not served in this mesh. "
-                + (f"Served now: {there} (send one of these, 'default' or none)." if there
-                   else "No model is served now: start a node with --serve PORT --model FILE."))
+        if not there:
+            return "No model is served in this mesh now: start a node with --serve PORT (and --model FILE)."
+        named = "No model was named and there is no default" if requested in DEFAULT_MODEL_NAMES else (
+            f"The model {requested!r} is not served in this mesh")
+        return f"{named}. Served now: {there} (send one of these, 'default' or none)."
 
     def to_json(self) -> list[dict[str, Any]]:
         """The status JSON's ``models``."""

@@ -53,6 +53,7 @@ def test_an_unknown_model_is_named_with_the_ones_there_are() -> None:
     assert catalog.find("gpt-4") is None
     assert "'gpt-4'" in catalog.not_found("gpt-4") and "'small'" in catalog.not_found("gpt-4")
     assert "No model is served" in catalog_of(member(W)).not_found("x")
+    assert "No model is served" in catalog_of(member(W)).not_found("")
 
 
 def test_a_model_is_ready_when_one_replica_is() -> None:

@@ -692,6 +692,17 @@ def test_a_graceful_leave_is_member_left_and_never_redialed() -> None:
     assert mesh.states(c)[a] == MemberState.LEFT
 
 
+def test_two_members_leaving_at_once_close_without_waiting_for_each_other() -> None:
+    mesh, a, b, c = chain_of_three()
+    mesh.nodes[a].leave("stopping")
+    mesh.nodes[b].leave("stopping")
+    mesh.run()
+    # Each closes its connection to the other, so neither waits out a leave grace.
+    assert [d.node_id for d in mesh.disconnects[a]] == [b]
+    assert [d.node_id for d in mesh.disconnects[b]] == [a]
+    assert frozenset((a, b)) not in mesh.links
+
+
 def test_a_member_that_left_comes_back_by_connecting_itself() -> None:
     mesh, a, b, c = chain_of_three()
     mesh.nodes[a].leave("restart")
