@@ -25,7 +25,7 @@ from pathlib import PurePath
 from typing import Any
 
 from ..wire.gossip import MemberInfo
-from .tiers import DEFAULT_MODEL_NAMES, OWNER
+from .tiers import DEFAULT_MODEL_NAMES, OWNER, TierView, models_list
 
 READY = "ready"
 LOADING = "loading"
@@ -93,7 +93,7 @@ class MeshCatalog:
         """What a client naming a model nobody serves is told."""
         there = ", ".join(repr(model_id) for model_id in self.ids())
         if not there:
-            return "No model is served in this mesh now: start a node with --serve PORT (and --model FILE)."
+            return "No model is served now in this mesh: start a node with --serve PORT (and --model FILE)."
         named = "No model was named and there is no default" if requested in DEFAULT_MODEL_NAMES else (
             f"The model {requested!r} is not served in this mesh")
         return f"{named}. Served now: {there} (send one of these, 'default' or none)."
@@ -128,6 +128,19 @@ def mesh_catalog(own: MemberInfo, members: Sequence[MemberInfo], name_of: Callab
         key=lambda model: (model.replicas[0].since, model.replicas[0].node_id)))
     own_model = own.serves.model if own.serves is not None else None
     return MeshCatalog(models, own_model if own_model is not None else models[0].id if models else None)
+
+
+def mesh_models_list(catalog: MeshCatalog, tiers: Sequence[TierView], created: int) -> dict[str, Any]:
+    """``/v1/models``: every model served in the mesh, with its replicas; a serving node's ``tiers`` as
+    tiers.py lists them (a tier in service is one entry with its replicas)."""
+    entries = catalog.openai_entries(created)
+    by_id = {entry["id"]: entry for entry in entries}
+    for tier in models_list(tiers, created)["data"]:
+        if tier["id"] in by_id:
+            by_id[tier["id"]].update({k: v for k, v in tier.items() if k not in by_id[tier["id"]]})
+        else:
+            entries.append(tier)
+    return {"object": "list", "data": entries}
 
 
 def choose_replica(model: MeshModel, load: Mapping[bytes, int], *, avoid: frozenset[bytes] = frozenset(),
