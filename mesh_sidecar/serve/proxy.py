@@ -72,7 +72,7 @@ from ..ports import LOOPBACK
 from ..wire.api_forward import FORWARDED_TOKEN_HEADER, HOP_BY_HOP_HEADERS
 from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, ApiAccess, cors, guard, openai_error
 from .activity import TokenRate
-from .catalog import MeshCatalog
+from .catalog import MeshCatalog, mesh_models_list
 from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly
 from .generation import Generation, PreparedRequest, prepare, requested_model
 from .metrics import Metrics
@@ -99,7 +99,7 @@ from .recovery import (
 )
 from .replay import GENERATION_PATHS, EventSplitter
 from .routing import MODEL_LOADING_CODE, MODEL_LOADING_MESSAGE, MeshRouter, MeshRoutes, Refusal, Route
-from .tiers import DEFAULT_MODEL_NAMES, TierView, models_list, why_not_served
+from .tiers import DEFAULT_MODEL_NAMES, TierView, why_not_served
 
 log = logging.getLogger(__name__)
 
@@ -384,18 +384,8 @@ class ApiProxy:
         return self._router.catalog(self._in_flight)
 
     def _models_list(self) -> dict[str, object]:
-        """``/v1/models``: every model served in the mesh, with its replicas; this node's tiers as tiers.py
-        lists them."""
-        created = int(time.time())
-        entries = self._catalog().openai_entries(created)
-        if self._serving_here and self._hooks.catalog is not None:
-            by_id = {entry["id"]: entry for entry in entries}
-            for tier in models_list(self._hooks.catalog(), created)["data"]:
-                if tier["id"] in by_id:
-                    by_id[tier["id"]].update({k: v for k, v in tier.items() if k not in by_id[tier["id"]]})
-                else:
-                    entries.append(tier)
-        return {"object": "list", "data": entries}
+        tiers = self._hooks.catalog() if self._serving_here and self._hooks.catalog is not None else ()
+        return mesh_models_list(self._catalog(), tiers, int(time.time()))
 
     def _names_ours(self, requested: str) -> bool:
         """Whether ``requested`` names the model this node serves, or one of its tiers."""

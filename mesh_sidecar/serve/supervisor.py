@@ -56,7 +56,7 @@ from ..progress import ProgressCallback
 from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
 from ..wire.rpc_outputs import OutputRejected
 from . import receipt
-from .assignment import Assignment, Claim, ModelNeeds, Offer, assign, fits, pick_workers, pool_for
+from .assignment import Assignment, Claim, ModelNeeds, Offer, Role, assign, fits, pick_workers, pool_for
 from .catalog import LOADING, READY, UNAVAILABLE
 from .generation import Generation
 from .metrics import Metrics
@@ -155,7 +155,7 @@ class MeshRound:
     needs: ModelNeeds  # what this node claims: the tier its workers were picked for
     assignment: Assignment  # every member's place, for `plan`
 
-    def roles(self, own_id: bytes) -> tuple[Any, ...]:
+    def roles(self, own_id: bytes) -> tuple[Role, ...]:
         return tuple(self.assignment.seen_by(own_id).values())
 
 

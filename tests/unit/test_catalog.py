@@ -8,8 +8,17 @@ import json
 import pytest
 
 from mesh_sidecar.errors import ServiceUnavailableError
-from mesh_sidecar.serve.catalog import LOADING, READY, MeshCatalog, choose_replica, conversation_key, mesh_catalog
+from mesh_sidecar.serve.catalog import (
+    LOADING,
+    READY,
+    MeshCatalog,
+    choose_replica,
+    conversation_key,
+    mesh_catalog,
+    mesh_models_list,
+)
 from mesh_sidecar.serve.routing import LOCAL, MeshRouter, MeshRoutes, Refusal, Route
+from mesh_sidecar.serve.tiers import FITS, IN_SERVICE, TierView
 from mesh_sidecar.wire.gossip import LlamaBuild, MemberInfo, ServedModel
 from mesh_sidecar.wire.rpc_hello import RpcVersion
 
@@ -186,3 +195,14 @@ async def test_a_conversation_goes_back_to_its_replica() -> None:
     with router.forwarding(went):  # busy now: a new conversation would go to the other
         again = route(router, "m")
         assert isinstance(again, Route) and await router.replica(again, None, 0) == went
+
+
+def test_models_list_merges_a_serving_nodes_tiers_into_the_mesh_entries() -> None:
+    catalog = catalog_of(member(A, "small"), member(B, "big"))
+    tiers = [TierView("small.gguf", 10, IN_SERVICE), TierView("medium.gguf", 20, FITS)]
+    data = mesh_models_list(catalog, tiers, 0)["data"]
+    by_id = {entry["id"]: entry for entry in data}
+    assert [entry["id"] for entry in data] == ["small", "big", "medium"]
+    assert by_id["small"]["state"] == IN_SERVICE and by_id["small"]["status"] == READY
+    assert len(by_id["small"]["replicas"]) == 1 and "replicas" not in by_id["medium"]
+    assert "state" not in by_id["big"]
