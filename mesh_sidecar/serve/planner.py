@@ -110,6 +110,11 @@ class Plan:
     tiers: tuple[TierFit, ...] = ()  # every tier considered, largest first
     roles: tuple[Role, ...] = ()  # every member's place in the mesh's assignment of workers, and why
 
+    @property
+    def alone(self) -> bool:
+        """Whether the serving node holds every layer itself (its llama-server runs with no ``--rpc``)."""
+        return len(self.nodes) == 1
+
     def tensor_split(self) -> tuple[int, ...]:
         """``--tensor-split`` weights for ``-ngl 99`` that reproduce the planned runs exactly.
 

@@ -144,6 +144,9 @@ class ServingHooks:
     # (the serving loop replans without it), False to go on waiting.
     on_slow: Callable[[Slow], bool] = lambda slow: False
     links_rtt_s: Callable[[], float] = lambda: 0.0  # the plan's workers' round trips, summed
+    # Whether llama-server's layers are on other members, whose loss fails its requests over. Only then
+    # are a stream's token ids asked for, to continue it: they cost llama-server time on every token.
+    split: Callable[[], bool] = lambda: True
     on_generation: GenerationHook | None = None  # each generation answered with 200 (receipts)
     catalog: ModelCatalog | None = None  # the tiers: /v1/models, and requests naming a model
 
@@ -347,21 +350,22 @@ class ApiProxy:
                                    path=request.path, body=body)
         if isinstance(route, Refusal):
             return self._count(request, openai_error(route.status, route.message, route.error_type, route.code))
-        prepared = PreparedRequest(body, Shape.WHOLE)
         local = route.model is None
-        if request.method == "POST" and request.path in GENERATION_PATHS:
-            # The catalog plans every tier: asked for only when a request names a model.
-            if (local and self._hooks.catalog is not None and requested not in DEFAULT_MODEL_NAMES
-                    and (why := why_not_served(requested, self._hooks.catalog()))):
-                return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
-            prepared = prepare(request.path, body, receipts=local and self._hooks.on_generation is not None,
-                               continues=self._options.continue_streams)
+        generation = request.method == "POST" and request.path in GENERATION_PATHS
+        # The catalog plans every tier: asked for only when a request names a model.
+        if (generation and local and self._hooks.catalog is not None and requested not in DEFAULT_MODEL_NAMES
+                and (why := why_not_served(requested, self._hooks.catalog()))):
+            return self._count(request, openai_error(503, why, "unavailable", "model_not_loaded"))
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_BY_HOP_HEADERS and k.lower() not in CLIENT_ONLY_HEADERS}
         try:
             upstream = await self._next_upstream(route, None)
         except ServiceUnavailableError as exc:
             return self._count(request, openai_error(503, str(exc), "unavailable", exc.code))
+        # Prepared once its upstream is known: whether it could fail over depends on the plan in service.
+        prepared = (prepare(request.path, body, receipts=local and self._hooks.on_generation is not None,
+                            continues=self._options.continue_streams and self._may_fail_over(route))
+                    if generation else PreparedRequest(body, Shape.WHOLE))
         recovery = RequestRecovery(request.rel_url.path_qs, prepared.body, prepared.shape, upstream.model,
                                    prepared.continuation, continue_at, self._options.max_failovers)
         client = _ClientSide(request, headers, prepared.tap, prepared.assembly, time.monotonic())
@@ -393,6 +397,12 @@ class ApiProxy:
             return True
         return self._hooks.catalog is not None and any(
             requested in (view.id, view.file_name) for view in self._hooks.catalog())
+
+    def _may_fail_over(self, route: Route) -> bool:
+        """Whether a request on ``route`` could go on elsewhere if its upstream died: another replica of its
+        model, or this node's llama-server restarted without a member it lost. Else a stream begun is
+        replayed: a model alone on its one node fails over only when that node's llama-server crashes."""
+        return route.replicas > 1 if route.model is not None else self._hooks.split()
 
     async def _next_upstream(self, route: Route, failed: Upstream | None) -> Upstream:
         """The llama-server (or member) to ask: a first one, or another after ``failed`` failed."""

@@ -53,6 +53,7 @@ class Route:
 
     model: str | None
     key: str | None = None  # its conversation, kept with one replica (catalog.conversation_key)
+    replicas: int = 1  # how many members served the model when it was routed
     avoid: set[bytes] = field(default_factory=set)  # members that failed under it
 
 
@@ -106,7 +107,7 @@ class MeshRouter:
             key = conversation_key(path, json.loads(body))
         except ValueError:
             key = None
-        return Route(model.id, key)
+        return Route(model.id, key, len(model.replicas))
 
     async def replica(self, route: Route, failed: bytes | None, own_in_flight: int) -> bytes | None:
         """The member to ask for ``route`` now: a ready replica (None: this node's own llama-server),

@@ -233,6 +233,7 @@ class ServingSupervisor:
         self._proxy: ApiProxy = host.proxy
         self._proxy.attach(ServingHooks(on_stall=self.request_restart, on_slow=self._on_slow,
                                         links_rtt_s=self._links_rtt_s, catalog=self.tier_views,
+                                        split=lambda: self.plan is not None and not self.plan.alone,
                                         on_generation=None if options.receipts is None else self._write_receipt),
                            host.upstream_key)
         self.since = time.time()  # announced: serving nodes that began earlier pick their workers first
@@ -441,7 +442,7 @@ class ServingSupervisor:
             self._say(f"Speculative decoding: {self.speculation.reason}")
         self.llama_port = free_tcp_port()
         # Alone, llama-server holds the model itself: no RPC between it and its own machine's memory.
-        alone = len(self.plan.nodes) == 1
+        alone = self.plan.alone
         argv = llama_server_argv(
             self._host.binaries, self.model,
             [] if alone else [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,

@@ -136,7 +136,7 @@ def route(router: MeshRouter, requested: str, *, ours=None, forwarded: bool = Fa
 def test_routes_by_model() -> None:
     mesh = FakeMesh(member(W), member(A, "small"), member(B, "big"))
     router = MeshRouter(mesh.routes(), 1.0)
-    assert isinstance(found := route(router, "big"), Route) and found.model == "big"
+    assert isinstance(found := route(router, "big"), Route) and (found.model, found.replicas) == ("big", 1)
     refused = route(router, "nope")
     assert isinstance(refused, Refusal) and (refused.status, refused.code) == (404, "model_not_found")
     # A model served only here is this node's llama-server's.
@@ -158,7 +158,7 @@ async def test_after_a_failure_another_replica_then_model_unavailable() -> None:
     mesh = FakeMesh(member(W), member(A, "m"), member(B, "m", in_flight=2))
     router = MeshRouter(mesh.routes(), 5.0)
     found = route(router, "m")
-    assert isinstance(found, Route)
+    assert isinstance(found, Route) and found.replicas == 2  # the proxy asks for token ids to continue
     assert await router.replica(found, None, 0) == A
     assert await router.replica(found, A, 0) == B
     with pytest.raises(ServiceUnavailableError) as gone:

@@ -154,3 +154,29 @@ async def test_a_held_request_is_answered_when_the_proxy_starts_refusing(proxy_p
         proxy.refuse("This node is shutting down.")
         response = await asyncio.wait_for(held, 5)
     assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("split", [True, False])
+async def test_token_ids_are_asked_for_only_when_a_member_lost_could_fail_the_stream_over(split):
+    """A model alone on its node: no logprobs (they cost llama-server time on every token); split: asked for
+    (a continuation needs the ids) and stripped before the client."""
+    bodies: list[dict] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        return await stream_events(request, [event(piece, "one") for piece in PIECES], None)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner, url = await start_stand_in(app)
+    proxy = ApiProxy(Metrics(lambda: ()), hooks=ServingHooks(split=lambda: split))
+    port = free_tcp_port()
+    await proxy.start(port)
+    proxy.serve(url)
+    try:
+        assert await stream_text(port) == "".join(PIECES)
+    finally:
+        await proxy.close()
+        await runner.cleanup()
+    assert ("logprobs" in bodies[0]) is split
+    assert "seed" in bodies[0]  # pinned either way: a replay gives the same text
