@@ -6,6 +6,12 @@ instance, every layer matrix above llama.cpp's RPC ``HASH_THRESHOLD`` of
 gigabytes. These models answer nonsense, but llama.cpp loads and runs them like
 real ones, so load and decode timings are real.
 
+A spec with ``n_experts`` makes a mixture-of-experts model the way llama.cpp's
+llama architecture reads one (as Mixtral's GGUFs are): ``llama.expert_count``,
+``llama.expert_used_count``, and per block a router ``ffn_gate_inp`` and 3-D
+``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps`` stacks of ``n_experts``
+matrices, each ``feed_forward_length`` wide, in place of the dense FFN.
+
 The tokenizer (vocabulary of 49152, merges, special ids, chat template) is
 copied from the default SmolLM2 model, so llama.cpp tokenizes prompts normally.
 The output head is tied to ``token_embd`` (no ``output.weight``), as in SmolLM2.
@@ -17,7 +23,7 @@ file renamed into place when complete, under
 ``cache_root()/models/synthetic-<name>-<hash of the spec>.gguf``. Models live in
 the cache, never in the repository.
 
-    .venv/bin/python -m benchmarks.synthetic_model [--preset cache-test|bench-1gb] [--plan]
+    .venv/bin/python -m benchmarks.synthetic_model [--preset cache-test|bench-1gb|tier-test|moe-test] [--plan]
 
 prints the model's path (generating it first if needed); ``--plan`` prints the
 tensors and their sizes instead.
@@ -67,6 +73,8 @@ class SyntheticSpec:
     embd_dtype: str  # "F32" or "F16": token_embd, also the (tied) output head
     seed: int = 0
     ctx_len: int = 4096
+    n_experts: int = 0  # 0: a dense FFN; else experts per block, each n_ff wide, in ffn_dtype
+    n_experts_used: int = 0  # experts the router picks per token (0 when dense)
 
     def __post_init__(self) -> None:
         for field_name in ("attn_dtype", "ffn_dtype", "embd_dtype"):
@@ -76,6 +84,9 @@ class SyntheticSpec:
             raise ValueError("layer, embedding, ffn, head and context sizes must be positive")
         if self.n_embd % self.n_head or self.n_head % self.n_head_kv or (self.n_embd // self.n_head) % 2:
             raise ValueError("n_embd must split into n_head even-sized heads, n_head into n_head_kv groups")
+        dense = self.n_experts == self.n_experts_used == 0
+        if not dense and not 1 <= self.n_experts_used <= self.n_experts:
+            raise ValueError("a MoE spec needs 1 <= n_experts_used <= n_experts; a dense one has both 0")
 
     @property
     def head_dim(self) -> int:
@@ -83,7 +94,11 @@ class SyntheticSpec:
 
     def digest(self) -> str:
         """A short hash of the spec and the generator version: the cache key."""
-        key = json.dumps({"generator": GENERATOR_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if not self.n_experts:
+            # Dense specs hash as before the MoE fields existed, so their cached files keep their names.
+            del fields["n_experts"], fields["n_experts_used"]
+        key = json.dumps({"generator": GENERATOR_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -105,7 +120,15 @@ TIER_TEST = SyntheticSpec(
     name="tier-test", n_layers=8, n_embd=576, n_ff=8192, n_head=9, n_head_kv=3,
     attn_dtype="F16", ffn_dtype="F16", embd_dtype="F16",
 )
-PRESETS = {spec.name: spec for spec in (CACHE_TEST, BENCH_1GB, TIER_TEST)}
+# A mixture-of-experts test model: 6 layers, ~213 MB, 8 experts of 1024 per block, 2 used per
+# token. The experts are 94 % of a block's bytes, and the routed FFN activations (2 x 1024 per
+# token) outgrow the dense formula's single n_ff row set, so both the weights and the MoE compute
+# buffer are visible in llama.cpp's per-device figures.
+MOE_TEST = SyntheticSpec(
+    name="moe-test", n_layers=6, n_embd=512, n_ff=1024, n_head=8, n_head_kv=4,
+    attn_dtype="F16", ffn_dtype="F16", embd_dtype="F16", n_experts=8, n_experts_used=2,
+)
+PRESETS = {spec.name: spec for spec in (CACHE_TEST, BENCH_1GB, TIER_TEST, MOE_TEST)}
 
 
 @dataclass(frozen=True)
@@ -138,11 +161,25 @@ def tensor_plan(spec: SyntheticSpec, n_vocab: int) -> list[TensorPlan]:
             TensorPlan(f"{blk}.attn_v.weight", (n_embd_kv, spec.n_embd), spec.attn_dtype, None),
             TensorPlan(f"{blk}.attn_output.weight", (spec.n_embd, spec.n_embd), spec.attn_dtype, None),
             TensorPlan(f"{blk}.ffn_norm.weight", (spec.n_embd,), "F32", NORM_VALUE),
+        ]
+        plan += _moe_ffn(spec, blk) if spec.n_experts else [
             TensorPlan(f"{blk}.ffn_gate.weight", (spec.n_ff, spec.n_embd), spec.ffn_dtype, None),
             TensorPlan(f"{blk}.ffn_up.weight", (spec.n_ff, spec.n_embd), spec.ffn_dtype, None),
             TensorPlan(f"{blk}.ffn_down.weight", (spec.n_embd, spec.n_ff), spec.ffn_dtype, None),
         ]
     return plan
+
+
+def _moe_ffn(spec: SyntheticSpec, blk: str) -> list[TensorPlan]:
+    # Shapes as llama_model_llama::load_arch_tensors creates them (ne reversed): the router
+    # {n_embd, n_expert}, gate/up {n_embd, n_ff, n_expert}, down {n_ff, n_embd, n_expert}.
+    n_exp = spec.n_experts
+    return [
+        TensorPlan(f"{blk}.ffn_gate_inp.weight", (n_exp, spec.n_embd), "F32", None),
+        TensorPlan(f"{blk}.ffn_gate_exps.weight", (n_exp, spec.n_ff, spec.n_embd), spec.ffn_dtype, None),
+        TensorPlan(f"{blk}.ffn_up_exps.weight", (n_exp, spec.n_ff, spec.n_embd), spec.ffn_dtype, None),
+        TensorPlan(f"{blk}.ffn_down_exps.weight", (n_exp, spec.n_embd, spec.n_ff), spec.ffn_dtype, None),
+    ]
 
 
 def synthetic_model_path(spec: SyntheticSpec) -> Path:
@@ -187,6 +224,9 @@ def _write_model(
     writer.add_rope_freq_base(ROPE_FREQ_BASE)
     writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
     writer.add_vocab_size(n_vocab)
+    if spec.n_experts:
+        writer.add_expert_count(spec.n_experts)
+        writer.add_expert_used_count(spec.n_experts_used)
     _copy_tokenizer(tokenizer, writer)
 
     plan = tensor_plan(spec, n_vocab)

@@ -8,6 +8,8 @@
     MESH_OUTPUT_CHECK  0: the serving node does not check its workers' layer outputs (to measure its cost)
     MESH_RESUME      how a stream goes on after a failover: continue (default, from the tokens
                      delivered) or replay (regenerate them, the way before continuation; to compare)
+    VULKAN_SDK       LunarG's Vulkan SDK, where a Vulkan build's toolkit is looked for besides /usr
+                     (cmake reads it too)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ DEFAULT_QUIC_LIBRARY = "aioquic"
 OUTPUT_CHECK_ENV = "MESH_OUTPUT_CHECK"
 RESUME_ENV = "MESH_RESUME"
 RESUME_BY_REPLAY = "replay"
+VULKAN_SDK_ENV = "VULKAN_SDK"
 
 
 def _path(name: str) -> Path | None:
@@ -41,6 +44,10 @@ def cache_dir() -> Path | None:
 
 def llama_bin_dir() -> Path | None:
     return _path(LLAMA_BIN_ENV)
+
+
+def vulkan_sdk_dir() -> Path | None:
+    return _path(VULKAN_SDK_ENV)
 
 
 def quic_library() -> str:

@@ -143,8 +143,9 @@ main() {
   ((${#packages[@]} == 0)) || check_after_install
   ensure_venv .venv
   install_project .venv
-  # Builds llama.cpp once per pin (several minutes on 2 cores), then is instant.
-  .venv/bin/mesh-inference setup
+  # Builds llama.cpp once per pin (several minutes on 2 cores), then is instant. The CPU build: the
+  # tests and the demo run it (setup's default is the machine's GPU backend, see docs/cli.md).
+  .venv/bin/mesh-inference setup --backend cpu
 }
 
 # Sourcing the script (`source scripts/bootstrap.sh`) only defines the functions.

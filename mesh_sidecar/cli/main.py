@@ -36,7 +36,9 @@ from ..errors import MeshError, ReceiptError, UsageError
 from ..home import DEFAULT_HOME, NodeHome
 from ..identity import load_or_create_identity, short_id
 from ..llama import weight_cache
+from ..llama.backends import AUTO, BACKENDS, Backend, backend_named, record_backend, recorded_backend
 from ..llama.build import B2B, STOCK, ensure_binaries
+from ..llama.estimate import DEFAULT_KV_CACHE, DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES, KvCacheTypes
 from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..llama.weight_cache import WeightCache
 from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
@@ -197,9 +199,10 @@ def _setup_progress() -> Iterator[ProgressCallback]:
 
 
 def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False, b2b: bool = False,
-             more_models: Sequence[Path] = ()):
+             more_models: Sequence[Path] = (), backend: Backend | None = None):
     """Binaries, model and (if asked) the model's sha256, with a progress bar when slow; and
-    ``more_models`` (the other tiers) as (path, sha256) pairs.
+    ``more_models`` (the other tiers) as (path, sha256) pairs. The pinned build is ``backend``'s, by default
+    the one the last `setup` built (cpu if none did).
 
     Models the user named are checked first: a typo should not wait for a build.
     """
@@ -207,7 +210,8 @@ def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool
         check_gguf(model)
     more = [check_gguf(path) for path in more_models]
     with _setup_progress() as progress:
-        binaries = ensure_binaries(llama_bin, progress, B2B if b2b else STOCK)
+        variant = B2B if b2b else STOCK
+        binaries = ensure_binaries(llama_bin, progress, variant.on(backend or recorded_backend()))
         model_path = ensure_model(model, progress)
         sha256 = model_sha256(model_path, progress) if identify_model else ""
         return binaries, model_path, sha256, tuple((path, model_sha256(path, progress)) for path in more)
@@ -307,6 +311,14 @@ def run_node(
     ctx_size: Annotated[int, typer.Option(
         "--ctx-size", min=256, metavar="TOKENS", rich_help_panel=SERVING_PANEL,
         help="Context length llama-server gets.")] = DEFAULT_CTX_SIZE,
+    cache_type_k: Annotated[str, typer.Option(
+        "--cache-type-k", metavar="TYPE", rich_help_panel=SERVING_PANEL,
+        help=f"With --serve: the K cache's element type, one of {', '.join(KV_CACHE_TYPES)} (llama.cpp's "
+             "--cache-type-k); q8_0 halves the cache of a long context.")] = DEFAULT_KV_CACHE_TYPE,
+    cache_type_v: Annotated[str, typer.Option(
+        "--cache-type-v", metavar="TYPE", rich_help_panel=SERVING_PANEL,
+        help="With --serve: the V cache's element type, as --cache-type-k (a quantized one turns on flash "
+             "attention).")] = DEFAULT_KV_CACHE_TYPE,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar=environment.API_KEY_ENV, show_default=False, metavar="KEY", rich_help_panel=SERVING_PANEL,
         help=f"Clients must send 'Authorization: Bearer KEY'. Prefer ${environment.API_KEY_ENV}: other local "
@@ -356,6 +368,9 @@ def run_node(
     api = _api_options(serve, api_port, no_api, ApiAccess(api_key, cors_origin))
     if spread and serve is None:
         raise UsageError("--spread works on a serving node only: add --serve PORT.")
+    kv_cache = KvCacheTypes(cache_type_k, cache_type_v)  # UsageError naming the allowed types
+    if kv_cache != DEFAULT_KV_CACHE and serve is None:
+        raise UsageError("--cache-type-k and --cache-type-v work on the serving node only: add --serve PORT.")
     if model and len(model) > 1 and serve is None:
         raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
                          "or give a worker one --model.")
@@ -380,7 +395,7 @@ def run_node(
                            min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
                            spread=spread, draft_model=draft_path,
                            receipts=receipt.expanduser().resolve() if receipt else None,
-                           speculate=speculation_mode == "auto") if serve is not None else None
+                           speculate=speculation_mode == "auto", kv_cache=kv_cache) if serve is not None else None
     options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,
                           serving=serving,
                           join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
@@ -440,9 +455,25 @@ def setup(
     model: Annotated[Path | None, typer.Option(
         "--model", metavar="FILE", help="Check this GGUF instead of fetching the default.")] = None,
     b2b: B2bOption = False,
+    backend: Annotated[str, typer.Option(
+        "--backend", metavar="|".join((*BACKENDS, AUTO)),
+        help="Build llama.cpp for this compute backend; this machine's nodes then run that build. auto: what "
+             "the machine has (nvcc and nvidia-smi: cuda; macOS: metal; the Vulkan loader and glslc: vulkan; "
+             "else cpu).")] = AUTO,
 ) -> None:
-    """Build the pinned llama.cpp (once) and fetch the default model. Prints the binaries' directory last."""
-    binaries, model_path, _, _ = _prepare(llama_bin, model, b2b=b2b)
+    """Build the pinned llama.cpp (once per backend) and fetch the default model. Prints the binaries'
+    directory last."""
+    own_build = (llama_bin or environment.llama_bin_dir()) is not None
+    if own_build and backend != AUTO:
+        raise UsageError(f"--backend chooses which pinned build to make, --llama-bin (or "
+                         f"{environment.LLAMA_BIN_ENV}) names your own: give one.")
+    chosen = None if own_build else backend_named(backend)
+    binaries, model_path, _, _ = _prepare(llama_bin, model, b2b=b2b, backend=chosen)
+    if chosen is None:
+        console.print("backend: your own build (--llama-bin)", highlight=False)
+    else:
+        record_backend(chosen)  # only now that its build is complete
+        console.print(f"backend: {chosen.name}{' (detected)' if backend == AUTO else ''}", highlight=False)
     console.print(f"model: {model_path}", highlight=False)
     print(binaries.directory)
 

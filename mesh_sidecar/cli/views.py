@@ -60,12 +60,14 @@ def _short(node_id: str) -> str:
 
 def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False) -> Table:
     """node, layers, weights, KV cache, needs, free (GiB): seed 001's startup summary; then the model tiers.
+    The title names the K/V cache types the KV column assumes.
 
     ``wide`` adds each node's id."""
     model = f"{plan['model']}, " if plan.get("model") else ""
+    kv_cache = f", KV cache {plan['kv_cache_type']}" if plan.get("kv_cache_type") else ""
     refused = [f"{node['name']} refused: {node['detail']}." for node in plan.get("refused", [])]
     headers = ["node", *(["id"] if wide else []), "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB"]
-    table = _table(*headers, title=f"{title}: {model}{plan['n_layers']} layers",
+    table = _table(*headers, title=f"{title}: {model}{plan['n_layers']} layers{kv_cache}",
                    caption="\n".join(filter(None, [_tiers_caption(plan), *refused])) or None)
     _whole(table, 0)
     for column in table.columns[-4:]:

@@ -10,6 +10,11 @@ Two builds of the pin (``BuildVariant``): ``stock``, as published, and ``b2b``
 workers push activations to each other (patches/README.md). The b2b build has
 its own directory keyed by the patch's hash, so a changed patch is rebuilt.
 
+Each is built for one compute backend (``llama/backends.py``: cpu, vulkan, cuda, metal;
+``BuildVariant.on``): cpu's directory is the pin alone (``llama.cpp-0.3.36``, as before
+backends existed), a GPU backend's adds its name and the hash of the source fix it needs,
+if any (``llama.cpp-0.3.36-vulkan-<hash>``). Its toolkit is checked before cmake runs.
+
 Build choices, and why:
 - ``GGML_RPC=ON``: the RPC backend is the whole point.
 - ``GGML_NATIVE=ON`` with AMX switched off: native code is fast on the machine
@@ -23,6 +28,8 @@ Build choices, and why:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -33,7 +40,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +48,7 @@ from .. import environment
 from ..errors import BinariesMissingError, BuildError
 from ..home import cache_root
 from ..progress import ProgressCallback
+from .backends import CPU, Backend, check_toolkit
 
 LLAMA_CPP_PYTHON_PIN = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}.tar.gz"
@@ -48,6 +56,8 @@ SDIST_VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}/vendor/llama.cpp
 RPC_SERVER_BINARY = "ggml-rpc-server"
 LLAMA_SERVER_BINARY = "llama-server"
 BUILD_TARGETS = (RPC_SERVER_BINARY, LLAMA_SERVER_BINARY)
+# llama.cpp's own splitter of GGUF files into shards (and merger): built on demand, in the same tree.
+GGUF_SPLIT_BINARY = "llama-gguf-split"
 BUILD_STAMP_NAME = "BUILD_INFO.json"
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_OPTIONS = (
@@ -68,7 +78,7 @@ _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 COMPILE_STAGE = "Compiling llama.cpp"
 UNPACK_REPORT_EVERY = 500  # source files
 
-# The patches ship inside the package (package data), so an installed wheel can build --b2b too.
+# The patches ship inside the package (package data), so an installed wheel can build --b2b (and vulkan) too.
 PATCHES_DIR = Path(__file__).resolve().parent / "patches"
 B2B_PATCH_NAME = "llama.cpp-b2b.patch"
 PATCH_KEY_HEX_CHARS = 12
@@ -76,21 +86,47 @@ PATCH_KEY_HEX_CHARS = 12
 
 @dataclass(frozen=True)
 class BuildVariant:
-    """One build of the pinned source: as published, or with one of our patches applied."""
+    """One build of the pinned source: as published, or with one of our patches applied; for one backend."""
 
     name: str
     patch: Path | None = None
+    backend: Backend = CPU
+
+    def on(self, backend: Backend) -> BuildVariant:
+        """This variant built for ``backend``."""
+        return dataclasses.replace(self, backend=backend)
+
+    @property
+    def backend_patch(self) -> Path | None:
+        """The fix the pinned source needs to build for this backend, if any."""
+        return None if self.backend.patch_name is None else PATCHES_DIR / self.backend.patch_name
+
+    def patches(self) -> tuple[Path, ...]:
+        """Every patch applied to the pinned source for this build, in order."""
+        return tuple(patch for patch in (self.backend_patch, self.patch) if patch is not None)
+
+    def cmake_options(self) -> tuple[str, ...]:
+        return CMAKE_OPTIONS + self.backend.cmake_options
 
     def key(self) -> str:
-        """The build directory's name: the pin, and for a patched build the patch's name and hash."""
-        if self.patch is None:
-            return f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}"
-        if not self.patch.is_file():
-            raise BinariesMissingError(
-                f"The {self.name} build needs {self.patch}, which ships inside the mesh-inference "
-                "package: reinstall it, or pass --llama-bin.")
-        digest = hashlib.sha256(self.patch.read_bytes()).hexdigest()[:PATCH_KEY_HEX_CHARS]
-        return f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}-{self.name}-{digest}"
+        """The build directory's name: the pin; a GPU backend's name (and its fix's hash); a patch's name and
+        hash. The CPU build's name stays what it was before backends, so existing caches stay valid."""
+        key = f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}"
+        if self.backend != CPU:
+            key += f"-{self.backend.name}"
+            if self.backend_patch is not None:
+                key += f"-{_patch_digest(self.backend_patch)}"
+        if self.patch is not None:
+            key += f"-{self.name}-{_patch_digest(self.patch)}"
+        return key
+
+
+def _patch_digest(patch: Path) -> str:
+    if not patch.is_file():
+        raise BinariesMissingError(
+            f"This build needs {patch}, which ships inside the mesh-inference package: reinstall it, "
+            "or pass --llama-bin.")
+    return hashlib.sha256(patch.read_bytes()).hexdigest()[:PATCH_KEY_HEX_CHARS]
 
 
 STOCK = BuildVariant("stock")
@@ -110,7 +146,7 @@ class LlamaBinaries:
 
 
 def pinned_build_dir(variant: BuildVariant = STOCK) -> Path:
-    """Cache directory of a build of our pin, keyed by the pin (and patch)."""
+    """Cache directory of a build of our pin, keyed by the pin (and backend, and patch)."""
     return cache_root() / variant.key()
 
 
@@ -133,20 +169,48 @@ def ensure_binaries(llama_bin: Path | None, progress: ProgressCallback,
     chosen = llama_bin or environment.llama_bin_dir()
     if chosen is not None:
         return binaries_in(chosen.expanduser())
+    return binaries_in(_pinned_bin_dir(variant, progress))
+
+
+def ensure_gguf_split(progress: ProgressCallback) -> Path:
+    """llama.cpp's ``llama-gguf-split`` from the pinned source, built once (seconds, in the pinned build's
+    tree, after the build itself if need be) beside its other binaries."""
+    bin_dir = _pinned_bin_dir(STOCK, progress)
+    tool = bin_dir / GGUF_SPLIT_BINARY
+    if tool.is_file():
+        return tool
+    root = bin_dir.parent
+    with _build_lock(root), open(root / "build.log", "a") as log:
+        if not tool.is_file():
+            progress(COMPILE_STAGE, 0, 0)
+            _run_logged(["ninja", "-C", str(root / "build"), GGUF_SPLIT_BINARY], log, root / "build.log",
+                        on_line=ninja_reporter(progress))
+            shutil.copy2(root / "build" / "bin" / GGUF_SPLIT_BINARY, tool)
+    return tool
+
+
+def _pinned_bin_dir(variant: BuildVariant, progress: ProgressCallback) -> Path:
+    """The ``bin`` directory of the pinned build ``variant``, built first if it is not complete."""
     root = pinned_build_dir(variant)
     bin_dir = root / "bin"
-    if (bin_dir / BUILD_STAMP_NAME).exists():
-        return binaries_in(bin_dir)
+    if not (bin_dir / BUILD_STAMP_NAME).exists():
+        with _build_lock(root):
+            if not (bin_dir / BUILD_STAMP_NAME).exists():
+                _build(root, progress, variant)
+    return bin_dir
+
+
+@contextlib.contextmanager
+def _build_lock(root: Path) -> Iterator[None]:
+    """Several nodes started at once on one machine must not build twice in one tree."""
     root.mkdir(parents=True, exist_ok=True)
-    # Several nodes started at once on one machine must not build twice in one tree.
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (bin_dir / BUILD_STAMP_NAME).exists():
-            _build(root, progress, variant)
-    return binaries_in(bin_dir)
+        yield
 
 
 def _build(root: Path, progress: ProgressCallback, variant: BuildVariant) -> None:
+    check_toolkit(variant.backend)
     source = root / "src"
     if not (source / "CMakeLists.txt").exists():
         _fetch_source(source, progress, variant)
@@ -160,11 +224,12 @@ def _build(root: Path, progress: ProgressCallback, variant: BuildVariant) -> Non
     log_path = root / "build.log"
     with open(log_path, "w") as log:
         progress("Configuring llama.cpp", 0, 0)
-        _run_logged(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *CMAKE_OPTIONS], log, log_path)
+        _run_logged(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *variant.cmake_options()],
+                    log, log_path)
         progress(COMPILE_STAGE, 0, 0)
         _run_logged(
             ["ninja", "-C", str(build), *BUILD_TARGETS], log, log_path,
-            on_line=lambda line: _report_ninja(line, progress),
+            on_line=ninja_reporter(progress),
         )
     bin_dir = root / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -173,7 +238,8 @@ def _build(root: Path, progress: ProgressCallback, variant: BuildVariant) -> Non
     # Written last: its presence means the directory is complete.
     (bin_dir / BUILD_STAMP_NAME).write_text(
         json.dumps({"llama_cpp_python": LLAMA_CPP_PYTHON_PIN, "variant": variant.name,
-                    "cmake_options": CMAKE_OPTIONS}, indent=2)
+                    "backend": variant.backend.name, "patches": [patch.name for patch in variant.patches()],
+                    "cmake_options": variant.cmake_options()}, indent=2)
     )
 
 
@@ -185,9 +251,19 @@ def ninja_progress(line: str) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
-def _report_ninja(line: str, progress: ProgressCallback) -> None:
-    if (step := ninja_progress(line)) is not None:
-        progress(COMPILE_STAGE, *step)
+def ninja_reporter(progress: ProgressCallback) -> Callable[[str], None]:
+    """A build's output lines to ``progress``, as (done, total) from ninja's status lines. A sub-build's own
+    (the Vulkan shader generator's ``[2/2]``, in the middle of ``[48/534]``) would read as the end: only
+    lines with the largest total seen so far count."""
+    largest_total = 0
+
+    def report(line: str) -> None:
+        nonlocal largest_total
+        if (step := ninja_progress(line)) is not None and step[1] >= largest_total:
+            largest_total = step[1]
+            progress(COMPILE_STAGE, *step)
+
+    return report
 
 
 def _run_logged(
@@ -216,23 +292,24 @@ def _fetch_source(source: Path, progress: ProgressCallback, variant: BuildVarian
     staging = source.with_name("src.partial")
     shutil.rmtree(staging, ignore_errors=True)
     stock = pinned_build_dir(STOCK) / "src"
-    if variant.patch is not None and (stock / "CMakeLists.txt").exists():
+    if variant.patches() and (stock / "CMakeLists.txt").exists():
         shutil.copytree(stock, staging, symlinks=True)  # no second download
     else:
         _download_source(staging, progress)
-    if variant.patch is not None:
-        progress(f"Applying {variant.patch.name}", 0, 0)
-        # The sdist's tree carries a `.git` file pointing at a repository that is not there; git apply
-        # would follow it and refuse to run.
-        gitlink = staging / ".git"
-        if gitlink.is_file():
-            gitlink.unlink()
-        result = subprocess.run(["git", "apply", "--whitespace=nowarn", str(variant.patch)], cwd=staging,
+    # The sdist's tree carries a `.git` file pointing at a repository that is not there; git apply
+    # would follow it and refuse to run.
+    gitlink = staging / ".git"
+    if variant.patches() and gitlink.is_file():
+        gitlink.unlink()
+    for patch in variant.patches():
+        progress(f"Applying {patch.name}", 0, 0)
+        result = subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch)], cwd=staging,
                                 capture_output=True, text=True)
         if result.returncode != 0:
-            raise BuildError(f"{variant.patch.name} does not apply to llama.cpp from llama-cpp-python=="
+            raise BuildError(f"{patch.name} does not apply to llama.cpp from llama-cpp-python=="
                              f"{LLAMA_CPP_PYTHON_PIN}:\n{result.stderr.strip()[-2000:]}\n"
-                             "Rebase it with scripts/rebase_b2b_patch.sh (patches/README.md).")
+                             "Rebase it onto the pinned source (patches/README.md; for the b2b patch: "
+                             "scripts/rebase_b2b_patch.sh).")
     staging.rename(source)
 
 

@@ -29,19 +29,26 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..errors import ModelError
+from ..errors import ModelError, UsageError
 from ..units import MIB
 from ..wire.gguf_header import GGUFHeader
-from .gguf_file import read_header
 from .model import check_gguf
+from .model_files import model_stem, read_model_header
 
 # --- KV cache ---------------------------------------------------------------
-# llama.cpp's default --cache-type-k/-v is f16: 2 bytes per element.
-KV_BYTES_PER_ELEMENT = 2
+# The element types --cache-type-k/-v accept, by ggml's names, in the order the
+# pinned llama.cpp lists them (kv_cache_types in common/arg.cpp).
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+# llama.cpp's default for both caches.
+DEFAULT_KV_CACHE_TYPE = "f16"
+# Architectures llama.cpp runs without flash attention whatever -fa says
+# (llama_init_from_model forces it off), so a quantized V cache cannot work.
+NO_FLASH_ATTENTION_ARCHITECTURES = ("grok",)
 # llama_context pads n_ctx up to a multiple of 256 cells (GGML_PAD(n_ctx, 256)),
 # and the cache is allocated for the padded size.
 KV_CELL_PAD = 256
@@ -63,6 +70,13 @@ ACTIVATION_BYTES = 4
 # split). See docs/memory-estimate.md for the fit.
 FFN_ROWS_PER_TOKEN = 3
 EMBD_ROWS_PER_TOKEN = 7
+# Mixture-of-experts blocks (build_moe_ffn in src/llama-graph.cpp) peak the same
+# way with n_expert_used x n_ff_exp-wide rows for the routed up, gate and product.
+# The down projection's output, n_expert_used x n_embd wide, goes into the hole
+# the freed up and gate rows leave when it fits (it did up to twice the routed
+# width), else on top of that peak. The router's n_expert-wide rows never raised
+# the peak (measured up to 256 experts).
+MOE_DOWN_FITS_RATIO = 2
 # llama-server's automatic n_parallel is 4 and the reserve graph computes one
 # logits row per sequence, so the last device's head needs 4 x n_vocab floats.
 N_OUTPUT_ROWS = 4
@@ -87,6 +101,51 @@ _UNSUPPORTED_KEYS = ("ssm.state_size", "wkv.head_size", "shortconv.l_cache", "at
 
 
 @dataclass(frozen=True)
+class KvCacheTypes:
+    """The element types of llama.cpp's K and V caches: ``--cache-type-k`` and ``--cache-type-v``.
+
+    Raises UsageError for a name the pinned llama.cpp does not accept.
+    """
+
+    k: str = DEFAULT_KV_CACHE_TYPE
+    v: str = DEFAULT_KV_CACHE_TYPE
+
+    def __post_init__(self) -> None:
+        for option, name in (("--cache-type-k", self.k), ("--cache-type-v", self.v)):
+            if name not in KV_CACHE_TYPES:
+                raise UsageError(f"{option} takes one of {', '.join(KV_CACHE_TYPES)} (llama.cpp's names), "
+                                 f"not {name!r}.")
+
+    def __str__(self) -> str:
+        """``K/V``, e.g. ``q8_0/q8_0``: what a plan's KV figures assume."""
+        return f"{self.k}/{self.v}"
+
+    def llama_server_args(self) -> list[str]:
+        """llama-server's options for these types; none for a cache left at llama.cpp's default."""
+        args: list[str] = []
+        for option, name in (("--cache-type-k", self.k), ("--cache-type-v", self.v)):
+            if name != DEFAULT_KV_CACHE_TYPE:
+                args += [option, name]
+        return args
+
+
+DEFAULT_KV_CACHE = KvCacheTypes()
+
+
+def kv_block(cache_type: str) -> tuple[int, int]:
+    """(elements, bytes) of one block of a cache type: (1, 2) for f16, (32, 34) for q8_0 (gguf-py's table)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[cache_type.upper()]]
+
+
+def kv_row_bytes(cache_type: str, n_elements: int) -> int:
+    """Bytes of ``n_elements`` of ``cache_type``, as ggml_row_size: whole blocks only."""
+    block_elements, block_bytes = kv_block(cache_type)
+    if n_elements % block_elements:
+        raise ValueError(f"{n_elements} elements are not whole {cache_type} blocks of {block_elements}")
+    return n_elements // block_elements * block_bytes
+
+
+@dataclass(frozen=True)
 class ModelEstimate:
     """Bytes one model needs, by where llama.cpp puts them (all sizes in bytes).
 
@@ -104,6 +163,7 @@ class ModelEstimate:
     architecture: str = ""
     name: str = ""
     tied_output: bool = False  # the head reuses token_embd (a copy sits on the last device)
+    kv_cache: KvCacheTypes = DEFAULT_KV_CACHE  # the element types kv_bytes_per_layer assumes
 
     def __post_init__(self) -> None:
         if len(self.layer_weight_bytes) != self.n_layers:
@@ -151,15 +211,24 @@ def kv_cells(n_ctx: int) -> int:
 
 
 def compute_margin(*, n_ctx: int, n_embd: int, n_ff: int, n_vocab: int,
-                   n_ubatch: int = DEFAULT_N_UBATCH) -> int:
+                   n_ubatch: int = DEFAULT_N_UBATCH, n_expert_used: int = 0, n_ff_exp: int = 0) -> int:
     """Compute-buffer bytes one device needs under pipeline parallelism.
 
     ``copies x cells x n_ubatch`` f16 mask elements, plus the larger of the
     block activations of one micro-batch and the head's logits (they are not
     live at the same time, so the graph allocator reuses the memory), plus slack.
+    ``n_ff`` is the widest dense feed-forward (0 when every block is a
+    mixture of experts); MoE blocks route each token to ``n_expert_used``
+    experts ``n_ff_exp`` wide.
     """
     mask = SCHED_COPIES * kv_cells(n_ctx) * n_ubatch * MASK_BYTES_PER_ELEMENT
-    activations = n_ubatch * ACTIVATION_BYTES * (FFN_ROWS_PER_TOKEN * n_ff + EMBD_ROWS_PER_TOKEN * n_embd)
+    rows = FFN_ROWS_PER_TOKEN * n_ff + EMBD_ROWS_PER_TOKEN * n_embd
+    routed = n_expert_used * n_ff_exp
+    if routed:
+        down = n_expert_used * n_embd
+        moe_rows = FFN_ROWS_PER_TOKEN * routed + EMBD_ROWS_PER_TOKEN * n_embd
+        rows = max(rows, moe_rows + (down if down > MOE_DOWN_FITS_RATIO * routed else 0))
+    activations = n_ubatch * ACTIVATION_BYTES * rows
     logits = N_OUTPUT_ROWS * n_vocab * ACTIVATION_BYTES
     return mask + max(activations, logits) + COMPUTE_SLACK_BYTES
 
@@ -195,12 +264,18 @@ def assign_layers(n_layers: int, tensor_split: Sequence[float]) -> tuple[int, ..
     return tuple(devices)
 
 
-def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) -> ModelEstimate:
-    """Read ``path``'s GGUF header and estimate its memory at a context of ``n_ctx`` tokens."""
+def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH,
+                   kv_cache: KvCacheTypes = DEFAULT_KV_CACHE) -> ModelEstimate:
+    """Read ``path``'s GGUF header and estimate its memory at a context of ``n_ctx`` tokens.
+
+    ``kv_cache``: the K and V cache element types llama-server gets. ModelError
+    when llama.cpp would refuse them for this model (a quantized type whose
+    blocks do not divide a head, a quantized V cache without flash attention).
+    """
     if n_ctx < 1:
         raise ValueError(f"n_ctx must be positive, not {n_ctx}")
     path = check_gguf(Path(path))
-    header = read_header(path)
+    header = read_model_header(path)  # a split model's tensors are in all its shards
     meta = _Metadata(header, path)
     arch = meta.string("general.architecture")
     if arch is None:
@@ -251,12 +326,16 @@ def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) 
         output += sizes[TOKEN_EMBD]
 
     cells = kv_cells(n_ctx)
-    # The planner charges every layer the same K/V, so take the largest layer's.
-    kv_per_layer = max(cells * h * (k + v) * KV_BYTES_PER_ELEMENT
+    _check_kv_cache(path, arch, kv_cache, key_length, value_length)
+    # A cell holds one row of n_embd_k_gqa = h x k elements of the K type and one of
+    # h x v of the V type (src/llama-kv-cache.cpp, ggml_row_size). The planner charges
+    # every layer the same K/V, so take the largest layer's.
+    kv_per_layer = max(cells * (kv_row_bytes(kv_cache.k, h * k) + kv_row_bytes(kv_cache.v, h * v))
                        for h, k, v in zip(head_kv, key_length, value_length, strict=True))
     n_vocab = _vocab_size(header, meta, arch)
-    margin = compute_margin(n_ctx=n_ctx, n_embd=n_embd, n_ff=_ffn_width(meta, arch, n_layers, n_embd),
-                            n_vocab=n_vocab, n_ubatch=n_ubatch)
+    ffn = _ffn_shape(meta, arch, n_layers, n_embd)
+    margin = compute_margin(n_ctx=n_ctx, n_embd=n_embd, n_ff=ffn.n_ff, n_vocab=n_vocab, n_ubatch=n_ubatch,
+                            n_expert_used=ffn.n_expert_used, n_ff_exp=ffn.n_ff_exp)
     return ModelEstimate(
         n_layers=n_layers,
         layer_weight_bytes=tuple(layer_weights),
@@ -266,21 +345,56 @@ def estimate_model(path: Path, n_ctx: int, *, n_ubatch: int = DEFAULT_N_UBATCH) 
         n_ctx=n_ctx,
         compute_margin_bytes=margin,
         architecture=arch,
-        name=meta.string("general.name") or path.stem,
+        name=meta.string("general.name") or model_stem(path.name),
         tied_output=tied,
+        kv_cache=kv_cache,
     )
+
+
+def _check_kv_cache(path: Path, arch: str, kv_cache: KvCacheTypes,
+                    key_length: Sequence[int], value_length: Sequence[int]) -> None:
+    """ModelError where llama_init_from_model (src/llama-context.cpp) would refuse ``kv_cache`` for this model."""
+    if arch in NO_FLASH_ATTENTION_ARCHITECTURES and kv_block(kv_cache.v)[0] > 1:
+        raise ModelError(f"{path} is a '{arch}' model, which llama.cpp runs without flash attention, and a "
+                         f"quantized V cache ({kv_cache.v}) needs it: give --cache-type-v f16 (or bf16, f32).")
+    # A quantized type stores blocks of 32 elements, and llama.cpp refuses one whose
+    # blocks do not divide every head (n_embd_head_k / n_embd_head_v).
+    for option, name, widths in (("--cache-type-k", kv_cache.k, key_length),
+                                 ("--cache-type-v", kv_cache.v, value_length)):
+        block_elements = kv_block(name)[0]
+        odd = sorted({width for width in widths if width % block_elements})
+        if odd:
+            raise ModelError(f"{option} {name} stores blocks of {block_elements} elements, but {path} has "
+                             f"heads of {odd[0]}: llama.cpp refuses that cache. Give {option} f16 "
+                             "(or bf16, f32).")
 
 
 def _aligned(nbytes: int, alignment: int) -> int:
     return -(-nbytes // alignment) * alignment
 
 
-def _ffn_width(meta: _Metadata, arch: str, n_layers: int, n_embd: int) -> int:
-    """The widest feed-forward of any block: dense n_ff, or n_ff_exp x experts used."""
-    dense = max(meta.per_layer(f"{arch}.feed_forward_length", n_layers, default=0))
-    expert = meta.integer(f"{arch}.expert_feed_forward_length") or 0
-    used = meta.integer(f"{arch}.expert_used_count") or 0
-    return max(dense, expert * used) or DEFAULT_FFN_RATIO * n_embd
+class _FfnShape(NamedTuple):
+    n_ff: int  # the widest dense feed-forward; 0 if every block is MoE
+    n_expert_used: int  # experts a token is routed to; 0 for a dense model
+    n_ff_exp: int  # the width of one expert
+
+
+def _ffn_shape(meta: _Metadata, arch: str, n_layers: int, n_embd: int) -> _FfnShape:
+    """The feed-forward widths the compute margin needs, from the model's metadata.
+
+    A model with ``expert_count`` and ``expert_used_count`` is a mixture of
+    experts. Its experts are ``expert_feed_forward_length`` wide (Qwen3-MoE,
+    DeepSeek, gpt-oss), and ``feed_forward_length`` is then the width of any
+    dense blocks; without that key (Mixtral as the llama architecture) the
+    experts are ``feed_forward_length`` wide and every block is MoE.
+    """
+    ff = max(meta.per_layer(f"{arch}.feed_forward_length", n_layers, default=0))
+    n_expert = meta.integer(f"{arch}.expert_count") or 0
+    used = max(meta.per_layer(f"{arch}.expert_used_count", n_layers, default=0))
+    if not (n_expert and used):
+        return _FfnShape(ff or DEFAULT_FFN_RATIO * n_embd, 0, 0)
+    expert = max(meta.per_layer(f"{arch}.expert_feed_forward_length", n_layers, default=0))
+    return _FfnShape(ff, used, expert) if expert else _FfnShape(0, used, ff or DEFAULT_FFN_RATIO * n_embd)
 
 
 def _vocab_size(header: GGUFHeader, meta: _Metadata, arch: str) -> int:

@@ -43,6 +43,7 @@ from ..logs import (
 from ..ports import LOOPBACK
 from ..progress import ProgressCallback
 from .build import LlamaBinaries
+from .model_files import model_stem
 from .weight_cache import WeightCache
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def llama_server_argv(
         # None: the model runs in llama-server itself, alone on this machine.
         *(["--rpc", ",".join(rpc_endpoints)] if rpc_endpoints else []),
         "-ngl", OFFLOAD_ALL_LAYERS,
-        "--alias", model.stem,
+        "--alias", model_stem(model.name),
         "--metrics",
         "--log-verbosity", LLAMA_SERVER_LOG_VERBOSITY,
         # No host-memory prompt cache: giving a request a slot would first save the slot's KV cache

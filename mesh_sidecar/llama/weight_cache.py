@@ -35,6 +35,7 @@ from ..home import cache_root
 from ..progress import ProgressCallback
 from ..units import MIB
 from .gguf_file import read_header
+from .model_files import model_files
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,11 @@ class WeightCache:
                       if len(p.name) == _HASH_NAME_CHARS and all(c in "0123456789abcdef" for c in p.name))
 
 
-def hashed_tensor_ranges(model: Path) -> list[tuple[int, int]]:
-    """(file offset, size) of every tensor the RPC client would send by hash."""
-    return [(t.data_offset, t.n_bytes) for t in read_header(model).tensors if t.n_bytes > HASH_THRESHOLD_BYTES]
+def hashed_tensor_ranges(model: Path) -> list[tuple[Path, int, int]]:
+    """(file, offset in it, size) of every tensor the RPC client would send by hash: in every shard of
+    a split model."""
+    return [(file, t.data_offset, t.n_bytes) for file in model_files(model)
+            for t in read_header(file).tensors if t.n_bytes > HASH_THRESHOLD_BYTES]
 
 
 def ensure_tool(progress: ProgressCallback) -> Path:
@@ -135,11 +138,11 @@ def seed(cache: WeightCache, tool: Path, model: Path, sha256: str, progress: Pro
     if stamp.exists():
         return 0
     ranges = hashed_tensor_ranges(model)
-    total = sum(size for _, size in ranges)
+    total = sum(size for _, _, size in ranges)
     verified = _read_json(cache.root / VERIFIED_FILE)
     done = 0
-    for offset, size in ranges:
-        (line,) = _run_tool(tool, "seed", str(model), str(cache.tensors), f"{offset}:{size}")
+    for file, offset, size in ranges:
+        (line,) = _run_tool(tool, "seed", str(file), str(cache.tensors), f"{offset}:{size}")
         name = line.split()[0]
         verified[name] = _fingerprint(cache.tensors / name)
         done += size

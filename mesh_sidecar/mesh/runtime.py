@@ -33,6 +33,7 @@ from ..errors import ConnectionClosedError, MeshError, PortInUseError
 from ..home import NodeHome
 from ..identity import NodeIdentity, short_id
 from ..llama.capacity import Capacity
+from ..llama.model import offered_files
 from ..net.addresses import reachable_addresses
 from ..net.connection import PeerConnection
 from ..net.discovery import LanRecord, mesh_id
@@ -110,7 +111,8 @@ class Mesh:
         self._serving = serving
         self.build = build  # announced; members and the serving node compare it (exclusion.py)
         self.model_sha256 = model_sha256
-        self.model_file = model_file  # offered to members that fetch it by its sha256
+        # The model's files members may fetch, by sha256 (a split model's manifest and shards).
+        self._offered = offered_files(model_file, model_sha256) if model_file is not None and model_sha256 else {}
         self._saved = saved
         self.run_id = secrets.randbelow(MAX_RUN_ID) + 1  # announced: a new one tells members this node restarted
         self.changes = Changes()  # a member joined, was lost or left, or a verdict changed
@@ -128,8 +130,8 @@ class Mesh:
                                         self.name_of, say, self._verdicts_changed)
         self._streams = StreamServices(
             rpc_port, self._resolve_endpoint,
-            # Only the file we announce, and only while we announce it.
-            lambda sha256: self.model_file if sha256 == self.model_sha256 else None,
+            # Only the files of the model we announce, and only while we announce it.
+            lambda sha256: self._offered.get(sha256),
             self._peers.open_relay_leg, self.relay_counters, self._transport.serve_circuit,
             local_api, forward_token)
         # A serving node's announcement of what it serves (serve/supervisor.py), read at each announcement.
@@ -281,16 +283,18 @@ class Mesh:
         """Memory our rpc-server holds for other nodes' llama-servers (not ours: it connects locally)."""
         return self._peers.held_bytes()
 
-    async def fetch_model(self, node_id: bytes, sha256: str, destination: Path,
-                          progress: ProgressCallback) -> Path:
-        """Fetch the model file ``sha256`` from member ``node_id`` (resuming a partial one)."""
+    async def fetch_model(self, node_id: bytes, sha256: str, progress: ProgressCallback) -> Path:
+        """Fetch the model ``sha256`` (its identity) from member ``node_id``, resuming a partial fetch;
+        its path (a split model's first shard)."""
         peer = self._peers.get(node_id)
-        return await fetch_model_over(None if peer is None else peer.connection, sha256, destination,
+        return await fetch_model_over(None if peer is None else peer.connection, sha256,
                                       self.name_of(node_id), progress)
 
     def holds_model(self, sha256: str, path: Path) -> None:
-        """This node now holds the model file ``sha256`` at ``path``: announce it, and offer it."""
-        self.model_sha256, self.model_file = sha256, path
+        """This node now holds the model ``sha256`` (its identity) at ``path``: announce it, and offer its
+        files (ModelError if they are not there)."""
+        self._offered = offered_files(path, sha256)
+        self.model_sha256 = sha256
         self._announce_self()
 
     def name_of(self, node_id: bytes) -> str:

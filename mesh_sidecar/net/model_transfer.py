@@ -1,10 +1,12 @@
 """Model files between members: a worker without the serving node's GGUF fetches it over the mesh.
 
-Files are named by their sha256, which members already announce in gossip
-(``MemberInfo.model_sha256``), so a worker asks for exactly the file the
-serving node loads and checks what it got. A fetch resumes where an
-interrupted one stopped: the bytes so far are kept in ``<sha256>.gguf.partial``
-and the next request starts at its length.
+Files are named by their sha256. Members announce their model's identity in gossip
+(``MemberInfo.model_sha256``): a single GGUF's sha256, or a split model's manifest's
+(llama/model_files.py). A worker asks for exactly that and checks what it got; a
+manifest then names each shard by its own sha256, fetched the same way, one after
+the other. A fetch resumes where an interrupted one stopped: the bytes so far are
+kept in ``<name>.partial`` and the next request starts at its length, so a split
+model resumes within the shard it was at, the shards before it kept.
 
 One QUIC stream per fetch, after its StreamKind.MODEL_FILE byte::
 
@@ -26,8 +28,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..errors import MalformedMessageError, ModelError, ProtocolVersionError
-from ..llama.model import file_sha256
+from ..llama.model import fetched_models_dir, file_sha256, manifest_path
+from ..llama.model_files import decode_manifest
 from ..progress import ProgressCallback
+from ..wire.gguf_header import GGUF_MAGIC
 from ..wire.stream_kind import StreamKind
 from .connection import PeerConnection
 from .streams import MeshStreamReader, MeshStreamWriter
@@ -123,9 +127,41 @@ async def serve_model_file(reader: MeshStreamReader, writer: MeshStreamWriter,
 OpenStream = Callable[[], Awaitable[tuple[MeshStreamReader, MeshStreamWriter]]]
 
 
+async def fetch_model(open_stream: OpenStream, sha256: str, source_name: str, progress: ProgressCallback) -> Path:
+    """Fetch the model whose identity is ``sha256`` into the fetched-models directory (resuming a partial
+    fetch); its path: the GGUF, or a split model's first shard. ModelError if it fails."""
+    single = fetched_models_dir() / f"{sha256}.gguf"
+    manifest = manifest_path(sha256)
+    if single.exists():
+        return single
+    if not manifest.exists():
+        # What the id names is known once it is here: a GGUF, or a manifest (small).
+        fetched = await fetch_model_file(open_stream, sha256, fetched_models_dir() / f"{sha256}.download",
+                                         source_name, progress)
+        with open(fetched, "rb") as f:
+            is_gguf = f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+        if is_gguf:
+            fetched.replace(single)
+            return single
+        try:
+            decode_manifest(fetched.read_bytes())
+        except ModelError:
+            fetched.unlink()
+            raise
+        manifest.parent.mkdir(parents=True, exist_ok=True)
+        fetched.replace(manifest)
+    shards = decode_manifest(manifest.read_bytes())
+    directory = fetched_models_dir() / sha256
+    for number, shard in enumerate(shards, start=1):
+        await fetch_model_file(open_stream, shard.sha256, directory / shard.name, source_name, progress,
+                               what=f"Fetching the model from {source_name}: {shard.name} ({number}/{len(shards)})")
+    return directory / shards[0].name
+
+
 async def fetch_model_file(open_stream: OpenStream, sha256: str, destination: Path, source_name: str,
-                           progress: ProgressCallback) -> Path:
-    """Fetch the file with ``sha256`` into ``destination`` (resuming a partial one); ModelError if it fails."""
+                           progress: ProgressCallback, *, what: str | None = None) -> Path:
+    """Fetch the file with ``sha256`` into ``destination`` (resuming a partial one); ModelError if it fails.
+    ``what``: the progress line's text."""
     if destination.exists():
         return destination
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +178,7 @@ async def fetch_model_file(open_stream: OpenStream, sha256: str, destination: Pa
         partial.unlink()  # not a prefix of this file: start over next time
     if status is not Status.OK:
         raise ModelError(f"{source_name} {_STATUS_TEXT[status]}.")
-    what = f"Fetching the model from {source_name}"
+    what = what or f"Fetching the model from {source_name}"
     done = offset
     progress(what, done, size)
     try:
@@ -166,9 +202,9 @@ async def fetch_model_file(open_stream: OpenStream, sha256: str, destination: Pa
     return destination
 
 
-async def fetch_model_over(connection: PeerConnection | None, sha256: str, destination: Path, source_name: str,
+async def fetch_model_over(connection: PeerConnection | None, sha256: str, source_name: str,
                            progress: ProgressCallback) -> Path:
-    """:func:`fetch_model_file` on a new MODEL_FILE stream of ``connection`` (None: not connected)."""
+    """:func:`fetch_model` over ``connection`` (None: not connected), a new MODEL_FILE stream per file."""
     async def open_stream() -> tuple[MeshStreamReader, MeshStreamWriter]:
         if connection is None or connection.closed:
             raise ModelError(f"{source_name} is not connected; the model fetch will be retried.")
@@ -176,4 +212,4 @@ async def fetch_model_over(connection: PeerConnection | None, sha256: str, desti
         writer.write(bytes([StreamKind.MODEL_FILE]))
         return reader, writer
 
-    return await fetch_model_file(open_stream, sha256, destination, source_name, progress)
+    return await fetch_model(open_stream, sha256, source_name, progress)

@@ -27,8 +27,9 @@ from ..llama import weight_cache
 from ..llama.announced_build import local_build
 from ..llama.build import LlamaBinaries
 from ..llama.capacity import Capacity, measure, parse_device_listing
+from ..llama.estimate import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
-from ..llama.model import model_by_sha256
+from ..llama.model_files import model_files
 from ..llama.weight_cache import WeightCache
 from ..mesh.exclusion import LLAMA_BUILD_MISMATCH, SAME_BUILD_REMEDY
 from ..mesh.runtime import Mesh
@@ -289,8 +290,7 @@ class Node:
 
     async def _take_model_from(self, node_id: bytes, sha256: str) -> None:
         assert self.mesh is not None
-        path = await self.mesh.fetch_model(node_id, sha256, model_by_sha256(sha256),
-                                           PlainProgress(self._say, in_bytes=True))
+        path = await self.mesh.fetch_model(node_id, sha256, PlainProgress(self._say, in_bytes=True))
         cache, tool = self.options.weight_cache, self.options.weight_cache_tool
         if cache is not None and tool is not None:
             await asyncio.to_thread(weight_cache.seed, cache, tool, path, sha256, self._plain_progress())
@@ -336,7 +336,10 @@ class Node:
         assert self.mesh is not None
         serving = self.options.serving
         paths = [model] if model else [path for path, _ in serving.models] if serving else [self.options.model]
-        tiers = [Tier(path, await estimate_off_loop(path, ctx_size or self.options.ctx_size)) for path in paths]
+        # A worker plans with llama.cpp's default cache types: --cache-type-k/-v are the serving node's.
+        kv_cache = serving.kv_cache if serving else DEFAULT_KV_CACHE
+        tiers = [Tier(path, await estimate_off_loop(path, ctx_size or self.options.ctx_size, kv_cache))
+                 for path in paths]
         # On a serving node, its own claim's place and --spread; elsewhere, as if it began serving now.
         since = self.serving.since if self.serving is not None else time.time()
         return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), tiers, since=since,
@@ -382,7 +385,8 @@ class Node:
                 "uptime_s": round(time.time() - self._started_at, 1),
                 "capacity": self.capacity().__dict__ if self.rpc_server else None,
             },
-            "model": {"path": str(model), "bytes": model.stat().st_size, "ctx_size": self.options.ctx_size},
+            "model": {"path": str(model), "bytes": sum(f.stat().st_size for f in model_files(model)),
+                      "ctx_size": self.options.ctx_size},
             "processes": processes,
             "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
                         if self.serving else None),

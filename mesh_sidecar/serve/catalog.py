@@ -21,9 +21,9 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
 from typing import Any
 
+from ..llama.model_files import model_stem
 from ..wire.gossip import MemberInfo
 from .tiers import DEFAULT_MODEL_NAMES, OWNER, TierView, models_list
 
@@ -83,7 +83,7 @@ class MeshCatalog:
         wanted = self.default if requested in DEFAULT_MODEL_NAMES else requested
         if wanted is None:
             return None
-        stem = PurePath(wanted).stem if wanted.endswith(".gguf") else wanted
+        stem = model_stem(wanted) if wanted.endswith(".gguf") else wanted
         return next((model for model in self.models if model.id == stem), None)
 
     def ids(self) -> list[str]:

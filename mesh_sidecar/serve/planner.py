@@ -109,6 +109,7 @@ class Plan:
     model: str = ""  # the planned model's file name; "" when planned without a name
     tiers: tuple[TierFit, ...] = ()  # every tier considered, largest first
     roles: tuple[Role, ...] = ()  # every member's place in the mesh's assignment of workers, and why
+    kv_cache_type: str = ""  # "K/V" element types the KV figures assume (--cache-type-k/-v), e.g. "q8_0/q8_0"
 
     @property
     def alone(self) -> bool:
@@ -158,6 +159,7 @@ class Plan:
             "n_layers": self.n_layers,
             "tensor_split": list(self.tensor_split()),
             "model": self.model,
+            "kv_cache_type": self.kv_cache_type,
             "tiers": [tier.to_json() for tier in self.tiers],
             "assignment": [{"id": role.node_id.hex(), "name": role.name,
                             "serves_with": None if role.serves_with is None else role.serves_with.hex(),
@@ -177,7 +179,8 @@ def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate) -> Pla
     if sum(caps) < estimate.n_layers:
         raise _shortfall(participants, caps, left_out, estimate, largest_first)
     counts = _dhondt(participants, caps, estimate.n_layers)
-    return Plan(_place(participants, counts, estimate), left_out, estimate.n_layers)
+    return Plan(_place(participants, counts, estimate), left_out, estimate.n_layers,
+                kv_cache_type=str(estimate.kv_cache))
 
 
 def tier_needs_bytes(estimate: ModelEstimate) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import PurePath
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import AuthError, ReceiptError
 from ..identity import NodeIdentity, verify_signature
+from ..llama.model_files import Shard
 from ..mesh.status import rtt_ms
 from .tiers import model_id
 
@@ -210,13 +211,15 @@ def replayed_digest(answer: Any) -> str:
 def signed_receipt(identity: NodeIdentity, node_name: str, *, path: str, request: dict[str, Any],
                    output: OutputTap, answered_by: str, tiers: Sequence[tuple[PurePath, str]], in_service: PurePath,
                    plan: Plan, draft: tuple[PurePath, str | None] | None, speculation: dict[str, Any] | None,
-                   peer_views: Sequence[PeerView], now: float, continued_at: Sequence[int] = ()) -> tuple[str, str]:
+                   peer_views: Sequence[PeerView], now: float, continued_at: Sequence[int] = (),
+                   shards: Mapping[str, Sequence[Shard]] = {}) -> tuple[str, str]:
     """One finished generation request's receipt (``--receipt DIR``), signed: its file name and its JSON text.
 
     ``answered_by``: the id of the model that answered, one of ``tiers`` ((path, sha256) of every --model;
     ``in_service`` when none has that id); ``draft``: the draft model's (path, sha256); ``peer_views``: the mesh's,
     for the round trips to the plan's other members; ``now``: seconds since the epoch; ``continued_at``: the
-    tokens delivered at each continuation after a failover (recovery.py), where a replay continues too.
+    tokens delivered at each continuation after a failover (recovery.py), where a replay continues too;
+    ``shards``: a split model's shards by its identity (the model's ``sha256`` is then its manifest's).
     """
     timings = output.timings
     plan_ids = {n.node_id for n in plan.nodes}
@@ -243,6 +246,8 @@ def signed_receipt(identity: NodeIdentity, node_name: str, *, path: str, request
                              if drafted else None),
         "output": {"token_ids_sha256": output_digest(output.token_ids), "n_tokens": len(output.token_ids)},
     }
+    if shards.get(sha256):  # a split model: every shard's sha256 beside the manifest's
+        body["model"]["shards"] = [{"name": s.name, "sha256": s.sha256} for s in shards[sha256]]
     if continued_at:  # only then: the receipts of undisturbed answers keep their shape
         body["continued_at"] = list(continued_at)
     name = f"{created.strftime('%Y%m%d-%H%M%S')}-{output.response_id or 'request'}.json"

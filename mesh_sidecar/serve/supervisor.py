@@ -45,9 +45,9 @@ from ..home import write_private_file
 from ..identity import NodeIdentity, short_id
 from ..llama.build import LlamaBinaries
 from ..llama.capacity import Capacity
-from ..llama.estimate import ModelEstimate, estimate_model
+from ..llama.estimate import DEFAULT_KV_CACHE, KvCacheTypes, ModelEstimate, estimate_model
 from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
-from ..llama.model import model_sha256
+from ..llama.model import model_sha256, model_shards
 from ..mesh.exclusion import SLOW_EXCLUSION_S, Exclusion, exclusion_of
 from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
@@ -94,9 +94,9 @@ UPSTREAM_KEY_FILE = "llama-server.key"  # in the node's home, mode 0600
 cached_estimate = functools.lru_cache(maxsize=8)(estimate_model)
 
 
-async def estimate_off_loop(model: Path, ctx_size: int) -> ModelEstimate:
+async def estimate_off_loop(model: Path, ctx_size: int, kv_cache: KvCacheTypes = DEFAULT_KV_CACHE) -> ModelEstimate:
     """The cached estimate, computed in a thread the first time: heartbeats keep flowing meanwhile."""
-    return await asyncio.to_thread(cached_estimate, model, ctx_size)
+    return await asyncio.to_thread(cached_estimate, model, ctx_size, kv_cache=kv_cache)
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ class ServeOptions:
     draft_model: Path | None = None  # a draft model (same tokenizer) for speculative decoding on this node's CPU
     receipts: Path | None = None  # write a signed run receipt per generation request here
     speculate: bool = True  # let the node choose speculative decoding (False: never)
+    kv_cache: KvCacheTypes = DEFAULT_KV_CACHE  # --cache-type-k/-v, for llama-server and the estimate
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,8 @@ class ServingSupervisor:
 
     def _snapshot(self) -> ServingSnapshot:
         """This node's share of the connected members, the tiers and the plan in service, at the loop's time now."""
-        tiers = tuple(Tier(path, cached_estimate(path, self._options.ctx_size)) for path, _ in self._options.models)
+        tiers = tuple(Tier(path, cached_estimate(path, self._options.ctx_size, kv_cache=self._options.kv_cache))
+                      for path, _ in self._options.models)
         self._round = planning_members(self._mesh, self._identity, self._host.name, self._own_for_planning(), tiers,
                                        since=self.since, spread=self._options.spread)
         return ServingSnapshot(asyncio.get_running_loop().time(), self._round.members, self._round.refused, tiers,
@@ -276,7 +278,8 @@ class ServingSupervisor:
     def _own_for_planning(self) -> Capacity:
         own = self._host.own_capacity()
         if self._options.draft_model is not None:
-            # The draft runs on this node's CPU, beside its share of the big model.
+            # The draft runs on this node's CPU, beside its share of the big model; its cache
+            # stays f16 (llama-server's --cache-type-k/-v are the main model's, -ctkd the draft's).
             draft = cached_estimate(self._options.draft_model, self._options.ctx_size)
             own = dataclasses.replace(own, usable_bytes=max(0, own.usable_bytes - draft.total_bytes))
         return own
@@ -311,7 +314,7 @@ class ServingSupervisor:
     async def run(self) -> None:
         await self._open()
         for path, _ in self._options.models:
-            await estimate_off_loop(path, self._options.ctx_size)
+            await estimate_off_loop(path, self._options.ctx_size, self._options.kv_cache)
         if self._options.draft_model is not None:
             self._draft_sha256 = await asyncio.to_thread(model_sha256, self._options.draft_model, lambda *_: None)
         await self._wait_for_peers()
@@ -447,7 +450,8 @@ class ServingSupervisor:
             self._host.binaries, self.model,
             [] if alone else [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
             tensor_split=() if alone else self.plan.tensor_split(), api_key_file=self._upstream_key_file,
-            extra=["--ctx-size", str(self._options.ctx_size), *self.speculation.llama_server_args()],
+            extra=["--ctx-size", str(self._options.ctx_size), *self._options.kv_cache.llama_server_args(),
+                   *self.speculation.llama_server_args()],
         )
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(tuple(n.node_id for n in self.plan.nodes))
@@ -517,7 +521,8 @@ class ServingSupervisor:
             output=generation.output, answered_by=generation.model, tiers=self._options.models,
             in_service=self.model, plan=self.plan, draft=(draft, self._draft_sha256) if draft is not None else None,
             speculation=self.speculation.to_json() if self.speculation else None,
-            peer_views=self._mesh.peer_views(), now=time.time(), continued_at=generation.continued_at)
+            peer_views=self._mesh.peer_views(), now=time.time(), continued_at=generation.continued_at,
+            shards={sha256: model_shards(path, sha256) for path, sha256 in self._options.models})
         self._options.receipts.mkdir(parents=True, exist_ok=True)
         # Receipts hold the prompt: readable by this user only.
         write_private_file(self._options.receipts / name, text)

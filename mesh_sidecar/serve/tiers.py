@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
 from typing import Any
 
+from ..llama.model_files import model_stem
 from ..units import format_gib
 from .planner import TierFit
 
@@ -70,8 +70,9 @@ class StepUpGate:
 
 
 def model_id(file_name: str) -> str:
-    """The name clients see and send for a model file: its stem, as llama-server's --alias."""
-    return PurePath(file_name).stem
+    """The name clients see and send for a model file: its stem (a split model's, without the shard
+    suffix), as llama-server's --alias."""
+    return model_stem(file_name)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@ processes, and an rpc-server behind the fault proxy."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -35,14 +36,17 @@ def api_healthy(port: int) -> bool:
         return False
 
 
-def complete(port: int, prompt: str = PROMPT) -> str:
-    """Greedy completion of N_PREDICT tokens from the API on ``port``."""
-    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                          json={"prompt": prompt, "max_tokens": N_PREDICT, **GREEDY})
+def complete(port: int, prompt: str = PROMPT, *, ignore_eos: bool = False) -> str:
+    """Greedy completion of N_PREDICT tokens from the API on ``port``.
+
+    ``ignore_eos``: for random-weight models, which may say end-of-sequence at once.
+    """
+    body = {"prompt": prompt, "max_tokens": N_PREDICT, **GREEDY, **({"ignore_eos": True} if ignore_eos else {})}
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json=body)
     response.raise_for_status()
-    body = response.json()
-    assert body["usage"]["completion_tokens"] == N_PREDICT
-    return body["choices"][0]["text"]
+    answer = response.json()
+    assert answer["usage"]["completion_tokens"] == N_PREDICT
+    return answer["choices"][0]["text"]
 
 
 def start_bare_rpc_server(binaries: LlamaBinaries, port: int, log: Path) -> subprocess.Popen:
@@ -60,12 +64,15 @@ def start_bare_rpc_server(binaries: LlamaBinaries, port: int, log: Path) -> subp
 
 
 def plain_llama_server_answer(binaries: LlamaBinaries, model: Path, log_dir: Path,
-                              ask: Callable[[int], str]) -> str:
-    """``ask(port)`` against plain llama-server on this machine's CPU: the output to match."""
+                              ask: Callable[[int], str], args: Sequence[str] = (),
+                              env: Mapping[str, str] | None = None) -> str:
+    """``ask(port)`` against plain llama-server on this machine (its log: ``log_dir``/plain.log): on the CPU,
+    the output to match. ``args`` and ``env`` add to its command line and to our environment."""
     port = free_tcp_port()
     log_path = log_dir / "plain.log"
     proc = subprocess.Popen([str(binaries.llama_server), "-m", str(model), "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+                             "--port", str(port), *args], stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **env} if env else None)
     try:
         deadline = time.monotonic() + PLAIN_LLAMA_SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline and not api_healthy(port):

@@ -73,3 +73,13 @@ def test_brackets_in_a_message_are_printed_as_they_are(tmp_path: Path) -> None:
     result = cli("--home", str(tmp_path), "--max-memory", "[fd00::2]:4G")
     assert result.returncode == 1
     assert "[fd00::2]:4G" in result.stderr
+
+
+def test_cache_type_llama_cpp_does_not_know(tmp_path: Path) -> None:
+    result = cli("--home", str(tmp_path), "--cache-type-v", "q8")
+    assert_clean_error(result, "--cache-type-v takes one of", "q8_0, q4_0", "not 'q8'")
+
+
+def test_cache_type_on_a_worker(tmp_path: Path) -> None:
+    result = cli("--home", str(tmp_path), "--cache-type-k", "q8_0")
+    assert_clean_error(result, "serving node only", "--serve PORT")

@@ -58,7 +58,7 @@ def test_seed_once_per_model(tool, model_path, tmp_path):
     cache = WeightCache(tmp_path / "cache")
     sha = "ab" * 32
     written = weight_cache.seed(cache, tool, model_path, sha, no_progress)
-    assert written == sum(size for _, size in hashed_tensor_ranges(model_path))
+    assert written == sum(size for _, _, size in hashed_tensor_ranges(model_path))
     assert len(cache.tensor_files()) == 1
     assert weight_cache.seed(cache, tool, model_path, sha, no_progress) == 0
     assert weight_cache.verify(cache, tool, no_progress) == 0  # seeded files count as checked

@@ -194,3 +194,87 @@ def test_not_a_gguf_is_a_model_error(tmp_path: Path) -> None:
     truncated.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(ModelError, match="GGUF header"):
         estimate_model(truncated, 256)
+
+
+# --- mixture of experts ---------------------------------------------------------
+
+# Compute buffer per RPC device that the pinned llama.cpp logs for the synthetic moe-test model
+# (benchmarks/synthetic_model.py: llama architecture, n_embd 512, 8 experts of 1024, 2 used) with
+# rpc-servers holding two blocks or more, by (n_ctx, n_ubatch); MiB.
+MOE_TEST_EMBD, MOE_TEST_FF_EXP, MOE_TEST_USED = 512, 1024, 2
+MEASURED_MOE_TEST_COMPUTE_MIB = {(1024, 512): 23.04, (4096, 512): 35.04, (8192, 512): 51.04, (4096, 256): 17.52,
+                                 (4096, 128): 8.76}
+# The same for other synthetic llama MoE shapes at -c 4096 -ub 512, by (n_embd, n_ff_exp, n_expert_used);
+# the expert count (8 to 256) did not change the figures.
+MEASURED_MOE_COMPUTE_MIB = {
+    (256, 1024, 2): 31.54, (1024, 1024, 2): 42.04, (512, 1024, 4): 47.04, (512, 512, 2): 29.04,
+    (512, 2048, 2): 47.04, (512, 512, 8): 47.04, (640, 512, 4): 36.79, (768, 512, 4): 38.54,
+    (896, 512, 4): 40.29, (1024, 512, 2): 34.04,
+    (512, 256, 8): 35.04, (512, 256, 4): 29.04,  # the down output at twice the routed width still fits
+    (768, 256, 4): 38.54, (512, 128, 8): 37.04, (512, 128, 16): 51.04, (512, 128, 4): 27.04,
+    (512, 64, 8): 31.04, (1024, 128, 8): 46.04, (512, 1024, 1): 28.07, (1024, 256, 1): 32.04,
+}
+# Where part of a wide down projection's output fits in freed memory, the margin still charges all of it.
+MOE_MARGIN_OVERSHOOT = 0.16
+
+
+def _moe_margin(n_ctx: int = N_CTX, n_ubatch: int = DEFAULT_N_UBATCH, *, n_embd: int = MOE_TEST_EMBD,
+                n_ff_exp: int = MOE_TEST_FF_EXP, n_expert_used: int = MOE_TEST_USED) -> int:
+    return compute_margin(n_ctx=n_ctx, n_embd=n_embd, n_ff=0, n_vocab=SMOL_VOCAB, n_ubatch=n_ubatch,
+                          n_expert_used=n_expert_used, n_ff_exp=n_ff_exp)
+
+
+@pytest.mark.parametrize(("n_ctx", "n_ubatch"), sorted(MEASURED_MOE_TEST_COMPUTE_MIB))
+def test_moe_margin_covers_measured_buffers(n_ctx: int, n_ubatch: int) -> None:
+    measured = MEASURED_MOE_TEST_COMPUTE_MIB[(n_ctx, n_ubatch)]
+    assert measured <= _moe_margin(n_ctx, n_ubatch) / MIB <= measured + MARGIN_OVERSHOOT_MIB
+
+
+@pytest.mark.parametrize(("n_embd", "n_ff_exp", "n_expert_used"), sorted(MEASURED_MOE_COMPUTE_MIB))
+def test_moe_margin_covers_other_shapes(n_embd: int, n_ff_exp: int, n_expert_used: int) -> None:
+    measured = MEASURED_MOE_COMPUTE_MIB[(n_embd, n_ff_exp, n_expert_used)]
+    margin = _moe_margin(n_embd=n_embd, n_ff_exp=n_ff_exp, n_expert_used=n_expert_used) / MIB
+    assert measured <= margin <= measured * (1 + MOE_MARGIN_OVERSHOOT)
+
+
+def test_moe_margin_counts_every_used_expert() -> None:
+    # A dense block of the expert's width would fall short of what moe-test's graph needs.
+    dense = compute_margin(n_ctx=N_CTX, n_embd=MOE_TEST_EMBD, n_ff=MOE_TEST_FF_EXP, n_vocab=SMOL_VOCAB)
+    assert dense / MIB < MEASURED_MOE_TEST_COMPUTE_MIB[(N_CTX, DEFAULT_N_UBATCH)]
+    # Each more expert used adds three routed rows per token of the micro-batch.
+    assert _moe_margin(n_expert_used=3) - _moe_margin() == DEFAULT_N_UBATCH * 4 * 3 * MOE_TEST_FF_EXP
+
+
+def _moe_tensors(n_expert: int, n_ff: int) -> dict[str, tuple[int, ...]]:
+    """TINY_TENSORS with a routed FFN in both blocks, in llama.cpp's shapes (numpy order)."""
+    tensors = dict(TINY_TENSORS)
+    for blk in ("blk.0", "blk.1"):
+        tensors |= {f"{blk}.ffn_gate_inp.weight": (n_expert, 8),
+                    f"{blk}.ffn_gate_exps.weight": (n_expert, n_ff, 8),
+                    f"{blk}.ffn_up_exps.weight": (n_expert, n_ff, 8),
+                    f"{blk}.ffn_down_exps.weight": (n_expert, 8, n_ff)}
+    return tensors
+
+
+def test_tiny_moe_counts_every_expert(tmp_path: Path) -> None:
+    # Mixtral as the llama architecture: no expert_feed_forward_length, the experts are n_ff wide.
+    kv = {**TINY_KV, "tiny.feed_forward_length": 16, "tiny.expert_count": 4, "tiny.expert_used_count": 2}
+    est = estimate_model(_write_gguf(tmp_path / "moe.gguf", "tiny", kv, _moe_tensors(4, 16)), 256)
+    # attn_q, the router (4 x 8) and three stacks of 4 experts of 16 x 8, all f32: all 4 experts count.
+    block = 8 * 8 * 4 + 4 * 8 * 4 + 3 * 4 * 16 * 8 * 4
+    assert est.layer_weight_bytes == (block, block)
+    assert est.compute_margin_bytes == compute_margin(n_ctx=256, n_embd=8, n_ff=0, n_vocab=32, n_expert_used=2,
+                                                      n_ff_exp=16)
+
+
+def test_tiny_moe_with_an_expert_width(tmp_path: Path) -> None:
+    # Qwen3-MoE, DeepSeek: expert_feed_forward_length is the experts', feed_forward_length any dense block's.
+    kv = {**TINY_KV, "tiny.feed_forward_length": 64, "tiny.expert_feed_forward_length": 16, "tiny.expert_count": 4,
+          "tiny.expert_used_count": 2}
+    est = estimate_model(_write_gguf(tmp_path / "moe.gguf", "tiny", kv, _moe_tensors(4, 16)), 256)
+    assert est.compute_margin_bytes == compute_margin(n_ctx=256, n_embd=8, n_ff=64, n_vocab=32, n_expert_used=2,
+                                                      n_ff_exp=16)
+    # Without a used count llama.cpp routes nothing: the margin is the dense one.
+    kv = {key: value for key, value in kv.items() if key != "tiny.expert_used_count"}
+    est = estimate_model(_write_gguf(tmp_path / "unrouted.gguf", "tiny", kv, _moe_tensors(4, 16)), 256)
+    assert est.compute_margin_bytes == compute_margin(n_ctx=256, n_embd=8, n_ff=64, n_vocab=32)

@@ -351,6 +351,7 @@ def test_to_json():
         "n_layers": 3,
         "tensor_split": [2, 2],
         "model": "",
+        "kv_cache_type": "f16/f16",
         "tiers": [],
         "assignment": [],
     }

@@ -1,0 +1,84 @@
+"""llama.cpp's own memory figures, for checking the estimate: a real llama-server over bare rpc-servers, and
+the per-device buffer sizes and layer placement its log reports."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mesh_sidecar.llama.build import LlamaBinaries
+from mesh_sidecar.ports import free_tcp_port
+from tests.helpers.llama import api_healthy, start_bare_rpc_server
+
+LLAMA_START_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 10
+
+_BUFFER_LINE = re.compile(r"(RPC\d+)\[([\d.]+:\d+)\] (model|KV|compute) buffer size = +([\d.]+) MiB")
+_ASSIGNED_LINE = re.compile(r"layer +(\d+) assigned to device (\S+?),")
+
+
+@dataclass(frozen=True)
+class LlamaBuffers:
+    """What llama-server logged of one load over rpc-servers."""
+
+    endpoints: tuple[str, ...]  # the rpc-servers, in --rpc order
+    sizes_mib: dict[tuple[str, str], float]  # (endpoint, "model" | "KV" | "compute") -> MiB
+    assigned: dict[int, str]  # layer -> device ("RPC0", "RPC1", ...); the head is layer n_layers
+    log: str
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def llama_buffers(binaries: LlamaBinaries, model: Path, tensor_split: Sequence[int], n_ctx: int, log_dir: Path,
+                  extra: Sequence[str] = ()) -> LlamaBuffers:
+    """Load ``model`` with ``-ngl 99 -c n_ctx --tensor-split ...`` (and ``extra``) over one bare rpc-server
+    per split entry, wait until llama-server is ready, stop everything and read its log."""
+    procs: list[subprocess.Popen] = []
+    log_path = log_dir / "llama-server.log"
+    endpoints = []
+    try:
+        for i in range(len(tensor_split)):
+            port = free_tcp_port()
+            endpoints.append(f"127.0.0.1:{port}")
+            procs.append(start_bare_rpc_server(binaries, port, log_dir / f"rpc{i}.log"))
+        port = free_tcp_port()
+        # -lv 5 (debug) prints the "layer N assigned to device" lines; 4 would do for the sizes.
+        with open(log_path, "w") as out:
+            server = subprocess.Popen(
+                [str(binaries.llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                 "--rpc", ",".join(endpoints), "-ngl", "99", "-c", str(n_ctx),
+                 "--tensor-split", ",".join(map(str, tensor_split)), "-lv", "5", *extra],
+                stdout=out, stderr=subprocess.STDOUT)
+        procs.append(server)
+        deadline = time.monotonic() + LLAMA_START_TIMEOUT_S
+        while not api_healthy(port):
+            assert server.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "llama-server did not become ready"
+            time.sleep(0.2)
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+    log = log_path.read_text(errors="replace")
+    assigned = {int(layer): device for layer, device in _ASSIGNED_LINE.findall(log)}
+    return LlamaBuffers(tuple(endpoints), buffer_sizes_mib(log), assigned, log)
+
+
+def buffer_sizes_mib(log: str) -> dict[tuple[str, str], float]:
+    """(endpoint, "model" | "KV" | "compute") -> MiB, from a llama-server log at verbosity 4 or more."""
+    # The last load wins: the --fit pass before it logs the same lines with sizes of 0.
+    sizes: dict[tuple[str, str], float] = {}
+    for _, endpoint, kind, mib in _BUFFER_LINE.findall(log):
+        sizes[(endpoint, kind)] = float(mib)
+    return sizes

@@ -1,0 +1,54 @@
+"""The Vulkan build of the pinned llama.cpp on a real Vulkan device: Mesa's llvmpipe (a Vulkan device in
+software) on a machine without a GPU, the GPU on one with it. Its rpc-server lists the device, and plain
+llama-server with every layer on it answers a greedy request.
+
+Skipped when the Vulkan build is not in the cache: `mesh-inference setup --backend vulkan` makes it
+(scripts/test.sh does, once the Vulkan packages are there); never here, it takes minutes. llvmpipe is a
+CPU-type device, which ggml's Vulkan backend skips unless GGML_VK_VISIBLE_DEVICES names it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mesh_sidecar.llama.backends import VULKAN
+from mesh_sidecar.llama.build import BUILD_STAMP_NAME, STOCK, LlamaBinaries, binaries_in, pinned_build_dir
+from mesh_sidecar.llama.devices import list_devices
+from tests.helpers.llama import complete, plain_llama_server_answer
+
+VISIBLE_DEVICE = {"GGML_VK_VISIBLE_DEVICES": "0"}
+# Every layer on the device; verbosity 4 logs where each buffer went.
+ON_THE_DEVICE = ("-ngl", "99", "-lv", "4")
+
+
+@pytest.fixture(scope="module")
+def vulkan_binaries() -> LlamaBinaries:
+    bin_dir = pinned_build_dir(STOCK.on(VULKAN)) / "bin"
+    if not (bin_dir / BUILD_STAMP_NAME).exists():
+        pytest.skip(f"no Vulkan build in {bin_dir.parent}: `mesh-inference setup --backend vulkan` makes it "
+                    "(scripts/test.sh does when mesa-vulkan-drivers, libvulkan-dev, glslc and spirv-headers "
+                    "are installed)")
+    return binaries_in(bin_dir)
+
+
+@pytest.mark.slow
+def test_rpc_server_lists_the_vulkan_device(vulkan_binaries) -> None:
+    devices = list_devices(vulkan_binaries, VISIBLE_DEVICE)
+    # The GPU alone: rpc-server offers the CPU only when there is no other device.
+    assert [d.name for d in devices] == ["Vulkan0"], devices
+    assert 0 < devices[0].free_bytes <= devices[0].total_bytes
+    if "llvmpipe" in devices[0].description:
+        # What the troubleshooting page says: without the variable, ggml skips the software device.
+        assert [d.name for d in list_devices(vulkan_binaries)] == ["CPU"]
+
+
+@pytest.mark.slow
+def test_llama_server_answers_on_the_vulkan_device(vulkan_binaries, model_path, tmp_path) -> None:
+    text = plain_llama_server_answer(vulkan_binaries, model_path, tmp_path, complete, args=ON_THE_DEVICE,
+                                     env=VISIBLE_DEVICE)
+    assert text.strip()  # complete() checked the token count
+    log = (tmp_path / "plain.log").read_text()
+    assert re.search(r"offloaded (\d+)/\1 layers to GPU", log), log[-3000:]
+    assert re.search(r"Vulkan0 model buffer size = +\d", log), log[-3000:]

@@ -1,0 +1,157 @@
+"""Backends of the pinned build: detection on fake machines, the missing-toolkit message, cmake options,
+cache keys (the CPU one unchanged), the backend `setup` records for the node runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mesh_sidecar.environment import CACHE_ENV
+from mesh_sidecar.errors import BuildError, SetupError, UsageError
+from mesh_sidecar.llama.backends import (
+    AUTO,
+    BACKEND_CHOICE_NAME,
+    BACKENDS,
+    CPU,
+    CUDA,
+    METAL,
+    VULKAN,
+    Machine,
+    backend_named,
+    check_toolkit,
+    detect_backend,
+    missing_toolkit,
+    record_backend,
+    recorded_backend,
+)
+from mesh_sidecar.llama.build import B2B, CMAKE_OPTIONS, PATCHES_DIR, STOCK, ninja_reporter
+
+GPU_OPTIONS = ("-DGGML_VULKAN=ON", "-DGGML_CUDA=ON", "-DGGML_METAL=ON")
+VULKAN_FILES = ("usr/include/vulkan/vulkan.hpp", "usr/lib/x86_64-linux-gnu/libvulkan.so.1",
+                "usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake")
+
+
+def fake_machine(root: Path, programs: tuple[str, ...] = (), files: tuple[str, ...] = (),
+                 platform: str = "linux") -> Machine:
+    """A machine whose PATH holds only ``programs`` and whose /usr is ``root``/usr holding ``files``."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in programs:
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    return Machine(str(bin_dir), platform, (root / "usr",))
+
+
+@pytest.mark.parametrize("programs, files, platform, expected", [
+    ((), (), "linux", CPU),
+    (("nvcc", "nvidia-smi"), (), "linux", CUDA),
+    (("nvcc", "nvidia-smi", "glslc"), VULKAN_FILES, "linux", CUDA),  # CUDA first
+    (("nvcc",), (), "linux", CPU),  # a CUDA toolkit without a GPU driver builds for no GPU
+    (("nvcc", "glslc"), VULKAN_FILES, "linux", VULKAN),
+    (("glslc",), ("usr/lib/x86_64-linux-gnu/libvulkan.so.1",), "linux", VULKAN),
+    (("glslc",), ("usr/lib64/libvulkan.so.1",), "linux", VULKAN),
+    (("glslc",), (), "linux", CPU),  # no loader
+    ((), ("usr/lib/x86_64-linux-gnu/libvulkan.so.1",), "linux", CPU),  # no glslc
+    (("glslc",), ("usr/lib/x86_64-linux-gnu/libvulkan.so.1",), "darwin", METAL),
+])
+def test_detect_backend(tmp_path, programs, files, platform, expected) -> None:
+    assert detect_backend(fake_machine(tmp_path, programs, files, platform)) == expected
+
+
+def test_auto_is_the_detected_backend_and_a_name_is_checked(tmp_path) -> None:
+    machine = fake_machine(tmp_path, ("nvcc", "nvidia-smi"))
+    assert backend_named(AUTO, machine) == CUDA
+    assert backend_named("vulkan", machine) == VULKAN
+    with pytest.raises(UsageError, match="--backend takes cpu, vulkan, cuda, metal or auto, not 'rocm'"):
+        backend_named("rocm", machine)
+
+
+def test_vulkan_toolkit_complete(tmp_path) -> None:
+    machine = fake_machine(tmp_path, ("glslc",), VULKAN_FILES)
+    assert missing_toolkit(VULKAN, machine) == []
+    check_toolkit(VULKAN, machine)  # no error
+
+
+def test_missing_vulkan_pieces_name_their_packages(tmp_path) -> None:
+    machine = fake_machine(tmp_path, (), VULKAN_FILES[:2])  # no glslc, no SPIR-V headers
+    with pytest.raises(BuildError) as caught:
+        check_toolkit(VULKAN, machine)
+    message = str(caught.value)
+    assert "needs glslc (the shader compiler) (package glslc), the SPIR-V headers (package spirv-headers)" \
+        in message
+    assert "Vulkan headers" not in message  # present
+    assert "sudo apt-get install mesa-vulkan-drivers libvulkan-dev glslc spirv-headers" in message
+    assert "mesh-inference setup --backend cpu" in message
+
+
+def test_missing_cuda_and_metal_toolkits(tmp_path) -> None:
+    machine = fake_machine(tmp_path, ("glslc",))
+    with pytest.raises(BuildError, match=r"needs nvcc .*package nvidia-cuda-toolkit.*cublas_v2.h.*nvidia-smi"):
+        check_toolkit(CUDA, machine)
+    toolkit = fake_machine(tmp_path / "cuda", ("nvcc", "nvidia-smi"),
+                           ("usr/local/cuda-13.0/targets/x86_64-linux/include/cublas_v2.h",))
+    assert missing_toolkit(CUDA, Machine(toolkit.path, "linux", (tmp_path / "cuda" / "usr" / "local",))) == []
+    assert missing_toolkit(METAL, machine) == ["macOS (Metal exists only there)"]
+    assert missing_toolkit(METAL, fake_machine(tmp_path / "mac", ("xcrun",), platform="darwin")) == []
+    assert missing_toolkit(CPU, machine) == []
+
+
+def test_cmake_options_per_backend() -> None:
+    assert STOCK.cmake_options() == CMAKE_OPTIONS
+    assert not set(GPU_OPTIONS) & set(CMAKE_OPTIONS)
+    for backend, option in zip((VULKAN, CUDA, METAL), GPU_OPTIONS, strict=True):
+        for variant in (STOCK, B2B):
+            options = variant.on(backend).cmake_options()
+            assert options[:len(CMAKE_OPTIONS)] == CMAKE_OPTIONS  # RPC, static, no AMX: the same
+            assert [o for o in options if o in GPU_OPTIONS] == [option]
+
+
+def test_cache_keys() -> None:
+    # The CPU builds keep the names they had before backends: existing caches stay valid.
+    assert STOCK.key() == "llama.cpp-0.3.36"
+    assert re.fullmatch(r"llama\.cpp-0\.3\.36-b2b-[0-9a-f]{12}", B2B.key())
+    assert STOCK.on(CPU) == STOCK and B2B.on(CPU).key() == B2B.key()
+    assert re.fullmatch(r"llama\.cpp-0\.3\.36-vulkan-[0-9a-f]{12}", STOCK.on(VULKAN).key())
+    assert STOCK.on(CUDA).key() == "llama.cpp-0.3.36-cuda"
+    assert STOCK.on(METAL).key() == "llama.cpp-0.3.36-metal"
+    assert B2B.on(VULKAN).key() == STOCK.on(VULKAN).key() + B2B.key().removeprefix(STOCK.key())
+    keys = {variant.on(backend).key() for variant in (STOCK, B2B) for backend in BACKENDS.values()}
+    assert len(keys) == 2 * len(BACKENDS)
+
+
+def test_vulkan_build_applies_its_header_fix_first() -> None:
+    fix = PATCHES_DIR / "llama.cpp-vulkan-headers.patch"
+    assert STOCK.on(VULKAN).patches() == (fix,)
+    assert B2B.on(VULKAN).patches() == (fix, B2B.patch)
+    assert STOCK.on(CUDA).patches() == () and STOCK.patches() == ()
+    assert "#if defined(VK_EXT_layer_settings)" in fix.read_text()
+
+
+def test_setup_records_the_backend_the_nodes_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    assert recorded_backend() == CPU  # nothing recorded
+    record_backend(VULKAN)
+    assert (tmp_path / BACKEND_CHOICE_NAME).read_text() == "vulkan\n"
+    assert recorded_backend() == VULKAN
+    (tmp_path / BACKEND_CHOICE_NAME).write_text("rocm\n")
+    with pytest.raises(SetupError, match=re.escape("'rocm'") + ".*" + re.escape("--backend cpu|vulkan|cuda|metal")):
+        recorded_backend()
+
+
+def test_a_sub_builds_ninja_lines_are_not_the_builds_progress() -> None:
+    # As the Vulkan build prints them: the outer build's glob check, its steps, the shader generator's own.
+    lines = ["[0/2] Re-checking globbed directories...", "[1/534] Building CXX object ggml.cpp.o",
+             "[48/534] Performing build step for 'vulkan-shaders-gen'",
+             "[1/2] Building CXX object CMakeFiles/vulkan-shaders-gen.dir/vulkan-shaders-gen.cpp.o",
+             "[2/2] Linking CXX executable vulkan-shaders-gen", "[49/534] Performing install step",
+             "[534/534] Linking CXX executable bin/llama-server"]
+    seen: list[tuple[int, int]] = []
+    report = ninja_reporter(lambda stage, done, total: seen.append((done, total)))
+    for line in lines:
+        report(line)
+    assert seen == [(0, 2), (1, 534), (48, 534), (49, 534), (534, 534)]
