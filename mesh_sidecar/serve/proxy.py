@@ -363,8 +363,10 @@ class ApiProxy:
         except ServiceUnavailableError as exc:
             return self._count(request, openai_error(503, str(exc), "unavailable", exc.code))
         # Prepared once its upstream is known: whether it could fail over depends on the plan in service.
+        # Planned resume points (a receipt's replay) are continuations too, failover or not.
+        continues = self._options.continue_streams and (bool(continue_at) or self._may_fail_over(route))
         prepared = (prepare(request.path, body, receipts=local and self._hooks.on_generation is not None,
-                            continues=self._options.continue_streams and self._may_fail_over(route))
+                            continues=continues)
                     if generation else PreparedRequest(body, Shape.WHOLE))
         recovery = RequestRecovery(request.rel_url.path_qs, prepared.body, prepared.shape, upstream.model,
                                    prepared.continuation, continue_at, self._options.max_failovers)
