@@ -17,6 +17,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ..mesh.status import devices_line
 from ..units import MIB, format_gib
 
 NAME_CHARS = 12  # a node name this long always shows whole in 80 columns
@@ -134,6 +135,8 @@ def status_view(snapshot: dict[str, Any], *, wide: bool = False) -> Group:
     parts.append(Text(f"model: {snapshot['model']['path']} (context {snapshot['model']['ctx_size']})"))
     if node["capacity"]:
         parts.append(Text(f"offers: {format_gib(node['capacity']['usable_bytes'])} GiB"))
+    if node.get("devices"):
+        parts.append(Text(f"devices ({node['backend']}): {devices_line(node['devices'])}"))
     if node.get("llama_build"):
         parts.append(Text(f"llama.cpp: {node['llama_build']}"))
     serving = snapshot["serving"]
@@ -221,11 +224,12 @@ def processes_table(processes: list[dict[str, Any]], *, wide: bool = False) -> T
 
 def peers_table(snapshot: dict[str, Any], *, wide: bool = False) -> Table:
     """One row per peer: name, state, round trip, memory offered and role; ``wide`` adds id, address and path,
-    round-trip percentiles, datagram size, tunnel port, whether its rpc-server is up and the bytes moved."""
+    round-trip percentiles, datagram size, tunnel port, whether its rpc-server is up, its devices and the
+    bytes moved."""
     roles = _roles(snapshot)
     if wide:
         table = _table("peer", "id", "address", "path", "state", "rtt ms (p50/p95)", "datagram B", "tunnel",
-                       "rpc", "offers GiB", "MiB to/from", "role")
+                       "rpc", "offers GiB", "devices", "MiB to/from", "role")
         _whole(table, 0, 1, 2)
     else:
         table = _table("peer", "state", "RTT", "memory", "role")
@@ -247,6 +251,7 @@ def peers_table(snapshot: dict[str, Any], *, wide: bool = False) -> Table:
                  str(peer.get("datagram_bytes") or "-"),
                  str(peer["tunnel_port"] or "-"), "up" if peer["rpc_server_up"] else "down",
                  "-" if offers is None else format_gib(offers),
+                 ", ".join(d["name"] for d in peer.get("devices") or ()) or "-",
                  f"{peer['bytes_to_peer'] / MIB:.1f}/{peer['bytes_from_peer'] / MIB:.1f}", role)
     return table
 

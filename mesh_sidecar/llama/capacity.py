@@ -23,6 +23,7 @@ import psutil
 from ..units import MIB
 
 CPU_DEVICE_PREFIX = "CPU"
+_BACKEND_OF_FAMILY = {"MTL": "metal"}  # ggml's device name prefixes that are not their backend's name
 _DEVICE_LINE = re.compile(r"^\s+(?P<name>[^:\s]+): (?P<desc>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$")
 
 # Keys of MemberInfo.capacity in gossip.
@@ -71,6 +72,16 @@ def parse_device_listing(text: str) -> tuple[Device, ...]:
             devices.append(Device(match["name"], match["desc"], int(match["total"]) * MIB,
                                   int(match["free"]) * MIB))
     return tuple(devices)
+
+
+def backend_of(devices: Sequence[Device]) -> str:
+    """The compute backend a device listing shows, for people: the first GPU's family (``Vulkan0``:
+    vulkan, ``CUDA1``: cuda, ``MTL0``: metal), else cpu."""
+    for device in devices:
+        if not device.is_cpu:
+            family = device.name.rstrip("0123456789")
+            return _BACKEND_OF_FAMILY.get(family, family.lower())
+    return "cpu"
 
 
 @dataclass(frozen=True)

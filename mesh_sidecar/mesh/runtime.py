@@ -46,10 +46,12 @@ from ..progress import ProgressCallback
 from ..wire.auth import MESH_SECRET_BYTES
 from ..wire.gossip import (
     MAX_ADDRESSES,
+    MAX_DEVICES_PER_MEMBER,
     MAX_RUN_ID,
     LlamaBuild,
     MemberInfo,
     Observed,
+    OfferedDevice,
     ServedModel,
     decode_message,
     encode_message,
@@ -100,6 +102,7 @@ class Mesh:
         forward_token: str = "",
         timings: MeshTimings = MeshTimings(),
         membership: type[Membership] = Membership,  # tests put a faulty one in its place
+        devices: tuple[OfferedDevice, ...] = (),  # what our rpc-server offers, as it listed them
     ) -> None:
         self.identity = identity
         self._timings = timings
@@ -111,6 +114,7 @@ class Mesh:
         self._serving = serving
         self.build = build  # announced; members and the serving node compare it (exclusion.py)
         self.model_sha256 = model_sha256
+        self.devices = devices[:MAX_DEVICES_PER_MEMBER]
         # The model's files members may fetch, by sha256 (a split model's manifest and shards).
         self._offered = offered_files(model_file, model_sha256) if model_file is not None and model_sha256 else {}
         self._saved = saved
@@ -334,7 +338,8 @@ class Mesh:
             capacity=dataclasses.replace(self._capacity(), held=self._peers.held_entries()).to_gossip(),
             serving=self._serving, rpc_ready=True, llama_build=self.build, model_sha256=self.model_sha256,
             secret_epoch=self._saved.epoch, run_id=self.run_id,
-            corrupt_outputs=self.verdicts.corrupt, slow_workers=self.verdicts.slow, serves=self._serves())
+            corrupt_outputs=self.verdicts.corrupt, slow_workers=self.verdicts.slow, serves=self._serves(),
+            devices=self.devices)
 
     def _disconnected(self, node_id: bytes, reason: str) -> None:
         """Our connection to ``node_id`` ended, or (dialer.py) it could be reached neither directly nor relayed."""

@@ -22,6 +22,8 @@ from ..net.discovery import LanRecord, lan_record_json, mesh_id
 from ..net.relay import RelayCounters
 from ..net.transport import MeshTransport
 from ..net.tunnel import TunnelCounters
+from ..units import format_gib
+from ..wire.gossip import OfferedDevice
 from ..wire.ticket import PeerAddress
 from .exclusion import Exclusion, exclusion_between
 from .health import HealthState
@@ -61,6 +63,7 @@ class PeerView:
     rpc_server_up: bool
     serving: bool
     capacity: dict[str, int]
+    devices: tuple[OfferedDevice, ...]  # what its rpc-server offers
     model_sha256: str  # "" when it holds no model file
     secret_epoch: int
     excluded: Exclusion | None  # why the serving node (this one, or it) leaves it (or this one) out
@@ -99,6 +102,17 @@ class MeshView:
     lan: tuple[LanRecord, ...] | None  # records seen on the LAN; None without --lan
 
 
+def devices_json(devices: Sequence[OfferedDevice]) -> list[dict[str, Any]]:
+    """Devices as `status --json` shows them (a member's from gossip, or this node's own)."""
+    return [{"name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes} for d in devices]
+
+
+def devices_line(devices: Sequence[dict[str, Any]]) -> str:
+    """Devices (as :func:`devices_json` gives them) for people: ``Vulkan0 2.0 of 2.0 GiB free, CPU ...``."""
+    return ", ".join(f"{d['name']} {format_gib(d['free_bytes'])} of {format_gib(d['total_bytes'])} GiB free"
+                     for d in devices)
+
+
 def mesh_view(port: int | None, saved: SavedMesh, model_sha256: str, transport: MeshTransport, relay: RelayCounters,
               punch: PunchCounters, lan: tuple[LanRecord, ...] | None) -> MeshView:
     """This node's side of the mesh, listening on ``port`` (None before it starts)."""
@@ -130,6 +144,7 @@ def peer_json(view: PeerView) -> dict[str, Any]:
         "rpc_server_up": view.rpc_server_up,
         "serving": view.serving,
         "capacity": dict(view.capacity),
+        "devices": devices_json(view.devices),
         "model_sha256": view.model_sha256 or None,
         "secret_epoch": view.secret_epoch,
         "refused": None if view.excluded is None else view.excluded.reason,
@@ -200,7 +215,7 @@ def peer_views(membership: Membership, peers: Mapping[bytes, Peer],
             missed_heartbeats=health.missed if health else None,
             tunnel_port=peer.tunnel.port if peer else None,
             rpc_server_up=info.rpc_ready, serving=info.serving, capacity=dict(info.capacity),
-            model_sha256=info.model_sha256, secret_epoch=info.secret_epoch,
+            devices=info.devices, model_sha256=info.model_sha256, secret_epoch=info.secret_epoch,
             excluded=exclusion_between(membership.self_info, info),
             learned_via=member.learned_via,
             tunnel=TunnelCounters() if peer is None else dataclasses.replace(peer.tunnel.counters),

@@ -26,7 +26,7 @@ from ..identity import NodeIdentity
 from ..llama import weight_cache
 from ..llama.announced_build import local_build
 from ..llama.build import LlamaBinaries
-from ..llama.capacity import Capacity, measure, parse_device_listing
+from ..llama.capacity import Capacity, backend_of, measure, parse_device_listing
 from ..llama.estimate import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.model_files import model_files
@@ -49,7 +49,7 @@ from ..serve.replan import Tier
 from ..serve.routing import MeshRoutes
 from ..serve.supervisor import ServeOptions, ServingHost, ServingSupervisor, estimate_off_loop, plan_over_mesh
 from ..units import format_gib
-from ..wire.gossip import LlamaBuild
+from ..wire.gossip import LlamaBuild, OfferedDevice
 from ..wire.ticket import Ticket
 from .control import ControlServer
 
@@ -223,7 +223,8 @@ class Node:
                          self._say, saved=SavedMesh.load(self.options.home, self.options.join), build=self.build,
                          serving=self.options.serving is not None, model_sha256=self.options.model_sha256,
                          model_file=self.options.model if self.options.model_sha256 else None,
-                         lan=self.options.mdns, local_api=self._local_api, forward_token=self._forward_token)
+                         lan=self.options.mdns, local_api=self._local_api, forward_token=self._forward_token,
+                         devices=tuple(OfferedDevice(d.name, d.total_bytes, d.free_bytes) for d in self._devices))
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
         self._say(f"Node ticket: {ticket}")
@@ -384,6 +385,9 @@ class Node:
                 "home": str(self.options.home.root),
                 "uptime_s": round(time.time() - self._started_at, 1),
                 "capacity": self.capacity().__dict__ if self.rpc_server else None,
+                "backend": backend_of(self._devices) if self._devices else None,
+                "devices": [{"name": d.name, "description": d.description, "total_bytes": d.total_bytes,
+                             "free_bytes": d.free_bytes} for d in self._devices],
             },
             "model": {"path": str(model), "bytes": sum(f.stat().st_size for f in model_files(model)),
                       "ctx_size": self.options.ctx_size},

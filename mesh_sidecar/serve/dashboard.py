@@ -28,7 +28,7 @@ from aiohttp import web
 
 from ..identity import short_id
 from ..llama.capacity import USABLE_KEY
-from ..mesh.status import PeerView, rtt_ms
+from ..mesh.status import PeerView, devices_json, devices_line, rtt_ms
 
 PAGE_PATH = "/mesh"
 STATE_PATH = "/mesh/state"
@@ -61,6 +61,7 @@ class Member:
     rtt_p50_ms: float | None
     capacity_bytes: int  # what it offers the planner
     serving: bool
+    devices: str  # what its rpc-server offers, e.g. "Vulkan0 2.0 GiB, CPU 23.1 GiB"
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,13 @@ def state_from(snapshot: dict[str, Any], peer_views: Sequence[PeerView]) -> dict
     node, serving = snapshot["node"], snapshot["serving"] or {}
     this = Member(id=node["id"], short_id=node["short_id"], name=node["name"], state="self", health=None,
                   address=f"udp :{snapshot['mesh']['quic_port']}", path=None, rtt_ms=None, rtt_p50_ms=None,
-                  capacity_bytes=(node["capacity"] or {}).get(USABLE_KEY, 0), serving=bool(serving))
+                  capacity_bytes=(node["capacity"] or {}).get(USABLE_KEY, 0), serving=bool(serving),
+                  devices=devices_line(node.get("devices") or ()))
     peers = [Member(id=p.node_id.hex(), short_id=short_id(p.node_id), name=p.name, state=p.state.value,
                     health=None if p.health is None else p.health.value, address=p.address, path=p.path,
                     rtt_ms=rtt_ms(p.rtt_last_s), rtt_p50_ms=rtt_ms(p.rtt_p50_s),
-                    capacity_bytes=p.capacity.get(USABLE_KEY, 0), serving=p.serving)
+                    capacity_bytes=p.capacity.get(USABLE_KEY, 0), serving=p.serving,
+                    devices=devices_line(devices_json(p.devices)))
              for p in peer_views]
     plan = serving.get("plan")
     return {

@@ -39,6 +39,8 @@ from .auth import MESH_SECRET_BYTES
 from .frames import MAX_CONTROL_MESSAGE_BYTES
 from .rpc_hello import RpcVersion
 
+# 6: MemberInfo.devices (the devices a member's rpc-server offers: name, total and free memory); at most
+# 190 members a list (was 200), to make room for them.
 # 5: MemberInfo.serves (what a serving node serves: the mesh routes requests and assigns workers by it);
 # at most 200 members a list (was 256), to make room for it.
 # 4: MemberInfo.llama_build; Observed. Later in 4, optional (absent means none, and they are left out
@@ -47,7 +49,7 @@ from .rpc_hello import RpcVersion
 # keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
-GOSSIP_WIRE_VERSION = 5
+GOSSIP_WIRE_VERSION = 6
 MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
@@ -58,9 +60,12 @@ MAX_ADDRESS_CHARS = 259  # a 253-char DNS name, ":" and a 5-digit port
 MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
-# The largest mesh gossip can describe: 200 members at every field's limit take about
-# 980 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
-MAX_MEMBERS_PER_LIST = 200
+# The largest mesh gossip can describe: 190 members at every field's limit take about
+# 1010 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
+MAX_MEMBERS_PER_LIST = 190
+# An rpc-server lists its GPUs (or its CPU): a few a machine. Names as ggml gives them: CPU, Vulkan0, CUDA1.
+MAX_DEVICES_PER_MEMBER = 4
+MAX_DEVICE_NAME_CHARS = 16
 MAX_RPC_ORDER_ENTRIES = 256
 MAX_REASON_CHARS = 256
 MAX_NONCE = 2**64 - 1
@@ -79,6 +84,7 @@ SERVED_STATES = ("loading", "ready", "unavailable")
 
 _NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
 _ADDRESS_RE = re.compile(r"(?:\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+_DEVICE_NAME_RE = re.compile(f"[A-Za-z0-9_.-]{{1,{MAX_DEVICE_NAME_CHARS}}}")
 _CAPACITY_KEY_RE = re.compile(f"[a-z][a-z0-9_]{{0,{MAX_CAPACITY_KEY_CHARS - 1}}}")
 _VERSION_RE = re.compile(f"[!-~]{{1,{MAX_VERSION_CHARS}}}")  # printable ASCII, no spaces
 _BUILD_LABEL_RE = re.compile(f"[ -~]{{1,{MAX_BUILD_LABEL_CHARS}}}")  # printable ASCII
@@ -310,6 +316,27 @@ class ServedModel:
 
 
 @dataclass(frozen=True)
+class OfferedDevice:
+    """One device a member's rpc-server offers, as its startup listing said."""
+
+    name: str  # ggml's: CPU, Vulkan0, CUDA1, ...
+    total_bytes: int
+    free_bytes: int  # at the rpc-server's start
+
+    def to_body(self) -> list[Any]:
+        return [self.name, self.total_bytes, self.free_bytes]
+
+    @classmethod
+    def from_body(cls, body: Any, what: str) -> OfferedDevice:
+        items = _list(body, what, 3)
+        if len(items) != 3:
+            raise _bad(what, "[name, total bytes, free bytes]")
+        return cls(_matching(items[0], f"{what}[0]", _DEVICE_NAME_RE,
+                             f"1 to {MAX_DEVICE_NAME_CHARS} letters, digits, '_', '.' or '-'"),
+                   _int(items[1], f"{what}[1]", MAX_CAPACITY_VALUE), _int(items[2], f"{what}[2]", MAX_CAPACITY_VALUE))
+
+
+@dataclass(frozen=True)
 class MemberInfo:
     """What a node says about itself. Travels inside MemberList.
 
@@ -339,6 +366,8 @@ class MemberInfo:
     slow_workers: tuple[SlowWorker, ...] = ()
     # A serving node's: the model it serves (None: it serves none, or has not planned yet).
     serves: ServedModel | None = None
+    # The devices its rpc-server offers (none before it has listed them).
+    devices: tuple[OfferedDevice, ...] = ()
 
     def judged_within_limit(self, what: str) -> MemberInfo:
         if len(self.corrupt_outputs) + len(self.slow_workers) > MAX_JUDGED_MEMBERS:
@@ -368,6 +397,7 @@ class MemberInfo:
             **({"corrupt_outputs": [c.to_body() for c in self.corrupt_outputs]} if self.corrupt_outputs else {}),
             **({"slow_workers": [w.to_body() for w in self.slow_workers]} if self.slow_workers else {}),
             **({"serves": self.serves.to_body()} if self.serves is not None else {}),
+            **({"devices": [d.to_body() for d in self.devices]} if self.devices else {}),
         }
 
     @classmethod
@@ -377,7 +407,7 @@ class MemberInfo:
             what,
             ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready",
              "llama_build", "model_sha256", "secret_epoch"),
-            ("run_id", "corrupt_outputs", "slow_workers", "serves"),
+            ("run_id", "corrupt_outputs", "slow_workers", "serves", "devices"),
         )
         capacity = fields["capacity"]
         if not isinstance(capacity, dict) or len(capacity) > MAX_CAPACITY_ENTRIES:
@@ -425,6 +455,8 @@ class MemberInfo:
                 for i, w in enumerate(_list(fields.get("slow_workers", []), f"{what}.slow_workers",
                                             MAX_JUDGED_MEMBERS))),
             serves=None if fields.get("serves") is None else ServedModel.from_body(fields["serves"], f"{what}.serves"),
+            devices=tuple(OfferedDevice.from_body(d, f"{what}.devices[{i}]") for i, d in
+                          enumerate(_list(fields.get("devices", []), f"{what}.devices", MAX_DEVICES_PER_MEMBER))),
         ).judged_within_limit(what)
 
 

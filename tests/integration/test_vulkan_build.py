@@ -17,6 +17,8 @@ from mesh_sidecar.llama.backends import VULKAN
 from mesh_sidecar.llama.build import BUILD_STAMP_NAME, STOCK, LlamaBinaries, binaries_in, pinned_build_dir
 from mesh_sidecar.llama.devices import list_devices
 from tests.helpers.llama import complete, plain_llama_server_answer
+from tests.helpers.nodes import cli
+from tests.helpers.waiting import wait_until
 
 VISIBLE_DEVICE = {"GGML_VK_VISIBLE_DEVICES": "0"}
 # Every layer on the device; verbosity 4 logs where each buffer went.
@@ -52,3 +54,19 @@ def test_llama_server_answers_on_the_vulkan_device(vulkan_binaries, model_path, 
     log = (tmp_path / "plain.log").read_text()
     assert re.search(r"offloaded (\d+)/\1 layers to GPU", log), log[-3000:]
     assert re.search(r"Vulkan0 model buffer size = +\d", log), log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_vulkan_member_announces_its_device_in_gossip(start_node, vulkan_binaries) -> None:
+    """A CPU node and a node on the Vulkan build: each sees the other's devices (status, gossip)."""
+    cpu_node = start_node("a")
+    gpu_node = start_node("b", "--join", cpu_node.ticket(), "--llama-bin", str(vulkan_binaries.directory),
+                          env=VISIBLE_DEVICE)
+    own = gpu_node.status()["node"]
+    assert own["backend"] == "vulkan" and [d["name"] for d in own["devices"]] == ["Vulkan0"]
+    assert cpu_node.status()["node"]["backend"] == "cpu"
+    wait_until(lambda: any(p["name"] == "b" and p["devices"] for p in cpu_node.status()["peers"]), 30,
+               "a hears b's devices")
+    (seen,) = [p["devices"] for p in cpu_node.status()["peers"] if p["name"] == "b"]
+    assert seen == [{k: d[k] for k in ("name", "total_bytes", "free_bytes")} for d in own["devices"]]
+    assert "Vulkan0" in cli("status", "--home", str(cpu_node.home), "--wide", env={"COLUMNS": "300"}).stdout

@@ -19,6 +19,7 @@ from mesh_sidecar.serve.activity import TICKET_PLACEHOLDER, RecentEvents
 from mesh_sidecar.serve.dashboard import KEYLESS_PATHS, PAGE_PATH, STATE_PATH
 from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions
+from mesh_sidecar.wire.gossip import OfferedDevice
 
 KEY = "dash-key-0123456789"
 TICKET = "meshinfabcdefghijklmnopqrstuvwxyz234567"
@@ -29,7 +30,8 @@ WORKER = PeerView(node_id=bytes.fromhex(WORKER_ID), name="worker", state=MemberS
                   address="127.0.0.1:47471", path="direct", via=None, health=HealthState.CONNECTED,
                   rtt_last_s=0.0008, rtt_p50_s=0.0007, rtt_p95_s=0.0012, quic_rtt_s=0.001, datagram_bytes=1452,
                   missed_heartbeats=0, tunnel_port=40000,
-                  rpc_server_up=True, serving=False, capacity={"usable_bytes": 2_000_000_000}, model_sha256="",
+                  rpc_server_up=True, serving=False, capacity={"usable_bytes": 2_000_000_000},
+                  devices=(OfferedDevice("Vulkan0", 2 << 30, 2 << 30),), model_sha256="",
                   secret_epoch=0, excluded=None, learned_via=None)
 
 
@@ -107,6 +109,7 @@ async def test_the_state_has_members_plan_live_figures_and_events_but_no_secrets
         ("server", "self", 3_000_000_000, True), ("worker", "connected", 2_000_000_000, False)]
     assert state["members"][1]["rtt_ms"] == 0.8 and state["members"][1]["address"] == "127.0.0.1:47471"
     assert state["members"][1]["rtt_p50_ms"] == 0.7 and state["members"][1]["health"] == "connected"
+    assert state["members"][1]["devices"] == "Vulkan0 2.0 of 2.0 GiB free"  # as the worker's gossip says
     assert state["plan"]["n_layers"] == 30
     assert [(s["name"], s["start"], s["end"], s["output"]) for s in state["plan"]["segments"]] == [
         ("worker", 0, 14, False), ("server", 14, 30, True)]

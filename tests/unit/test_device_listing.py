@@ -4,7 +4,7 @@ uses): the CPU build, and the Vulkan build on Mesa's llvmpipe with and without G
 
 from __future__ import annotations
 
-from mesh_sidecar.llama.capacity import Device, parse_device_listing
+from mesh_sidecar.llama.capacity import Device, backend_of, parse_device_listing
 from mesh_sidecar.units import MIB
 
 CPU_BUILD = """Starting RPC server v7.0.0
@@ -51,3 +51,12 @@ def test_vulkan_build_on_llvmpipe() -> None:
 def test_vulkan_build_without_a_visible_device_offers_the_cpu() -> None:
     (device,) = parse_device_listing(VULKAN_BUILD_LLVMPIPE_SKIPPED)
     assert device.is_cpu and device.total_bytes == 24105 * MIB
+
+
+def test_the_backend_people_see_is_the_first_gpus_family():
+    def listing(*names: str) -> tuple[Device, ...]:
+        return tuple(Device(name, "", MIB, MIB) for name in names)
+
+    assert backend_of(parse_device_listing(CPU_BUILD)) == "cpu"
+    assert backend_of(parse_device_listing(VULKAN_BUILD_LLVMPIPE_VISIBLE)) == "vulkan"
+    assert backend_of(listing("CUDA0", "CUDA1")) == "cuda" and backend_of(listing("MTL0")) == "metal"

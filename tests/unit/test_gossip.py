@@ -43,6 +43,8 @@ from mesh_sidecar.wire.gossip import (
     MAX_CAPACITY_ENTRIES,
     MAX_CAPACITY_KEY_CHARS,
     MAX_CAPACITY_VALUE,
+    MAX_DEVICE_NAME_CHARS,
+    MAX_DEVICES_PER_MEMBER,
     MAX_EPOCH,
     MAX_IN_FLIGHT,
     MAX_JUDGED_MEMBERS,
@@ -60,6 +62,7 @@ from mesh_sidecar.wire.gossip import (
     MemberInfo,
     MemberList,
     Observed,
+    OfferedDevice,
     Ping,
     Pong,
     Rekey,
@@ -180,10 +183,10 @@ def test_every_message_round_trips(msg: object) -> None:
 def test_known_frame_bytes() -> None:
     # Pins the layout, so a change to it fails here and not only between two releases.
     data = encode_message(Ping(nonce=7, sent_at=1.5))
-    assert data == b"\x05\x04" + b'{"nonce":7,"sent_at":1.5}'
-    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x05\x04"  # the transport's length, then ours
-    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x05\x02"
-    assert encode_message(Observed("203.0.113.5:47470")) == b"\x05\x07" + b'{"address":"203.0.113.5:47470"}'
+    assert data == b"\x06\x04" + b'{"nonce":7,"sent_at":1.5}'
+    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x06\x04"  # the transport's length, then ours
+    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x06\x02"
+    assert encode_message(Observed("203.0.113.5:47470")) == b"\x06\x07" + b'{"address":"203.0.113.5:47470"}'
 
 
 def test_node_ids_travel_as_lowercase_hex() -> None:
@@ -426,6 +429,8 @@ def test_the_largest_member_list_fits_in_one_frame() -> None:
         serves=ServedModel("\U0001f600" * MAX_MODEL_ID_CHARS, "unavailable", -sys.float_info.max, MAX_IN_FLIGHT,
                            MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE, True,
                            tuple(i.to_bytes(32, "big") for i in range(MAX_SERVED_MEMBERS))),
+        devices=(OfferedDevice("W" * MAX_DEVICE_NAME_CHARS, MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE),)
+        * MAX_DEVICES_PER_MEMBER,
     )
     members = tuple(
         replace(widest, node_id=i.to_bytes(32, "big")) for i in range(MAX_MEMBERS_PER_LIST)
@@ -910,3 +915,16 @@ def test_a_rekey_that_removes_the_receiver_is_ignored():
     node.receive(B_ID, MemberList((info(B_ID, "b"),)), 0.0)
     node.receive(B_ID, Rekey(5, b"\x09" * 32, (A_ID,), B_ID), 0.0)
     assert not any(isinstance(e, SecretRotated) for e in iter(node.next_event, None))
+
+
+def test_devices_round_trip_and_bad_ones_are_refused() -> None:
+    gpus = (OfferedDevice("Vulkan0", 2048 * 2**20, 2000 * 2**20), OfferedDevice("CPU", 24 * 2**30, 20 * 2**30))
+    member = info(A_ID, devices=gpus)
+    assert decode_message(encode_message(MemberList((member,)))) == MemberList((member,))
+    assert "devices" not in info(A_ID).to_body()  # none listed yet: left out
+    body = info(A_ID).to_body()
+    for bad in (["Vulkan 0", 1, 1], ["GPU", -1, 1], ["GPU", 1], "GPU", ["x" * (MAX_DEVICE_NAME_CHARS + 1), 1, 1]):
+        with pytest.raises(MalformedMessageError):
+            MemberInfo.from_body({**body, "devices": [bad]})
+    with pytest.raises(MalformedMessageError):
+        MemberInfo.from_body({**body, "devices": [["GPU", 1, 1]] * (MAX_DEVICES_PER_MEMBER + 1)})

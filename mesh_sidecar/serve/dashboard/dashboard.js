@@ -241,6 +241,7 @@ function drawMembers(members) {
       el("td", fixed(m.rtt_ms, 1), "num"),
       el("td", fixed(m.rtt_p50_ms, 1), "num"),
       el("td", gib(m.capacity_bytes), "num"),
+      el("td", m.devices || "–"),
       el("td", m.serving ? "serving" : "", m.serving ? "good" : ""),
     );
     return row;
