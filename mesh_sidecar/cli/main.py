@@ -57,6 +57,7 @@ from ..serve.access import ApiAccess
 from ..serve.supervisor import PlanAnnouncement, ServeOptions
 from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
 from ..units import parse_size
+from ..wire.gossip import DEVICE_NAME_RE, MAX_DEVICES_PER_MEMBER
 from ..wire.ticket import decode_ticket
 from .views import plan_view, status_view
 
@@ -308,6 +309,10 @@ def run_node(
     max_memory: Annotated[str | None, typer.Option(
         "--max-memory", metavar="SIZE", rich_help_panel=MESH_PANEL,
         help="Offer at most this much memory to the mesh, e.g. 4G (G means GiB).")] = None,
+    devices: Annotated[str | None, typer.Option(
+        "--devices", metavar="LIST", rich_help_panel=MESH_PANEL,
+        help="The devices to offer, by llama.cpp's names, e.g. Vulkan0,CPU (default: every GPU, else the "
+             "CPU). Each is planned on its own.")] = None,
     ctx_size: Annotated[int, typer.Option(
         "--ctx-size", min=256, metavar="TOKENS", rich_help_panel=SERVING_PANEL,
         help="Context length llama-server gets.")] = DEFAULT_CTX_SIZE,
@@ -399,9 +404,23 @@ def run_node(
     options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,
                           serving=serving,
                           join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
+                          devices=_device_names(devices),
                           model_sha256=sha256, weight_cache=cache, weight_cache_tool=tool, fetch_model=fetch_model,
                           mdns=not no_mdns, plain_progress=not console.is_terminal)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
+
+
+def _device_names(devices: str | None) -> tuple[str, ...]:
+    """--devices as names (UsageError for one llama.cpp could not name, or too many for gossip)."""
+    if devices is None:
+        return ()
+    names = tuple(name.strip() for name in devices.split(","))
+    if not all(DEVICE_NAME_RE.fullmatch(name) for name in names) or len(set(names)) != len(names):
+        raise UsageError(f"--devices takes distinct device names as llama.cpp gives them, comma-separated "
+                         f"(e.g. Vulkan0,CPU), not {devices!r}. `mesh-inference status` shows a node's devices.")
+    if len(names) > MAX_DEVICES_PER_MEMBER:
+        raise UsageError(f"--devices names {len(names)} devices; a node offers at most {MAX_DEVICES_PER_MEMBER}.")
+    return names
 
 
 def _api_options(serve: int | None, api_port: int | None, no_api: bool, access: ApiAccess) -> ApiOptions:

@@ -60,7 +60,8 @@ def _short(node_id: str) -> str:
 
 
 def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False) -> Table:
-    """node, layers, weights, KV cache, needs, free (GiB): seed 001's startup summary; then the model tiers.
+    """node (and device), layers, weights, KV cache, needs, free (GiB): seed 001's startup summary; then the
+    model tiers.
     The title names the K/V cache types the KV column assumes.
 
     ``wide`` adds each node's id."""
@@ -75,7 +76,8 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
         column.justify = "right"
 
     def row(node: dict[str, Any], layers: str, *sizes: str) -> None:
-        _add_row(table, node["name"], *([_short(node["id"])] if wide else []), layers, *sizes)
+        where = f"{node['name']} ({node['device']})" if node.get("device") else node["name"]
+        _add_row(table, where, *([_short(node["id"])] if wide else []), layers, *sizes)
 
     for node in plan["nodes"]:
         start, end = node["layers"]

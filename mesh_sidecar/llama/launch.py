@@ -76,7 +76,10 @@ LLAMA_SERVER_LOAD_STAGES = (
 )
 
 
-def rpc_server_argv(binaries: LlamaBinaries, port: int, *, tensor_cache: bool = False) -> list[str]:
+def rpc_server_argv(binaries: LlamaBinaries, port: int, *, tensor_cache: bool = False,
+                    devices: Sequence[str] = ()) -> list[str]:
+    """rpc-server's command line; ``devices``: the ones it offers, by ggml's names (none: its own rule,
+    every GPU, else the CPU)."""
     # rpc-server prints its devices and their free memory (capacity.py reads them from its log) with
     # printf, then serves forever: into a pipe, block-buffered, they would never arrive. stdbuf
     # (coreutils) makes its stdout line-buffered.
@@ -84,6 +87,8 @@ def rpc_server_argv(binaries: LlamaBinaries, port: int, *, tensor_cache: bool = 
     argv = [*line_buffered, str(binaries.rpc_server), "-H", LOOPBACK, "-p", str(port)]
     if tensor_cache:
         argv.append("-c")
+    if devices:
+        argv += ["-d", ",".join(devices)]
     return argv
 
 
@@ -367,10 +372,13 @@ def http_health_probe(client: httpx.AsyncClient, port: int) -> Callable[[], Awai
 
 
 async def start_rpc_server(
-    binaries: LlamaBinaries, port: int, logs: Path, *, weight_cache: WeightCache | None = None
+    binaries: LlamaBinaries, port: int, logs: Path, *, weight_cache: WeightCache | None = None,
+    devices: Sequence[str] = (),
 ) -> ChildProcess:
-    """rpc-server on 127.0.0.1:``port``; with ``weight_cache``, it answers SET_TENSOR_HASH from there."""
-    child = ChildProcess("ggml-rpc-server", rpc_server_argv(binaries, port, tensor_cache=weight_cache is not None),
+    """rpc-server on 127.0.0.1:``port``; with ``weight_cache``, it answers SET_TENSOR_HASH from there;
+    ``devices``: the ones it offers (rpc_server_argv)."""
+    child = ChildProcess("ggml-rpc-server", rpc_server_argv(binaries, port, tensor_cache=weight_cache is not None,
+                                                            devices=devices),
                          logs / "rpc-server.log", env=weight_cache.environment() if weight_cache else None)
     await child.start()
     try:

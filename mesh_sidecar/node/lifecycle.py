@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ChildExitedError, MeshError, ModelError, PortInUseError
+from ..errors import ChildExitedError, MeshError, ModelError, PortInUseError, UsageError
 from ..home import NodeHome
 from ..identity import NodeIdentity
 from ..llama import weight_cache
@@ -91,6 +91,8 @@ class NodeOptions:
     # sha256 of the model file, announced to members: set on a serving node and
     # on any node given --model; "" on a worker that holds no model file.
     model_sha256: str = ""
+    # The devices rpc-server offers (--devices), by ggml's names; (): its own rule (every GPU, else the CPU).
+    devices: tuple[str, ...] = ()
     # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
     weight_cache: WeightCache | None = None
     weight_cache_tool: Path | None = None
@@ -194,8 +196,13 @@ class Node:
             port = free_tcp_port()
             try:
                 self.rpc_server = await start_rpc_server(self.options.binaries, port, self.options.home.logs,
-                                                         weight_cache=self.options.weight_cache)
-            except ChildExitedError:
+                                                         weight_cache=self.options.weight_cache,
+                                                         devices=self.options.devices)
+            except ChildExitedError as exc:
+                if self.options.devices and "available devices" in str(exc):
+                    raise UsageError(f"--devices {','.join(self.options.devices)}: this rpc-server has no such "
+                                     f"device; it has: {_available_devices(str(exc))}. Give some of those "
+                                     "(or leave --devices out: every GPU, else the CPU).") from exc
                 if attempt + 1 == RPC_SERVER_START_ATTEMPTS:
                     raise
                 continue
@@ -402,3 +409,10 @@ class Node:
             "peers": peers_json(self.peer_views()),
             "events": self.events.to_json(),
         }
+
+
+def _available_devices(log: str) -> str:
+    """The device names rpc-server lists after "available devices:" when one it was given is not there."""
+    listed = log.split("available devices:", 1)[-1]
+    names = [line.strip().split(":")[0] for line in listed.splitlines() if ":" in line and line.startswith("  ")]
+    return ", ".join(names) or "none it could list (see its log)"

@@ -58,11 +58,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class NodeCapacity:
-    """What one member can give the model."""
+    """What one member (or one device of a member that offers several) can give the model."""
 
     node_id: bytes
     name: str
     usable_bytes: int  # already capped by that node's --max-memory
+    device: str = ""  # ggml's name of the device (CPU, Vulkan0); "" when the member did not say
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class PlannedNode:
     output_bytes: int  # non-zero only on the last participant
     needed_bytes: int  # weights + KV + compute margin + output
     usable_bytes: int
+    device: str = ""  # the device of that member's rpc-server holding them (NodeCapacity.device)
 
     @property
     def n_layers(self) -> int:
@@ -110,6 +112,9 @@ class Plan:
     tiers: tuple[TierFit, ...] = ()  # every tier considered, largest first
     roles: tuple[Role, ...] = ()  # every member's place in the mesh's assignment of workers, and why
     kv_cache_type: str = ""  # "K/V" element types the KV figures assume (--cache-type-k/-v), e.g. "q8_0/q8_0"
+    # Every device offered to the planner, (node id, device) in --rpc order: a node taking part has all of
+    # its devices in llama-server's list, those without layers too (weight 0 in tensor_split).
+    offered: tuple[tuple[bytes, str], ...] = ()
 
     @property
     def alone(self) -> bool:
@@ -126,11 +131,22 @@ class Plan:
         are ``C_k / (N + 1)`` for the cumulative counts ``C_k``, so layer ``il``
         lands on the first device with ``C_k > il``: the planned run, and the
         output head on the last device. The counts are small integers, so
-        llama.cpp's float32 arithmetic keeps the comparison exact.
+        llama.cpp's float32 arithmetic keeps the comparison exact. One weight per
+        device, in llama-server's order (each ``--rpc`` endpoint's devices in its
+        rpc-server's order): a device of a taking-part node that holds no layer
+        gets 0, which no layer index passes.
         """
-        counts = [node.n_layers for node in self.nodes]
-        counts[-1] += 1
-        return tuple(counts)
+        counts = {(node.node_id, node.device): node.n_layers for node in self.nodes}
+        last = (self.nodes[-1].node_id, self.nodes[-1].device)
+        counts[last] += 1
+        taking_part = set(self.rpc_nodes())
+        devices = [entry for entry in self.offered if entry[0] in taking_part] or list(counts)
+        return tuple(counts.get(entry, 0) for entry in devices)
+
+    def rpc_nodes(self) -> tuple[bytes, ...]:
+        """The members whose rpc-servers llama-server uses, in ``--rpc`` order (each once, whatever
+        number of its devices hold layers)."""
+        return tuple(dict.fromkeys(node.node_id for node in self.nodes))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -138,6 +154,7 @@ class Plan:
                 {
                     "id": node.node_id.hex(),
                     "name": node.name,
+                    "device": node.device,
                     "layers": [node.start, node.end],
                     "weights_bytes": node.weights_bytes,
                     "kv_bytes": node.kv_bytes,
@@ -148,7 +165,8 @@ class Plan:
                 for node in self.nodes
             ],
             "left_out": [
-                {"id": member.node_id.hex(), "name": member.name, "free_bytes": member.usable_bytes}
+                {"id": member.node_id.hex(), "name": member.name, "device": member.device,
+                 "free_bytes": member.usable_bytes}
                 for member in self.left_out
             ],
             "refused": [
@@ -180,7 +198,7 @@ def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate) -> Pla
         raise _shortfall(participants, caps, left_out, estimate, largest_first)
     counts = _dhondt(participants, caps, estimate.n_layers)
     return Plan(_place(participants, counts, estimate), left_out, estimate.n_layers,
-                kv_cache_type=str(estimate.kv_cache))
+                kv_cache_type=str(estimate.kv_cache), offered=tuple((m.node_id, m.device) for m in members))
 
 
 def tier_needs_bytes(estimate: ModelEstimate) -> int:
@@ -219,7 +237,7 @@ def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[N
     *peers, host = members
     for i in order:
         name, estimate = tiers[i]
-        own = NodeCapacity(host.node_id, host.name, max(0, host.usable_bytes - estimate.host_bytes))
+        own = dataclasses.replace(host, usable_bytes=max(0, host.usable_bytes - estimate.host_bytes))
         try:
             plans[i] = dataclasses.replace(plan_layers([*peers, own], estimate), model=name)
         except PlanError as exc:
@@ -319,6 +337,7 @@ def _place(
                 output_bytes=estimate.output_bytes if is_last else 0,
                 needed_bytes=estimate.range_bytes(start, end, with_output=is_last),
                 usable_bytes=member.usable_bytes,
+                device=member.device,
             )
         )
         start = end

@@ -53,7 +53,7 @@ from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
-from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
+from ..wire.gossip import MAX_SERVED_MEMBERS, OfferedDevice, ServedModel
 from ..wire.rpc_outputs import OutputRejected
 from . import receipt
 from .assignment import Assignment, Claim, ModelNeeds, Offer, Role, assign, fits, pick_workers, pool_for
@@ -173,7 +173,9 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
     """
     me = identity.node_id
     offers, refused, claims = [], [], []
+    devices = {me: mesh.devices}
     for info in mesh.connected_members():
+        devices[info.node_id] = info.devices
         # Less what the member's rpc-server holds for other serving nodes (they run their own models).
         usable = Capacity.from_gossip(dict(info.capacity)).usable_for(me)
         if (served := info.serves) is not None:
@@ -197,10 +199,23 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
         if fits(own_offer.usable_bytes, [w.usable_bytes for w in workers], tier_needs):
             chosen, picked = tier_needs, workers
             break
-    members = [NodeCapacity(w.node_id, w.name, w.usable_bytes) for w in sorted(picked, key=lambda w: w.node_id)]
-    members.append(NodeCapacity(me, name, own_offer.usable_bytes))
+    members = [entry for w in sorted(picked, key=lambda w: w.node_id)
+               for entry in device_shares(w.node_id, w.name, w.usable_bytes, devices[w.node_id])]
+    members += device_shares(me, name, own_offer.usable_bytes, devices[me])
     assignment = assign([*claims, Claim(me, since, chosen, spread)], offers)
     return MeshRound(tuple(members), tuple(refused), chosen, assignment)
+
+
+def device_shares(node_id: bytes, name: str, usable_bytes: int,
+                  devices: Sequence[OfferedDevice]) -> list[NodeCapacity]:
+    """A member's offer as the planner takes it: one entry per device its rpc-server offers (in its order,
+    llama-server's), its usable bytes (capped by its --max-memory) shared out by each device's free memory."""
+    if len(devices) <= 1:
+        return [NodeCapacity(node_id, name, usable_bytes, devices[0].name if devices else "")]
+    free = [device.free_bytes for device in devices]
+    total = sum(free) or len(devices)
+    return [NodeCapacity(node_id, name, usable_bytes * (share if sum(free) else 1) // total, device.name)
+            for device, share in zip(devices, free, strict=True)]
 
 
 def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
@@ -268,7 +283,7 @@ class ServingSupervisor:
             model=model_id(self.model.name), state=self._state, since=self.since, in_flight=self._proxy.in_flight,
             alone_bytes=needs.alone_bytes if needs else 0, margin_bytes=needs.margin_bytes if needs else 0,
             layer_bytes=needs.layer_bytes if needs else 0, spread=self._options.spread,
-            members=tuple(n.node_id for n in self.plan.nodes)[:MAX_SERVED_MEMBERS] if self.plan else ())
+            members=self.plan.rpc_nodes()[:MAX_SERVED_MEMBERS] if self.plan else ())
 
     def _set_state(self, state: str) -> None:
         if state != self._state:
@@ -448,13 +463,13 @@ class ServingSupervisor:
         alone = self.plan.alone
         argv = llama_server_argv(
             self._host.binaries, self.model,
-            [] if alone else [self._endpoint(n.node_id) for n in self.plan.nodes], self.llama_port,
+            [] if alone else [self._endpoint(node_id) for node_id in self.plan.rpc_nodes()], self.llama_port,
             tensor_split=() if alone else self.plan.tensor_split(), api_key_file=self._upstream_key_file,
             extra=["--ctx-size", str(self._options.ctx_size), *self._options.kv_cache.llama_server_args(),
                    *self.speculation.llama_server_args()],
         )
         # Workers map REGISTER_PEER's peer ids through this order.
-        self._mesh.announce_rpc_order(tuple(n.node_id for n in self.plan.nodes))
+        self._mesh.announce_rpc_order(self.plan.rpc_nodes())
         load_progress = self._host.load_progress
         try:
             self.llama_server = await start_llama_server(

@@ -84,7 +84,7 @@ SERVED_STATES = ("loading", "ready", "unavailable")
 
 _NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
 _ADDRESS_RE = re.compile(r"(?:\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
-_DEVICE_NAME_RE = re.compile(f"[A-Za-z0-9_.-]{{1,{MAX_DEVICE_NAME_CHARS}}}")
+DEVICE_NAME_RE = re.compile(f"[A-Za-z0-9_.-]{{1,{MAX_DEVICE_NAME_CHARS}}}")
 _CAPACITY_KEY_RE = re.compile(f"[a-z][a-z0-9_]{{0,{MAX_CAPACITY_KEY_CHARS - 1}}}")
 _VERSION_RE = re.compile(f"[!-~]{{1,{MAX_VERSION_CHARS}}}")  # printable ASCII, no spaces
 _BUILD_LABEL_RE = re.compile(f"[ -~]{{1,{MAX_BUILD_LABEL_CHARS}}}")  # printable ASCII
@@ -331,7 +331,7 @@ class OfferedDevice:
         items = _list(body, what, 3)
         if len(items) != 3:
             raise _bad(what, "[name, total bytes, free bytes]")
-        return cls(_matching(items[0], f"{what}[0]", _DEVICE_NAME_RE,
+        return cls(_matching(items[0], f"{what}[0]", DEVICE_NAME_RE,
                              f"1 to {MAX_DEVICE_NAME_CHARS} letters, digits, '_', '.' or '-'"),
                    _int(items[1], f"{what}[1]", MAX_CAPACITY_VALUE), _int(items[2], f"{what}[2]", MAX_CAPACITY_VALUE))
 

@@ -49,10 +49,13 @@ def complete(port: int, prompt: str = PROMPT, *, ignore_eos: bool = False) -> st
     return answer["choices"][0]["text"]
 
 
-def start_bare_rpc_server(binaries: LlamaBinaries, port: int, log: Path) -> subprocess.Popen:
-    """A bare rpc-server, returned once it listens (llama-server aborts on a port not yet open)."""
-    proc = subprocess.Popen([str(binaries.rpc_server), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+def start_bare_rpc_server(binaries: LlamaBinaries, port: int, log: Path, *, env: Mapping[str, str] | None = None,
+                          devices: Sequence[str] = ()) -> subprocess.Popen:
+    """A bare rpc-server, returned once it listens (llama-server aborts on a port not yet open); ``env`` adds
+    to the environment, ``devices`` are the ones it offers (its -d)."""
+    proc = subprocess.Popen([str(binaries.rpc_server), "-H", "127.0.0.1", "-p", str(port),
+                             *(["-d", ",".join(devices)] if devices else [])],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def listening() -> bool:  # its sockets, not a probe connection: that would be a client
         assert proc.poll() is None, log.read_text()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from tests.helpers.llama import api_healthy, start_bare_rpc_server
 LLAMA_START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 10
 
-_BUFFER_LINE = re.compile(r"(RPC\d+)\[([\d.]+:\d+)\] (model|KV|compute) buffer size = +([\d.]+) MiB")
+BUFFER_LINE = re.compile(r"(RPC\d+)\[([\d.]+:\d+)\] (model|KV|compute) buffer size = +([\d.]+) MiB")
 _ASSIGNED_LINE = re.compile(r"layer +(\d+) assigned to device (\S+?),")
 
 
@@ -79,6 +79,60 @@ def buffer_sizes_mib(log: str) -> dict[tuple[str, str], float]:
     """(endpoint, "model" | "KV" | "compute") -> MiB, from a llama-server log at verbosity 4 or more."""
     # The last load wins: the --fit pass before it logs the same lines with sizes of 0.
     sizes: dict[tuple[str, str], float] = {}
-    for _, endpoint, kind, mib in _BUFFER_LINE.findall(log):
+    for _, endpoint, kind, mib in BUFFER_LINE.findall(log):
         sizes[(endpoint, kind)] = float(mib)
     return sizes
+
+
+@dataclass(frozen=True)
+class RpcServer:
+    """A bare rpc-server to start: its build, what to add to its environment, the devices it offers (-d)."""
+
+    binaries: LlamaBinaries
+    env: Mapping[str, str] | None = None
+    devices: tuple[str, ...] = ()
+
+
+def reference_argv(mesh_argv: Sequence[str], endpoints: Sequence[str], port: int) -> list[str]:
+    """A mesh's llama-server command line over other rpc-servers and API port (and without the API key
+    file, which only the node's proxy needs): everything that shapes the arithmetic stays the same."""
+    replaced = {"--rpc": ",".join(endpoints), "--port": str(port)}
+    argv, rest = [], list(mesh_argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--api-key-file":
+            rest.pop(0)
+        elif arg in replaced:
+            argv += [arg, replaced[arg]]
+            rest.pop(0)
+        else:
+            argv.append(arg)
+    return argv
+
+
+def answer_over_tcp(mesh_argv: Sequence[str], rpc_servers: Sequence[RpcServer], log_dir: Path,
+                    ask: Callable[[int], str]) -> str:
+    """What ``ask`` gets from the mesh's llama-server command run over bare rpc-servers on plain TCP
+    (``rpc_servers``, in its --rpc order): llama.cpp's own --rpc, the reference for the mesh's text."""
+    started: list[subprocess.Popen] = []
+    try:
+        endpoints = []
+        for i, spec in enumerate(rpc_servers):
+            port = free_tcp_port()
+            endpoints.append(f"127.0.0.1:{port}")
+            started.append(start_bare_rpc_server(spec.binaries, port, log_dir / f"rpc{i}.log", env=spec.env,
+                                                 devices=spec.devices))
+        api = free_tcp_port()
+        log = log_dir / "llama-server.log"
+        with open(log, "w") as out:
+            server = subprocess.Popen(reference_argv(mesh_argv, endpoints, api), stdout=out, stderr=subprocess.STDOUT)
+        started.append(server)
+        deadline = time.monotonic() + LLAMA_START_TIMEOUT_S
+        while not api_healthy(api):
+            assert server.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "llama-server did not become ready"
+            time.sleep(0.2)
+        return ask(api)
+    finally:
+        for proc in reversed(started):
+            _stop(proc)

@@ -83,3 +83,13 @@ def test_cache_type_llama_cpp_does_not_know(tmp_path: Path) -> None:
 def test_cache_type_on_a_worker(tmp_path: Path) -> None:
     result = cli("--home", str(tmp_path), "--cache-type-k", "q8_0")
     assert_clean_error(result, "serving node only", "--serve PORT")
+
+
+def test_devices_llama_cpp_could_not_name(tmp_path: Path) -> None:
+    result = cli("--home", str(tmp_path), "--devices", "Vulkan 0,CPU")
+    assert_clean_error(result, "--devices takes distinct device names", "Vulkan0,CPU")
+
+
+def test_a_device_the_rpc_server_does_not_have(tmp_path: Path) -> None:
+    result = cli("--home", str(tmp_path), "--no-mdns", "--port", "0", "--devices", "CUDA7")
+    assert_clean_error(result, "--devices CUDA7: this rpc-server has no such device; it has: CPU")

@@ -4,7 +4,6 @@ a three-node mesh giving the same greedy text as llama-server's own --rpc over p
 from __future__ import annotations
 
 import re
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,11 +12,9 @@ import pytest
 
 from benchmarks.synthetic_model import MOE_TEST, ensure_synthetic_model
 from mesh_sidecar.llama.estimate import assign_layers, estimate_model
-from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.units import MIB
-from tests.helpers.llama import api_healthy, complete, start_bare_rpc_server
-from tests.helpers.llama_buffers import buffer_sizes_mib, llama_buffers
-from tests.helpers.waiting import wait_until
+from tests.helpers.llama import complete
+from tests.helpers.llama_buffers import RpcServer, answer_over_tcp, buffer_sizes_mib, llama_buffers
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +24,6 @@ SPLIT = (2, 2, 3)
 # The issue's bound: per device, weights + K/V within 5 % of llama.cpp's, and all that with the compute
 # margin at most 5 % above llama.cpp's total (never below).
 MOE_TOLERANCE = 0.05
-LOAD_TIMEOUT_S = 180
-STOP_TIMEOUT_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -69,47 +64,6 @@ def test_estimate_matches_llama_cpp_buffers(binaries, moe_model: Path, tmp_path:
         assert theirs <= total <= theirs * (1 + MOE_TOLERANCE), (endpoint, sizes, total)
 
 
-def _reference_argv(mesh_argv: Sequence[str], endpoints: Sequence[str], port: int) -> list[str]:
-    """The mesh's llama-server command line over other rpc-servers and API port (and without the API key
-    file, which only the node's proxy needs): everything that shapes the arithmetic stays the same."""
-    replaced = {"--rpc": ",".join(endpoints), "--port": str(port)}
-    argv, rest = [], list(mesh_argv)
-    while rest:
-        arg = rest.pop(0)
-        if arg == "--api-key-file":
-            rest.pop(0)
-        elif arg in replaced:
-            argv += [arg, replaced[arg]]
-            rest.pop(0)
-        else:
-            argv.append(arg)
-    return argv
-
-
-def _answer_over_tcp(binaries, mesh_argv: Sequence[str], log_dir: Path) -> str:
-    """The greedy text of the mesh's llama-server command over bare rpc-servers on plain TCP."""
-    n_devices = len(mesh_argv[list(mesh_argv).index("--rpc") + 1].split(","))
-    started: list[subprocess.Popen] = []
-    try:
-        endpoints = []
-        for i in range(n_devices):
-            port = free_tcp_port()
-            endpoints.append(f"127.0.0.1:{port}")
-            started.append(start_bare_rpc_server(binaries, port, log_dir / f"rpc{i}.log"))
-        api = free_tcp_port()
-        log = log_dir / "llama-server.log"
-        server = subprocess.Popen(_reference_argv(mesh_argv, endpoints, api), stdout=open(log, "w"),
-                                  stderr=subprocess.STDOUT)
-        started.append(server)
-        wait_until(lambda: api_healthy(api) or server.poll() is not None, LOAD_TIMEOUT_S, "llama-server loads")
-        assert server.poll() is None, log.read_text()[-3000:]
-        return complete(api, ignore_eos=True)
-    finally:
-        for proc in reversed(started):
-            proc.terminate()
-            proc.wait(STOP_TIMEOUT_S)
-
-
 def test_three_node_mesh_gives_the_same_text_as_rpc_over_tcp(start_node, binaries, moe_model: Path,
                                                               tmp_path: Path) -> None:
     a = start_node("a")
@@ -138,4 +92,5 @@ def test_three_node_mesh_gives_the_same_text_as_rpc_over_tcp(start_node, binarie
         assert ours == pytest.approx(theirs["model"] + theirs["KV"], rel=MOE_TOLERANCE), (node, theirs)
         assert sum(theirs.values()) <= needed <= sum(theirs.values()) * (1 + MOE_TOLERANCE), (node, theirs)
 
-    assert text == _answer_over_tcp(binaries, mesh_argv, tmp_path)
+    assert text == answer_over_tcp(mesh_argv, [RpcServer(binaries)] * len(endpoints), tmp_path,
+                                   lambda port: complete(port, ignore_eos=True))

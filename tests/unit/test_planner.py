@@ -17,7 +17,9 @@ from mesh_sidecar.errors import PlanError, SetupError
 from mesh_sidecar.llama.estimate import ModelEstimate, assign_layers
 from mesh_sidecar.mesh.exclusion import Exclusion
 from mesh_sidecar.serve.planner import NodeCapacity, Plan, plan_layers
+from mesh_sidecar.serve.supervisor import device_shares
 from mesh_sidecar.units import GIB
+from mesh_sidecar.wire.gossip import OfferedDevice
 
 N_CTX = 4096
 
@@ -340,12 +342,12 @@ def test_to_json():
     plan = dataclasses.replace(plan, refused=((node(7, 50), excluded),))
     assert plan.to_json() == {
         "nodes": [
-            {"id": members[0].node_id.hex(), "name": "host0", "layers": [0, 2], "weights_bytes": 200,
+            {"id": members[0].node_id.hex(), "name": "host0", "device": "", "layers": [0, 2], "weights_bytes": 200,
              "kv_bytes": 40, "output_bytes": 0, "needed_bytes": 250, "free_bytes": 2000},
-            {"id": members[1].node_id.hex(), "name": "host1", "layers": [2, 3], "weights_bytes": 100,
+            {"id": members[1].node_id.hex(), "name": "host1", "device": "", "layers": [2, 3], "weights_bytes": 100,
              "kv_bytes": 20, "output_bytes": 5, "needed_bytes": 135, "free_bytes": 1000},
         ],
-        "left_out": [{"id": (bytes([9]) * 32).hex(), "name": "host9", "free_bytes": 1}],
+        "left_out": [{"id": (bytes([9]) * 32).hex(), "name": "host9", "device": "", "free_bytes": 1}],
         "refused": [{"id": (bytes([7]) * 32).hex(), "name": "host7", "free_bytes": 50,
                      "reason": "weights_mismatch", "detail": "host7 holds another file"}],
         "n_layers": 3,
@@ -355,3 +357,25 @@ def test_to_json():
         "tiers": [],
         "assignment": [],
     }
+
+
+def test_a_member_with_two_devices_is_planned_as_two_and_the_split_follows_llama_servers_devices():
+    worker, serving = bytes([1]) * 32, bytes([2]) * 32
+    # The worker's GPU is too small for a layer and its margin: left out, but llama-server still lists it.
+    members = [*device_shares(worker, "w", 650, (OfferedDevice("Vulkan0", 100, 50), OfferedDevice("CPU", 900, 600))),
+               *device_shares(serving, "s", 600, (OfferedDevice("CPU", 900, 600),))]
+    assert [(m.device, m.usable_bytes) for m in members] == [("Vulkan0", 50), ("CPU", 600), ("CPU", 600)]
+    plan = plan_layers(members, estimate(10, 100, margin=10, output=5))
+    assert [(n.name, n.device) for n in plan.nodes] == [("w", "CPU"), ("s", "CPU")]
+    assert [m.device for m in plan.left_out] == ["Vulkan0"]
+    assert plan.rpc_nodes() == (worker, serving)  # each rpc-server once in --rpc
+    split = plan.tensor_split()
+    assert split[0] == 0 and len(split) == 3  # one weight per device llama-server lists
+    expected = [1 + d for d, n in enumerate(plan.nodes) for _ in range(n.start, n.end)] + [2]
+    assert llama_cpp_devices(split, 10) == expected
+    # Both devices big enough: both hold layers, shared by their free memory.
+    both = device_shares(worker, "w", 1200, (OfferedDevice("Vulkan0", 800, 600), OfferedDevice("CPU", 900, 600)))
+    plan = plan_layers([*both, *device_shares(serving, "s", 600, ())], estimate(10, 100, margin=10, output=5))
+    assert [(n.name, n.device) for n in plan.nodes] == [("w", "Vulkan0"), ("w", "CPU"), ("s", "")]
+    assert llama_cpp_devices(plan.tensor_split(), 10) == [
+        d for d, n in enumerate(plan.nodes) for _ in range(n.start, n.end)] + [2]
