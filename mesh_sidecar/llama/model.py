@@ -116,7 +116,7 @@ def model_sha256(path: Path, progress: ProgressCallback) -> str:
     files = model_files(path)
     if len(files) == 1:
         return _file_sha256_cached(files[0], progress)
-    manifest = encode_manifest(shard_list(files, progress))
+    manifest = encode_manifest(_shard_list(files, progress))
     identity = hashlib.sha256(manifest).hexdigest()
     kept = manifest_path(identity)
     if not kept.exists():
@@ -127,7 +127,7 @@ def model_sha256(path: Path, progress: ProgressCallback) -> str:
     return identity
 
 
-def shard_list(files: tuple[Path, ...], progress: ProgressCallback) -> tuple[Shard, ...]:
+def _shard_list(files: tuple[Path, ...], progress: ProgressCallback) -> tuple[Shard, ...]:
     """A split model's shards with their sizes and sha256s (each hashed once, as a single file is)."""
     return tuple(Shard(file.name, file.stat().st_size, _file_sha256_cached(file, progress)) for file in files)
 

@@ -10,12 +10,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+import pytest
+
 from mesh_sidecar.llama.build import LlamaBinaries
 from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.units import MIB
 from tests.helpers.llama import api_healthy, start_bare_rpc_server
 
 LLAMA_START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 10
+PLAN_TOLERANCE = 0.05  # the issues' bound: a plan's weights + K/V per device against llama.cpp's
 
 BUFFER_LINE = re.compile(r"(RPC\d+)\[([\d.]+:\d+)\] (model|KV|compute) buffer size = +([\d.]+) MiB")
 _ASSIGNED_LINE = re.compile(r"layer +(\d+) assigned to device (\S+?),")
@@ -136,3 +141,32 @@ def answer_over_tcp(mesh_argv: Sequence[str], rpc_servers: Sequence[RpcServer], 
     finally:
         for proc in reversed(started):
             _stop(proc)
+
+
+def mesh_llama_argv(node) -> tuple[list[str], str]:
+    """A serving node's llama-server command line and log file."""
+    llama = next(p for p in node.status()["processes"] if p["name"] == "llama-server")
+    return psutil.Process(llama["pid"]).cmdline(), llama["log"]
+
+
+def device_buffers_mib(log: str) -> dict[tuple[str, str], float]:
+    """(llama-server's device, e.g. "RPC1[127.0.0.1:4000]", "model" | "KV" | "compute") -> MiB, last load."""
+    return {(f"{device}[{endpoint}]", kind): float(mib) for device, endpoint, kind, mib in BUFFER_LINE.findall(log)}
+
+
+def check_plan_against_llama_cpp(plan: dict, mesh_argv: list[str], mesh_log: str) -> None:
+    """The plan's figures per device beside llama.cpp's buffers for the devices holding layers, printed;
+    weights + K/V within 5 %."""
+    sizes = device_buffers_mib(mesh_log)
+    endpoints = mesh_argv[mesh_argv.index("--rpc") + 1].split(",")
+    # llama-server's device order: its --rpc endpoints in order, each rpc-server's devices in order.
+    devices = sorted({device for device, _ in sizes}, key=lambda d: (endpoints.index(d.split("[")[1][:-1]), d))
+    holding = [d for d in devices if sizes.get((d, "model"), 0) > 0]
+    print("\nplan vs llama.cpp per device (MiB):")
+    for device, node in zip(holding, plan["nodes"], strict=True):
+        ours = (node["weights_bytes"] + node["output_bytes"] + node["kv_bytes"]) / MIB
+        theirs = sizes[(device, "model")] + sizes[(device, "KV")]
+        print(f"  {node['name']} {node['device']} ({device}) layers {node['layers']}: weights + KV {ours:.2f} vs "
+              f"{theirs:.2f}; with compute {node['needed_bytes'] / MIB:.2f} vs "
+              f"{theirs + sizes.get((device, 'compute'), 0):.2f}")
+        assert ours == pytest.approx(theirs, rel=PLAN_TOLERANCE), (node, device, sizes)

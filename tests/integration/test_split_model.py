@@ -17,6 +17,7 @@ from mesh_sidecar.llama.model import model_sha256
 from mesh_sidecar.llama.model_files import model_files
 from mesh_sidecar.llama.weight_cache import hashed_tensor_ranges
 from tests.helpers.llama import complete, quiet
+from tests.helpers.llama_buffers import check_plan_against_llama_cpp, mesh_llama_argv
 from tests.helpers.nodes import cli
 from tests.helpers.waiting import wait_until
 
@@ -59,6 +60,8 @@ def test_a_split_model_answers_and_plans_as_its_single_file(start_node, model_pa
     assert [m["id"] for m in models] == ["smol"]  # the set's name, not a shard's
     plan = c.status()["serving"]["plan"]
     assert sorted(n["name"] for n in plan["nodes"]) == ["a", "b", "c"]  # split over all three (--spread)
+    mesh_argv, mesh_log = mesh_llama_argv(c)
+    check_plan_against_llama_cpp(plan, mesh_argv, Path(mesh_log).read_text())  # per node, as llama.cpp loaded it
     # The same plan for the set and for the single file, over the same mesh.
     as_split, as_single = plan_json(c, split_model), plan_json(c, model_path)
     ranges = [[(n["name"], n["layers"], n["weights_bytes"]) for n in p["nodes"]]

@@ -12,15 +12,13 @@ from __future__ import annotations
 import re
 
 import httpx
-import psutil
 import pytest
 
 from mesh_sidecar.llama.backends import VULKAN
 from mesh_sidecar.llama.build import BUILD_STAMP_NAME, STOCK, LlamaBinaries, binaries_in, pinned_build_dir
 from mesh_sidecar.llama.devices import list_devices
-from mesh_sidecar.units import MIB
 from tests.helpers.llama import GREEDY, PROMPT, complete, plain_llama_server_answer
-from tests.helpers.llama_buffers import BUFFER_LINE, RpcServer, answer_over_tcp
+from tests.helpers.llama_buffers import RpcServer, answer_over_tcp, check_plan_against_llama_cpp, mesh_llama_argv
 from tests.helpers.nodes import cli
 from tests.helpers.waiting import wait_until
 
@@ -76,34 +74,6 @@ def test_a_vulkan_member_announces_its_device_in_gossip(start_node, vulkan_binar
     assert "Vulkan0" in cli("status", "--home", str(cpu_node.home), "--wide", env={"COLUMNS": "300"}).stdout
 
 
-def _mesh_llama_argv(node) -> tuple[list[str], str]:
-    llama = next(p for p in node.status()["processes"] if p["name"] == "llama-server")
-    return psutil.Process(llama["pid"]).cmdline(), llama["log"]
-
-
-def _device_buffers_mib(log: str) -> dict[tuple[str, str], float]:
-    """(llama-server's device, e.g. "RPC1[127.0.0.1:4000]", "model" | "KV" | "compute") -> MiB, last load."""
-    return {(f"{device}[{endpoint}]", kind): float(mib) for device, endpoint, kind, mib in BUFFER_LINE.findall(log)}
-
-
-def _check_against_llama_cpp(plan: dict, mesh_argv: list[str], mesh_log: str) -> None:
-    """The plan's figures per device beside llama.cpp's buffers for the devices holding layers, printed;
-    weights + K/V within 5 %."""
-    sizes = _device_buffers_mib(mesh_log)
-    endpoints = mesh_argv[mesh_argv.index("--rpc") + 1].split(",")
-    # llama-server's device order: its --rpc endpoints in order, each rpc-server's devices in order.
-    devices = sorted({device for device, _ in sizes}, key=lambda d: (endpoints.index(d.split("[")[1][:-1]), d))
-    holding = [d for d in devices if sizes.get((d, "model"), 0) > 0]
-    print("\nplan vs llama.cpp per device (MiB):")
-    for device, node in zip(holding, plan["nodes"], strict=True):
-        ours = (node["weights_bytes"] + node["output_bytes"] + node["kv_bytes"]) / MIB
-        theirs = sizes[(device, "model")] + sizes[(device, "KV")]
-        print(f"  {node['name']} {node['device']} ({device}) layers {node['layers']}: weights + KV {ours:.2f} vs "
-              f"{theirs:.2f}; with compute {node['needed_bytes'] / MIB:.2f} vs "
-              f"{theirs + sizes.get((device, 'compute'), 0):.2f}")
-        assert ours == pytest.approx(theirs, rel=0.05), (node, device, sizes)
-
-
 @pytest.mark.slow
 def test_a_mixed_mesh_gives_the_text_of_llama_servers_own_rpc_with_the_same_split(start_node, binaries,
                                                                                    vulkan_binaries, tmp_path):
@@ -118,8 +88,8 @@ def test_a_mixed_mesh_gives_the_text_of_llama_servers_own_rpc_with_the_same_spli
     speed = httpx.post(f"http://127.0.0.1:{c.serve_port}/v1/completions", timeout=300,
                        json={"prompt": PROMPT, "max_tokens": 64, "ignore_eos": True, **GREEDY}).json()["timings"]
     print(f"\nmixed mesh decode: {speed['predicted_per_second']:.1f} tok/s (64 tokens)")
-    mesh_argv, mesh_log = _mesh_llama_argv(c)
-    _check_against_llama_cpp(plan, mesh_argv, open(mesh_log).read())
+    mesh_argv, mesh_log = mesh_llama_argv(c)
+    check_plan_against_llama_cpp(plan, mesh_argv, open(mesh_log).read())
     servers = {"a": RpcServer(binaries), "b": RpcServer(vulkan_binaries, VISIBLE_DEVICE), "c": RpcServer(binaries)}
     reference = answer_over_tcp(mesh_argv, [servers[n["name"]] for n in plan["nodes"]], tmp_path, complete)
     assert text == reference
@@ -136,9 +106,9 @@ def test_a_worker_offering_two_devices_is_planned_as_two(start_node, binaries, v
     plan = c.status()["serving"]["plan"]
     assert [(n["name"], n["device"]) for n in plan["nodes"]] == [("b", "Vulkan0"), ("b", "CPU"), ("c", "CPU")]
     text = complete(c.serve_port)
-    mesh_argv, mesh_log = _mesh_llama_argv(c)
+    mesh_argv, mesh_log = mesh_llama_argv(c)
     assert len(mesh_argv[mesh_argv.index("--rpc") + 1].split(",")) == 2  # b's rpc-server once
     assert len(mesh_argv[mesh_argv.index("--tensor-split") + 1].split(",")) == 3  # a weight per device
-    _check_against_llama_cpp(plan, mesh_argv, open(mesh_log).read())
+    check_plan_against_llama_cpp(plan, mesh_argv, open(mesh_log).read())
     servers = [RpcServer(vulkan_binaries, VISIBLE_DEVICE, ("Vulkan0", "CPU")), RpcServer(binaries)]
     assert text == answer_over_tcp(mesh_argv, servers, tmp_path, complete)
