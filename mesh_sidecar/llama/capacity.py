@@ -23,6 +23,8 @@ import psutil
 from ..units import MIB
 
 CPU_DEVICE_PREFIX = "CPU"
+DEVICES_HEADING = "Devices:"
+AVAILABLE_DEVICES_HEADING = "available devices:"
 _BACKEND_OF_FAMILY = {"MTL": "metal"}  # ggml's device name prefixes that are not their backend's name
 _DEVICE_LINE = re.compile(r"^\s+(?P<name>[^:\s]+): (?P<desc>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$")
 
@@ -56,12 +58,14 @@ class Device:
         return self.name.startswith(CPU_DEVICE_PREFIX)
 
 
-def parse_device_listing(text: str) -> tuple[Device, ...]:
-    """The devices in an rpc-server's startup output (empty if it has not printed them yet)."""
+def parse_device_listing(text: str, heading: str = DEVICES_HEADING) -> tuple[Device, ...]:
+    """The devices in an rpc-server's startup output (empty if it has not printed them yet); ``heading``:
+    the line above the list (rpc-server lists what it has under AVAILABLE_DEVICES_HEADING when a -d
+    name is not one of them)."""
     devices: list[Device] = []
     in_listing = False
     for line in text.splitlines():
-        if line.strip() == "Devices:":
+        if line.strip() == heading:
             in_listing, devices = True, []
             continue
         if in_listing:

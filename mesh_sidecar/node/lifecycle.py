@@ -11,6 +11,7 @@ Whatever happens, children are stopped by pid before ``run`` returns.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -26,7 +27,7 @@ from ..identity import NodeIdentity
 from ..llama import weight_cache
 from ..llama.announced_build import local_build
 from ..llama.build import LlamaBinaries
-from ..llama.capacity import Capacity, backend_of, measure, parse_device_listing
+from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, backend_of, measure, parse_device_listing
 from ..llama.estimate import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.model_files import model_files
@@ -199,10 +200,11 @@ class Node:
                                                          weight_cache=self.options.weight_cache,
                                                          devices=self.options.devices)
             except ChildExitedError as exc:
-                if self.options.devices and "available devices" in str(exc):
+                available = parse_device_listing(str(exc), AVAILABLE_DEVICES_HEADING)
+                if self.options.devices and available:
                     raise UsageError(f"--devices {','.join(self.options.devices)}: this rpc-server has no such "
-                                     f"device; it has: {_available_devices(str(exc))}. Give some of those "
-                                     "(or leave --devices out: every GPU, else the CPU).") from exc
+                                     f"device; it has: {', '.join(d.name for d in available)}. Give some of "
+                                     "those (or leave --devices out: every GPU, else the CPU).") from exc
                 if attempt + 1 == RPC_SERVER_START_ATTEMPTS:
                     raise
                 continue
@@ -396,7 +398,7 @@ class Node:
                 "devices": [{"name": d.name, "description": d.description, "total_bytes": d.total_bytes,
                              "free_bytes": d.free_bytes} for d in self._devices],
             },
-            "model": {"path": str(model), "bytes": sum(f.stat().st_size for f in model_files(model)),
+            "model": {"path": str(model), "bytes": _model_bytes(model),
                       "ctx_size": self.options.ctx_size},
             "processes": processes,
             "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
@@ -411,8 +413,8 @@ class Node:
         }
 
 
-def _available_devices(log: str) -> str:
-    """The device names rpc-server lists after "available devices:" when one it was given is not there."""
-    listed = log.split("available devices:", 1)[-1]
-    names = [line.strip().split(":")[0] for line in listed.splitlines() if ":" in line and line.startswith("  ")]
-    return ", ".join(names) or "none it could list (see its log)"
+@functools.lru_cache(maxsize=8)
+def _model_bytes(model: Path) -> int:
+    """The bytes of every file of ``model`` (a split model's shards): read once, status asks often."""
+    return sum(file.stat().st_size for file in model_files(model))
+

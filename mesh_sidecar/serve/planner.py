@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PlanError
 from ..identity import short_id
 from ..units import format_gib
+from ..wire.gossip import OfferedDevice
 from .assignment import ModelNeeds, Role
 
 if TYPE_CHECKING:
@@ -199,6 +200,18 @@ def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate) -> Pla
     counts = _dhondt(participants, caps, estimate.n_layers)
     return Plan(_place(participants, counts, estimate), left_out, estimate.n_layers,
                 kv_cache_type=str(estimate.kv_cache), offered=tuple((m.node_id, m.device) for m in members))
+
+
+def device_shares(node_id: bytes, name: str, usable_bytes: int,
+                  devices: Sequence[OfferedDevice]) -> list[NodeCapacity]:
+    """A member's offer as the planner takes it: one entry per device its rpc-server offers (in its order,
+    llama-server's), its usable bytes (capped by its --max-memory) shared out by each device's free memory."""
+    if len(devices) <= 1:
+        return [NodeCapacity(node_id, name, usable_bytes, devices[0].name if devices else "")]
+    free = [device.free_bytes for device in devices]
+    total = sum(free) or len(devices)
+    return [NodeCapacity(node_id, name, usable_bytes * (share if sum(free) else 1) // total, device.name)
+            for device, share in zip(devices, free, strict=True)]
 
 
 def tier_needs_bytes(estimate: ModelEstimate) -> int:

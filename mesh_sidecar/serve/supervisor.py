@@ -53,7 +53,7 @@ from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
-from ..wire.gossip import MAX_SERVED_MEMBERS, OfferedDevice, ServedModel
+from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
 from ..wire.rpc_outputs import OutputRejected
 from . import receipt
 from .assignment import Assignment, Claim, ModelNeeds, Offer, Role, assign, fits, pick_workers, pool_for
@@ -62,7 +62,7 @@ from .generation import Generation
 from .metrics import Metrics
 from .output_guard import OutputGuard
 from .pace import Slow
-from .planner import NodeCapacity, Plan, assess_tiers, model_needs
+from .planner import NodeCapacity, Plan, assess_tiers, device_shares, model_needs
 from .proxy import ApiProxy, ServingHooks
 from .replan import (
     Blame,
@@ -206,18 +206,6 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
     return MeshRound(tuple(members), tuple(refused), chosen, assignment)
 
 
-def device_shares(node_id: bytes, name: str, usable_bytes: int,
-                  devices: Sequence[OfferedDevice]) -> list[NodeCapacity]:
-    """A member's offer as the planner takes it: one entry per device its rpc-server offers (in its order,
-    llama-server's), its usable bytes (capped by its --max-memory) shared out by each device's free memory."""
-    if len(devices) <= 1:
-        return [NodeCapacity(node_id, name, usable_bytes, devices[0].name if devices else "")]
-    free = [device.free_bytes for device in devices]
-    total = sum(free) or len(devices)
-    return [NodeCapacity(node_id, name, usable_bytes * (share if sum(free) else 1) // total, device.name)
-            for device, share in zip(devices, free, strict=True)]
-
-
 def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
                    since: float = math.inf, spread: bool = False) -> Plan:
     """The plan of the largest of ``tiers`` this node's share of the mesh can hold now; PlanError if none."""
@@ -242,6 +230,9 @@ class ServingSupervisor:
         self._recheck_at: float | None = None  # loop time to look again at a step up that must wait
         self.step_up_pending: tuple[str, float] | None = None  # (file name, loop time it may happen)
         self._draft_sha256: str | None = None
+        # A split tier's shards, for its receipts: read once, not on every request.
+        self._shards = ({sha256: model_shards(path, sha256) for path, sha256 in options.models}
+                        if options.receipts is not None else {})
         self.speculation: Speculation | None = None
         # llama-server's own key, known only to our proxy (see llama_server_argv); its file is written in run().
         self._upstream_key_file = host.logs.parent / UPSTREAM_KEY_FILE
@@ -537,7 +528,7 @@ class ServingSupervisor:
             in_service=self.model, plan=self.plan, draft=(draft, self._draft_sha256) if draft is not None else None,
             speculation=self.speculation.to_json() if self.speculation else None,
             peer_views=self._mesh.peer_views(), now=time.time(), continued_at=generation.continued_at,
-            shards={sha256: model_shards(path, sha256) for path, sha256 in self._options.models})
+            shards=self._shards)
         self._options.receipts.mkdir(parents=True, exist_ok=True)
         # Receipts hold the prompt: readable by this user only.
         write_private_file(self._options.receipts / name, text)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from mesh_sidecar.llama.build import LlamaBinaries
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.units import MIB
 from tests.helpers.llama import api_healthy, start_bare_rpc_server
+from tests.helpers.waiting import wait_until
 
 LLAMA_START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 10
@@ -52,26 +52,13 @@ def llama_buffers(binaries: LlamaBinaries, model: Path, tensor_split: Sequence[i
     per split entry, wait until llama-server is ready, stop everything and read its log."""
     procs: list[subprocess.Popen] = []
     log_path = log_dir / "llama-server.log"
-    endpoints = []
     try:
-        for i in range(len(tensor_split)):
-            port = free_tcp_port()
-            endpoints.append(f"127.0.0.1:{port}")
-            procs.append(start_bare_rpc_server(binaries, port, log_dir / f"rpc{i}.log"))
-        port = free_tcp_port()
+        endpoints = _start_rpc_servers([RpcServer(binaries)] * len(tensor_split), log_dir, procs)
         # -lv 5 (debug) prints the "layer N assigned to device" lines; 4 would do for the sizes.
-        with open(log_path, "w") as out:
-            server = subprocess.Popen(
-                [str(binaries.llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                 "--rpc", ",".join(endpoints), "-ngl", "99", "-c", str(n_ctx),
-                 "--tensor-split", ",".join(map(str, tensor_split)), "-lv", "5", *extra],
-                stdout=out, stderr=subprocess.STDOUT)
-        procs.append(server)
-        deadline = time.monotonic() + LLAMA_START_TIMEOUT_S
-        while not api_healthy(port):
-            assert server.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "llama-server did not become ready"
-            time.sleep(0.2)
+        _start_llama_server(
+            [str(binaries.llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(free_tcp_port()),
+             "--rpc", ",".join(endpoints), "-ngl", "99", "-c", str(n_ctx),
+             "--tensor-split", ",".join(map(str, tensor_split)), "-lv", "5", *extra], log_path, procs)
     finally:
         for proc in reversed(procs):
             _stop(proc)
@@ -121,26 +108,38 @@ def answer_over_tcp(mesh_argv: Sequence[str], rpc_servers: Sequence[RpcServer], 
     (``rpc_servers``, in its --rpc order): llama.cpp's own --rpc, the reference for the mesh's text."""
     started: list[subprocess.Popen] = []
     try:
-        endpoints = []
-        for i, spec in enumerate(rpc_servers):
-            port = free_tcp_port()
-            endpoints.append(f"127.0.0.1:{port}")
-            started.append(start_bare_rpc_server(spec.binaries, port, log_dir / f"rpc{i}.log", env=spec.env,
-                                                 devices=spec.devices))
+        endpoints = _start_rpc_servers(rpc_servers, log_dir, started)
         api = free_tcp_port()
-        log = log_dir / "llama-server.log"
-        with open(log, "w") as out:
-            server = subprocess.Popen(reference_argv(mesh_argv, endpoints, api), stdout=out, stderr=subprocess.STDOUT)
-        started.append(server)
-        deadline = time.monotonic() + LLAMA_START_TIMEOUT_S
-        while not api_healthy(api):
-            assert server.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "llama-server did not become ready"
-            time.sleep(0.2)
+        _start_llama_server(reference_argv(mesh_argv, endpoints, api), log_dir / "llama-server.log", started)
         return ask(api)
     finally:
         for proc in reversed(started):
             _stop(proc)
+
+
+def _start_rpc_servers(specs: Sequence[RpcServer], log_dir: Path, started: list[subprocess.Popen]) -> list[str]:
+    """One bare rpc-server per spec (added to ``started``, to be stopped); their endpoints, in order."""
+    endpoints = []
+    for i, spec in enumerate(specs):
+        port = free_tcp_port()
+        endpoints.append(f"127.0.0.1:{port}")
+        started.append(start_bare_rpc_server(spec.binaries, port, log_dir / f"rpc{i}.log", env=spec.env,
+                                             devices=spec.devices))
+    return endpoints
+
+
+def _start_llama_server(argv: Sequence[str], log_path: Path, started: list[subprocess.Popen]) -> None:
+    """llama-server from ``argv`` (added to ``started``), returned once its API answers on argv's --port."""
+    port = int(argv[list(argv).index("--port") + 1])
+    with open(log_path, "w") as out:
+        server = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT)
+    started.append(server)
+
+    def ready() -> bool:
+        assert server.poll() is None, log_path.read_text()[-3000:]
+        return api_healthy(port)
+
+    wait_until(ready, LLAMA_START_TIMEOUT_S, "llama-server becomes ready")
 
 
 def mesh_llama_argv(node) -> tuple[list[str], str]:

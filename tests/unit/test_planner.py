@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from mesh_sidecar.errors import PlanError, SetupError
 from mesh_sidecar.llama.estimate import ModelEstimate, assign_layers
 from mesh_sidecar.mesh.exclusion import Exclusion
-from mesh_sidecar.serve.planner import NodeCapacity, Plan, plan_layers
-from mesh_sidecar.serve.supervisor import device_shares
+from mesh_sidecar.serve.planner import NodeCapacity, Plan, device_shares, plan_layers
 from mesh_sidecar.units import GIB
 from mesh_sidecar.wire.gossip import OfferedDevice
 
