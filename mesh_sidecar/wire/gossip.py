@@ -28,15 +28,28 @@ its own output, so the one schema guards both directions.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
 
 from ..errors import FrameTooLargeError, MalformedMessageError, ProtocolVersionError
-from ..identity import NODE_ID_BYTES, short_id
+from ..identity import short_id
 from .auth import MESH_SECRET_BYTES
 from .frames import MAX_CONTROL_MESSAGE_BYTES
+from .gossip_fields import (
+    address,
+    boolean,
+    bounded_list,
+    field_error,
+    integer,
+    json_object,
+    matching,
+    node_id,
+    node_ids,
+    rpc_version,
+    seconds,
+    text,
+)
 from .rpc_hello import RpcVersion
 
 # 6: MemberInfo.devices (the devices a member's rpc-server offers: name, total and free memory); at most
@@ -82,8 +95,6 @@ MAX_SERVED_MEMBERS = 8  # a plan's members as gossip shows them (status); the fi
 MAX_IN_FLIGHT = 10**6
 SERVED_STATES = ("loading", "ready", "unavailable")
 
-_NODE_ID_RE = re.compile(f"[0-9a-f]{{{2 * NODE_ID_BYTES}}}")
-_ADDRESS_RE = re.compile(r"(?:\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 DEVICE_NAME_RE = re.compile(f"[A-Za-z0-9_.-]{{1,{MAX_DEVICE_NAME_CHARS}}}")
 _CAPACITY_KEY_RE = re.compile(f"[a-z][a-z0-9_]{{0,{MAX_CAPACITY_KEY_CHARS - 1}}}")
 _VERSION_RE = re.compile(f"[!-~]{{1,{MAX_VERSION_CHARS}}}")  # printable ASCII, no spaces
@@ -91,102 +102,6 @@ _BUILD_LABEL_RE = re.compile(f"[ -~]{{1,{MAX_BUILD_LABEL_CHARS}}}")  # printable
 _SHA256_RE = re.compile("(?:[0-9a-f]{64})?")  # empty: the node holds no model file
 _FAULT_RE = re.compile(f"[a-z_]{{1,{MAX_FAULT_CHARS}}}")  # a code such as non_finite
 _SECRET_RE = re.compile(f"[0-9a-f]{{{2 * MESH_SECRET_BYTES}}}")
-_MAX_PORT = 65535
-
-
-# --- field checks: each raises MalformedMessageError naming the field -------------------
-
-
-def _bad(what: str, expected: str) -> MalformedMessageError:
-    return MalformedMessageError(f"gossip field {what}: expected {expected}")
-
-
-def _object(value: Any, what: str, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _bad(what, "a JSON object")
-    if not set(keys) <= set(value) <= set(keys) | set(optional):
-        also = f", and perhaps {', '.join(optional)}" if optional else ""
-        raise _bad(what, f"exactly the keys {', '.join(keys)}{also}; got {', '.join(sorted(value))}")
-    return value
-
-
-def _list(value: Any, what: str, max_items: int) -> list[Any]:
-    if not isinstance(value, list) or len(value) > max_items:
-        raise _bad(what, f"a list of at most {max_items} items")
-    return value
-
-
-def _text(value: Any, what: str, max_chars: int, *, min_chars: int = 0) -> str:
-    # isprintable() also rejects lone surrogates, which could not be re-encoded as UTF-8.
-    if (
-        not isinstance(value, str)
-        or not min_chars <= len(value) <= max_chars
-        or not value.isprintable()
-    ):
-        raise _bad(what, f"{min_chars} to {max_chars} printable characters")
-    return value
-
-
-def _matching(value: Any, what: str, pattern: re.Pattern[str], expected: str) -> str:
-    if not isinstance(value, str) or pattern.fullmatch(value) is None:
-        raise _bad(what, expected)
-    return value
-
-
-def _int(value: Any, what: str, maximum: int) -> int:
-    # bool is an int in Python but not in our schema.
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
-        raise _bad(what, f"an integer from 0 to {maximum}")
-    return value
-
-
-def _bool(value: Any, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise _bad(what, "true or false")
-    return value
-
-
-def _time(value: Any, what: str) -> float:
-    try:
-        # JSON integers have no size limit: float() of one past ~1e308 is an OverflowError.
-        seconds = float(value) if isinstance(value, int | float) else math.nan
-    except OverflowError:
-        seconds = math.inf
-    if isinstance(value, bool) or not math.isfinite(seconds):
-        raise _bad(what, "a finite number of seconds")
-    return seconds
-
-
-def _node_id(value: Any, what: str) -> bytes:
-    hex_id = _matching(value, what, _NODE_ID_RE, f"{NODE_ID_BYTES} bytes as lowercase hex")
-    return bytes.fromhex(hex_id)
-
-
-def _node_ids(value: Any, what: str, max_items: int) -> tuple[bytes, ...]:
-    ids = tuple(_node_id(v, f"{what}[{i}]") for i, v in enumerate(_list(value, what, max_items)))
-    if len(set(ids)) != len(ids):
-        raise _bad(what, "no node id twice")
-    return ids
-
-
-def _rpc_version(value: Any, what: str) -> RpcVersion | None:
-    if value is None:
-        return None
-    try:
-        return RpcVersion.parse(value if isinstance(value, str) else "")
-    except ValueError:
-        raise _bad(what, "major.minor.patch (each 0 to 255) or null") from None
-
-
-def _address(value: Any, what: str) -> str:
-    match = (
-        _ADDRESS_RE.fullmatch(value)
-        if isinstance(value, str) and len(value) <= MAX_ADDRESS_CHARS
-        else None
-    )
-    if match is None or not 1 <= int(match.group(1)) <= _MAX_PORT:
-        raise _bad(what, f"host:port of at most {MAX_ADDRESS_CHARS} characters")
-    return match.group(0)
 
 
 # --- messages ---------------------------------------------------------------------------
@@ -213,11 +128,11 @@ class LlamaBuild:
 
     @classmethod
     def from_body(cls, body: Any, what: str = "llama_build") -> LlamaBuild:
-        fields = _object(body, what, ("rpc_version", "b2b", "llama_cpp"))
+        fields = json_object(body, what, ("rpc_version", "b2b", "llama_cpp"))
         return cls(
-            rpc=_rpc_version(fields["rpc_version"], f"{what}.rpc_version"),
-            b2b=_bool(fields["b2b"], f"{what}.b2b"),
-            llama_cpp=_matching(fields["llama_cpp"], f"{what}.llama_cpp", _BUILD_LABEL_RE,
+            rpc=rpc_version(fields["rpc_version"], f"{what}.rpc_version"),
+            b2b=boolean(fields["b2b"], f"{what}.b2b"),
+            llama_cpp=matching(fields["llama_cpp"], f"{what}.llama_cpp", _BUILD_LABEL_RE,
                                 f"1 to {MAX_BUILD_LABEL_CHARS} printable ASCII characters"),
         )
 
@@ -238,10 +153,10 @@ class CorruptOutput:
 
     @classmethod
     def from_body(cls, body: Any, what: str) -> CorruptOutput:
-        fields = _object(body, what, ("node_id", "run_id", "fault"))
-        return cls(node_id=_node_id(fields["node_id"], f"{what}.node_id"),
-                   run_id=_int(fields["run_id"], f"{what}.run_id", MAX_RUN_ID),
-                   fault=_matching(fields["fault"], f"{what}.fault", _FAULT_RE,
+        fields = json_object(body, what, ("node_id", "run_id", "fault"))
+        return cls(node_id=node_id(fields["node_id"], f"{what}.node_id"),
+                   run_id=integer(fields["run_id"], f"{what}.run_id", MAX_RUN_ID),
+                   fault=matching(fields["fault"], f"{what}.fault", _FAULT_RE,
                                    f"1 to {MAX_FAULT_CHARS} lowercase letters or _"))
 
 
@@ -265,10 +180,10 @@ class SlowWorker:
 
     @classmethod
     def from_body(cls, body: Any, what: str) -> SlowWorker:
-        fields = _object(body, what, ("node_id", "run_id", "owed_ms", "window_ms", "token_ms"))
-        return cls(node_id=_node_id(fields["node_id"], f"{what}.node_id"),
-                   run_id=_int(fields["run_id"], f"{what}.run_id", MAX_RUN_ID),
-                   **{key: _int(fields[key], f"{what}.{key}", MAX_JUDGED_MS)
+        fields = json_object(body, what, ("node_id", "run_id", "owed_ms", "window_ms", "token_ms"))
+        return cls(node_id=node_id(fields["node_id"], f"{what}.node_id"),
+                   run_id=integer(fields["run_id"], f"{what}.run_id", MAX_RUN_ID),
+                   **{key: integer(fields[key], f"{what}.{key}", MAX_JUDGED_MS)
                       for key in ("owed_ms", "window_ms", "token_ms")})
 
 
@@ -301,18 +216,18 @@ class ServedModel:
     def from_body(cls, body: Any, what: str) -> ServedModel:
         keys = ("model", "state", "since", "in_flight", "alone_bytes", "margin_bytes", "layer_bytes", "spread",
                 "members")
-        fields = _object(body, what, keys)
+        fields = json_object(body, what, keys)
         state = fields["state"]
         if state not in SERVED_STATES:
-            raise _bad(f"{what}.state", f"one of {', '.join(SERVED_STATES)}")
+            raise field_error(f"{what}.state", f"one of {', '.join(SERVED_STATES)}")
         return cls(
-            model=_text(fields["model"], f"{what}.model", MAX_MODEL_ID_CHARS, min_chars=1),
-            state=state, since=_time(fields["since"], f"{what}.since"),
-            in_flight=_int(fields["in_flight"], f"{what}.in_flight", MAX_IN_FLIGHT),
-            **{key: _int(fields[key], f"{what}.{key}", MAX_CAPACITY_VALUE)
+            model=text(fields["model"], f"{what}.model", MAX_MODEL_ID_CHARS, min_chars=1),
+            state=state, since=seconds(fields["since"], f"{what}.since"),
+            in_flight=integer(fields["in_flight"], f"{what}.in_flight", MAX_IN_FLIGHT),
+            **{key: integer(fields[key], f"{what}.{key}", MAX_CAPACITY_VALUE)
                for key in ("alone_bytes", "margin_bytes", "layer_bytes")},
-            spread=_bool(fields["spread"], f"{what}.spread"),
-            members=_node_ids(fields["members"], f"{what}.members", MAX_SERVED_MEMBERS))
+            spread=boolean(fields["spread"], f"{what}.spread"),
+            members=node_ids(fields["members"], f"{what}.members", MAX_SERVED_MEMBERS))
 
 
 @dataclass(frozen=True)
@@ -328,12 +243,13 @@ class OfferedDevice:
 
     @classmethod
     def from_body(cls, body: Any, what: str) -> OfferedDevice:
-        items = _list(body, what, 3)
+        items = bounded_list(body, what, 3)
         if len(items) != 3:
-            raise _bad(what, "[name, total bytes, free bytes]")
-        return cls(_matching(items[0], f"{what}[0]", DEVICE_NAME_RE,
-                             f"1 to {MAX_DEVICE_NAME_CHARS} letters, digits, '_', '.' or '-'"),
-                   _int(items[1], f"{what}[1]", MAX_CAPACITY_VALUE), _int(items[2], f"{what}[2]", MAX_CAPACITY_VALUE))
+            raise field_error(what, "[name, total bytes, free bytes]")
+        return cls(matching(items[0], f"{what}[0]", DEVICE_NAME_RE,
+                            f"1 to {MAX_DEVICE_NAME_CHARS} letters, digits, '_', '.' or '-'"),
+                   integer(items[1], f"{what}[1]", MAX_CAPACITY_VALUE),
+                   integer(items[2], f"{what}[2]", MAX_CAPACITY_VALUE))
 
 
 @dataclass(frozen=True)
@@ -371,7 +287,8 @@ class MemberInfo:
 
     def judged_within_limit(self, what: str) -> MemberInfo:
         if len(self.corrupt_outputs) + len(self.slow_workers) > MAX_JUDGED_MEMBERS:
-            raise _bad(f"{what}.corrupt_outputs and slow_workers", f"at most {MAX_JUDGED_MEMBERS} items together")
+            raise field_error(f"{what}.corrupt_outputs and slow_workers",
+                              f"at most {MAX_JUDGED_MEMBERS} items together")
         return self
 
     def __post_init__(self) -> None:
@@ -402,7 +319,7 @@ class MemberInfo:
 
     @classmethod
     def from_body(cls, body: Any, what: str = "member") -> MemberInfo:
-        fields = _object(
+        fields = json_object(
             body,
             what,
             ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready",
@@ -411,17 +328,17 @@ class MemberInfo:
         )
         capacity = fields["capacity"]
         if not isinstance(capacity, dict) or len(capacity) > MAX_CAPACITY_ENTRIES:
-            raise _bad(f"{what}.capacity", f"an object of at most {MAX_CAPACITY_ENTRIES} entries")
+            raise field_error(f"{what}.capacity", f"an object of at most {MAX_CAPACITY_ENTRIES} entries")
         return cls(
-            node_id=_node_id(fields["node_id"], f"{what}.node_id"),
-            name=_text(fields["name"], f"{what}.name", MAX_NAME_CHARS, min_chars=1),
+            node_id=node_id(fields["node_id"], f"{what}.node_id"),
+            name=text(fields["name"], f"{what}.name", MAX_NAME_CHARS, min_chars=1),
             addresses=tuple(
-                _address(a, f"{what}.addresses[{i}]")
+                address(a, f"{what}.addresses[{i}]", MAX_ADDRESS_CHARS)
                 for i, a in enumerate(
-                    _list(fields["addresses"], f"{what}.addresses", MAX_ADDRESSES)
+                    bounded_list(fields["addresses"], f"{what}.addresses", MAX_ADDRESSES)
                 )
             ),
-            version=_matching(
+            version=matching(
                 fields["version"],
                 f"{what}.version",
                 _VERSION_RE,
@@ -429,34 +346,35 @@ class MemberInfo:
             ),
             capacity=tuple(
                 (
-                    _matching(
+                    matching(
                         key,
                         f"{what}.capacity key",
                         _CAPACITY_KEY_RE,
                         f"a lowercase name of at most {MAX_CAPACITY_KEY_CHARS} characters",
                     ),
-                    _int(value, f"{what}.capacity.{key}", MAX_CAPACITY_VALUE),
+                    integer(value, f"{what}.capacity.{key}", MAX_CAPACITY_VALUE),
                 )
                 for key, value in capacity.items()
             ),
-            serving=_bool(fields["serving"], f"{what}.serving"),
-            rpc_ready=_bool(fields["rpc_ready"], f"{what}.rpc_ready"),
+            serving=boolean(fields["serving"], f"{what}.serving"),
+            rpc_ready=boolean(fields["rpc_ready"], f"{what}.rpc_ready"),
             llama_build=LlamaBuild.from_body(fields["llama_build"], f"{what}.llama_build"),
-            model_sha256=_matching(fields["model_sha256"], f"{what}.model_sha256", _SHA256_RE,
+            model_sha256=matching(fields["model_sha256"], f"{what}.model_sha256", _SHA256_RE,
                                    "64 lowercase hex digits or nothing"),
-            secret_epoch=_int(fields["secret_epoch"], f"{what}.secret_epoch", MAX_EPOCH),
-            run_id=_int(fields.get("run_id", 0), f"{what}.run_id", MAX_RUN_ID),
+            secret_epoch=integer(fields["secret_epoch"], f"{what}.secret_epoch", MAX_EPOCH),
+            run_id=integer(fields.get("run_id", 0), f"{what}.run_id", MAX_RUN_ID),
             corrupt_outputs=tuple(
                 CorruptOutput.from_body(c, f"{what}.corrupt_outputs[{i}]")
-                for i, c in enumerate(_list(fields.get("corrupt_outputs", []), f"{what}.corrupt_outputs",
+                for i, c in enumerate(bounded_list(fields.get("corrupt_outputs", []), f"{what}.corrupt_outputs",
                                             MAX_JUDGED_MEMBERS))),
             slow_workers=tuple(
                 SlowWorker.from_body(w, f"{what}.slow_workers[{i}]")
-                for i, w in enumerate(_list(fields.get("slow_workers", []), f"{what}.slow_workers",
+                for i, w in enumerate(bounded_list(fields.get("slow_workers", []), f"{what}.slow_workers",
                                             MAX_JUDGED_MEMBERS))),
             serves=None if fields.get("serves") is None else ServedModel.from_body(fields["serves"], f"{what}.serves"),
-            devices=tuple(OfferedDevice.from_body(d, f"{what}.devices[{i}]") for i, d in
-                          enumerate(_list(fields.get("devices", []), f"{what}.devices", MAX_DEVICES_PER_MEMBER))),
+            devices=tuple(
+                OfferedDevice.from_body(d, f"{what}.devices[{i}]") for i, d in
+                enumerate(bounded_list(fields.get("devices", []), f"{what}.devices", MAX_DEVICES_PER_MEMBER))),
         ).judged_within_limit(what)
 
 
@@ -472,13 +390,13 @@ class MemberList:
 
     @classmethod
     def from_body(cls, body: Any) -> MemberList:
-        fields = _object(body, "member_list", ("members",))
+        fields = json_object(body, "member_list", ("members",))
         members = tuple(
             MemberInfo.from_body(m, f"members[{i}]")
-            for i, m in enumerate(_list(fields["members"], "members", MAX_MEMBERS_PER_LIST))
+            for i, m in enumerate(bounded_list(fields["members"], "members", MAX_MEMBERS_PER_LIST))
         )
         if len({m.node_id for m in members}) != len(members):
-            raise _bad("members", "no node listed twice")
+            raise field_error("members", "no node listed twice")
         return cls(members)
 
 
@@ -495,10 +413,10 @@ class Leave:
 
     @classmethod
     def from_body(cls, body: Any) -> Leave:
-        fields = _object(body, "leave", ("node_id", "reason"))
+        fields = json_object(body, "leave", ("node_id", "reason"))
         return cls(
-            node_id=_node_id(fields["node_id"], "leave.node_id"),
-            reason=_text(fields["reason"], "leave.reason", MAX_REASON_CHARS),
+            node_id=node_id(fields["node_id"], "leave.node_id"),
+            reason=text(fields["reason"], "leave.reason", MAX_REASON_CHARS),
         )
 
 
@@ -514,15 +432,15 @@ class RpcOrder:
 
     @classmethod
     def from_body(cls, body: Any) -> RpcOrder:
-        fields = _object(body, "rpc_order", ("node_ids",))
-        return cls(_node_ids(fields["node_ids"], "node_ids", MAX_RPC_ORDER_ENTRIES))
+        fields = json_object(body, "rpc_order", ("node_ids",))
+        return cls(node_ids(fields["node_ids"], "node_ids", MAX_RPC_ORDER_ENTRIES))
 
 
 def _heartbeat_fields(body: Any, what: str) -> tuple[int, float]:
-    fields = _object(body, what, ("nonce", "sent_at"))
+    fields = json_object(body, what, ("nonce", "sent_at"))
     return (
-        _int(fields["nonce"], f"{what}.nonce", MAX_NONCE),
-        _time(fields["sent_at"], f"{what}.sent_at"),
+        integer(fields["nonce"], f"{what}.nonce", MAX_NONCE),
+        seconds(fields["sent_at"], f"{what}.sent_at"),
     )
 
 
@@ -586,13 +504,13 @@ class Rekey:
 
     @classmethod
     def from_body(cls, body: Any) -> Rekey:
-        fields = _object(body, "rekey", ("epoch", "secret", "removed", "by"))
+        fields = json_object(body, "rekey", ("epoch", "secret", "removed", "by"))
         return cls(
-            epoch=_int(fields["epoch"], "rekey.epoch", MAX_EPOCH),
-            secret=bytes.fromhex(_matching(fields["secret"], "rekey.secret", _SECRET_RE,
+            epoch=integer(fields["epoch"], "rekey.epoch", MAX_EPOCH),
+            secret=bytes.fromhex(matching(fields["secret"], "rekey.secret", _SECRET_RE,
                                            f"{MESH_SECRET_BYTES} bytes as lowercase hex")),
-            removed=_node_ids(fields["removed"], "rekey.removed", MAX_REMOVED_PER_REKEY),
-            by=_node_id(fields["by"], "rekey.by"),
+            removed=node_ids(fields["removed"], "rekey.removed", MAX_REMOVED_PER_REKEY),
+            by=node_id(fields["by"], "rekey.by"),
         )
 
 
@@ -609,7 +527,8 @@ class Observed:
 
     @classmethod
     def from_body(cls, body: Any) -> Observed:
-        return cls(_address(_object(body, "observed", ("address",))["address"], "observed.address"))
+        return cls(address(json_object(body, "observed", ("address",))["address"], "observed.address",
+                           MAX_ADDRESS_CHARS))
 
 
 GossipMessage: TypeAlias = MemberList | Leave | RpcOrder | Ping | Pong | Rekey | Observed
