@@ -17,8 +17,6 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,7 +25,6 @@ import typer
 from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
@@ -35,12 +32,9 @@ from .. import environment
 from ..errors import MeshError, ReceiptError, UsageError
 from ..home import DEFAULT_HOME, NodeHome
 from ..identity import load_or_create_identity, short_id
-from ..llama import weight_cache
-from ..llama.backends import AUTO, BACKENDS, Backend, backend_named, record_backend, recorded_backend
-from ..llama.build import B2B, STOCK, ensure_binaries
+from ..llama.backends import AUTO, BACKENDS, backend_named, record_backend
 from ..llama.estimate import DEFAULT_KV_CACHE, DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES, KvCacheTypes
-from ..llama.model import check_gguf, ensure_model, model_sha256
-from ..llama.weight_cache import WeightCache
+from ..llama.model import check_gguf
 from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
 from ..logs import follow as follow_logs
 from ..mesh.runtime import DEFAULT_QUIC_PORT
@@ -50,22 +44,19 @@ from ..node import control
 from ..node.control import read_plan, read_status
 from ..node.lifecycle import DEFAULT_API_PORT, DEFAULT_CTX_SIZE, ApiOptions, Node, NodeOptions
 from ..ports import LOOPBACK, check_tcp_port_free
-from ..progress import PlainProgress, ProgressCallback
 from ..serve import receipt as receipts
-from ..serve import speculation
 from ..serve.access import ApiAccess
 from ..serve.supervisor import PlanAnnouncement, ServeOptions
 from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
 from ..units import parse_size
-from ..wire.gossip import DEVICE_NAME_RE, MAX_DEVICES_PER_MEMBER
 from ..wire.ticket import decode_ticket
+from .prepare import device_names, draft_for, err_console, prepare, prepare_weight_cache
 from .views import plan_view, status_view
 
 STATUS_WATCH_INTERVAL_S = 1.0
 MESH_ERROR_EXIT_STATUS = 1
 
 console = Console()
-err_console = Console(stderr=True)
 
 
 # The node's options in `mesh-inference --help`, one panel each (rich_help_panel), in this order; a
@@ -160,86 +151,6 @@ def _b2b_option(panel: str | None = None) -> Any:
 HomeOption = Annotated[Path | None, _home_option()]
 B2bOption = Annotated[bool, _b2b_option()]
 LlamaBinOption = Annotated[Path | None, _llama_bin_option()]
-
-
-class _LazyProgress:
-    """One live bar for the setup steps' (message, done, total) reports, on a terminal.
-
-    Shown only once a step reports: when everything is cached, nothing is printed.
-    """
-
-    def __init__(self) -> None:
-        self._bar: tuple[Progress, TaskID] | None = None  # made at the first report
-
-    def __call__(self, message: str, done: int, total: int) -> None:
-        if self._bar is None:
-            progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                console=err_console, transient=True)
-            progress.start()
-            self._bar = progress, progress.add_task("", total=None)
-        progress, task = self._bar
-        progress.update(task, description=message, completed=done, total=total or None)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar[0].stop()
-
-
-@contextmanager
-def _setup_progress() -> Iterator[ProgressCallback]:
-    """Where the setup steps report: a live bar on a terminal, else plain lines (CI logs, `| tee`)."""
-    if not err_console.is_terminal:
-        yield PlainProgress(lambda line: err_console.print(line, highlight=False, markup=False, soft_wrap=True))
-        return
-    bar = _LazyProgress()
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-def _prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False, b2b: bool = False,
-             more_models: Sequence[Path] = (), backend: Backend | None = None):
-    """Binaries, model and (if asked) the model's sha256, with a progress bar when slow; and
-    ``more_models`` (the other tiers) as (path, sha256) pairs. The pinned build is ``backend``'s, by default
-    the one the last `setup` built (cpu if none did).
-
-    Models the user named are checked first: a typo should not wait for a build.
-    """
-    if model is not None:
-        check_gguf(model)
-    more = [check_gguf(path) for path in more_models]
-    with _setup_progress() as progress:
-        variant = B2B if b2b else STOCK
-        binaries = ensure_binaries(llama_bin, progress, variant.on(backend or recorded_backend()))
-        model_path = ensure_model(model, progress)
-        sha256 = model_sha256(model_path, progress) if identify_model else ""
-        return binaries, model_path, sha256, tuple((path, model_sha256(path, progress)) for path in more)
-
-
-def _draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:
-    """The draft model --draft-model names (checked against the model's tokenizer), or None."""
-    if draft is None:
-        return None
-    if not serving:
-        raise UsageError("--draft-model works on the serving node only: add --serve PORT.")
-    path = speculation.find_draft(model) if draft == speculation.AUTO else check_gguf(Path(draft))
-    speculation.check_pair(model, path)
-    return path
-
-
-def _prepare_weight_cache(home: NodeHome, model: Path, sha256: str) -> tuple[WeightCache, Path]:
-    """This node's rpc-server weight cache (checked, seeded from the model file it holds) and its helper."""
-    cache = WeightCache.in_home(home.root)
-    with _setup_progress() as progress:
-        tool = weight_cache.ensure_tool(progress)
-        removed = weight_cache.verify(cache, tool, progress)
-        if removed:
-            _say(f"Removed {removed} damaged file(s) from the weight cache; their tensors will be sent again.")
-        if sha256:
-            weight_cache.seed(cache, tool, model, sha256, progress)
-    return cache, tool
 
 
 def _configure_logging(home: NodeHome, verbose: bool) -> None:
@@ -379,14 +290,14 @@ def run_node(
     if model and len(model) > 1 and serve is None:
         raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
                          "or give a worker one --model.")
-    binaries, model_path, sha256, more_models = _prepare(
+    binaries, model_path, sha256, more_models = prepare(
         llama_bin, model[0] if model else None, identify_model=serve is not None or bool(model), b2b=b2b,
         more_models=model[1:] if model else ())
     if speculation_mode not in ("auto", "off"):
         raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
     if speculation_mode == "off" and draft_model is not None:
         raise UsageError("--speculation off and --draft-model contradict each other: drop one.")
-    draft_path = _draft_for(model_path, draft_model, serve is not None)
+    draft_path = draft_for(model_path, draft_model, serve is not None)
     if receipt is not None and serve is None:
         raise UsageError("--receipt works on the serving node only: add --serve PORT.")
     node_home.create()
@@ -395,7 +306,7 @@ def run_node(
     node_name = name or socket.gethostname()
     # Said before the weight cache is seeded, so the seeding lines belong to this node.
     console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
-    cache, tool = _prepare_weight_cache(node_home, model_path, sha256) if use_weight_cache else (None, None)
+    cache, tool = prepare_weight_cache(node_home, model_path, sha256, _say) if use_weight_cache else (None, None)
     serving = ServeOptions(models=((model_path, sha256), *more_models), ctx_size=ctx_size,
                            min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
                            spread=spread, draft_model=draft_path,
@@ -404,23 +315,10 @@ def run_node(
     options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,
                           serving=serving,
                           join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                          devices=_device_names(devices),
+                          devices=device_names(devices),
                           model_sha256=sha256, weight_cache=cache, weight_cache_tool=tool, fetch_model=fetch_model,
                           mdns=not no_mdns, plain_progress=not console.is_terminal)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
-
-
-def _device_names(devices: str | None) -> tuple[str, ...]:
-    """--devices as names (UsageError for one llama.cpp could not name, or too many for gossip)."""
-    if devices is None:
-        return ()
-    names = tuple(name.strip() for name in devices.split(","))
-    if not all(DEVICE_NAME_RE.fullmatch(name) for name in names) or len(set(names)) != len(names):
-        raise UsageError(f"--devices takes distinct device names as llama.cpp gives them, comma-separated "
-                         f"(e.g. Vulkan0,CPU), not {devices!r}. `mesh-inference status` shows a node's devices.")
-    if len(names) > MAX_DEVICES_PER_MEMBER:
-        raise UsageError(f"--devices names {len(names)} devices; a node offers at most {MAX_DEVICES_PER_MEMBER}.")
-    return names
 
 
 def _api_options(serve: int | None, api_port: int | None, no_api: bool, access: ApiAccess) -> ApiOptions:
@@ -487,7 +385,7 @@ def setup(
         raise UsageError(f"--backend chooses which pinned build to make, --llama-bin (or "
                          f"{environment.LLAMA_BIN_ENV}) names your own: give one.")
     chosen = None if own_build else backend_named(backend)
-    binaries, model_path, _, _ = _prepare(llama_bin, model, b2b=b2b, backend=chosen)
+    binaries, model_path, _, _ = prepare(llama_bin, model, b2b=b2b, backend=chosen)
     if chosen is None:
         console.print("backend: your own build (--llama-bin)", highlight=False)
     else:

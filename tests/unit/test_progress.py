@@ -6,7 +6,7 @@ load (the log hook fed by a real child: tests/integration/test_progress.py).
 
 from __future__ import annotations
 
-from mesh_sidecar.cli import main as cli
+from mesh_sidecar.cli import prepare
 from mesh_sidecar.llama.build import ninja_progress
 from mesh_sidecar.llama.launch import LLAMA_SERVER_LOAD_STAGES, llama_server_load_stage
 from mesh_sidecar.progress import PlainProgress
@@ -101,8 +101,8 @@ def test_llama_server_load_stages_from_a_real_log() -> None:
 
 
 def test_setup_reports_plain_lines_without_a_terminal(capsys) -> None:
-    assert not cli.err_console.is_terminal  # pytest captures stderr
-    with cli._setup_progress() as progress:
+    assert not prepare.err_console.is_terminal  # pytest captures stderr
+    with prepare.setup_progress() as progress:
         progress("Configuring llama.cpp", 0, 0)
         progress("Compiling llama.cpp", 5, 10)
     assert isinstance(progress, PlainProgress)

@@ -1,0 +1,119 @@
+"""What a command readies before a node runs: the llama.cpp build, the model and its identity, a draft
+model, the weight cache, the devices to offer; slow steps report on a live bar on a terminal, else in plain
+lines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+
+from ..errors import UsageError
+from ..home import NodeHome
+from ..llama import weight_cache
+from ..llama.backends import Backend, recorded_backend
+from ..llama.build import B2B, STOCK, ensure_binaries
+from ..llama.model import check_gguf, ensure_model, model_sha256
+from ..llama.weight_cache import WeightCache
+from ..progress import PlainProgress, ProgressCallback
+from ..serve import speculation
+from ..wire.gossip import DEVICE_NAME_RE, MAX_DEVICES_PER_MEMBER
+
+err_console = Console(stderr=True)
+
+
+class _LazyProgress:
+    """One live bar for the setup steps' (message, done, total) reports, on a terminal.
+
+    Shown only once a step reports: when everything is cached, nothing is printed.
+    """
+
+    def __init__(self) -> None:
+        self._bar: tuple[Progress, TaskID] | None = None  # made at the first report
+
+    def __call__(self, message: str, done: int, total: int) -> None:
+        if self._bar is None:
+            progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                console=err_console, transient=True)
+            progress.start()
+            self._bar = progress, progress.add_task("", total=None)
+        progress, task = self._bar
+        progress.update(task, description=message, completed=done, total=total or None)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar[0].stop()
+
+
+@contextmanager
+def setup_progress() -> Iterator[ProgressCallback]:
+    """Where the setup steps report: a live bar on a terminal, else plain lines (CI logs, `| tee`)."""
+    if not err_console.is_terminal:
+        yield PlainProgress(lambda line: err_console.print(line, highlight=False, markup=False, soft_wrap=True))
+        return
+    bar = _LazyProgress()
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False, b2b: bool = False,
+             more_models: Sequence[Path] = (), backend: Backend | None = None):
+    """Binaries, model and (if asked) the model's sha256, with a progress bar when slow; and
+    ``more_models`` (the other tiers) as (path, sha256) pairs. The pinned build is ``backend``'s, by default
+    the one the last `setup` built (cpu if none did).
+
+    Models the user named are checked first: a typo should not wait for a build.
+    """
+    if model is not None:
+        check_gguf(model)
+    more = [check_gguf(path) for path in more_models]
+    with setup_progress() as progress:
+        variant = B2B if b2b else STOCK
+        binaries = ensure_binaries(llama_bin, progress, variant.on(backend or recorded_backend()))
+        model_path = ensure_model(model, progress)
+        sha256 = model_sha256(model_path, progress) if identify_model else ""
+        return binaries, model_path, sha256, tuple((path, model_sha256(path, progress)) for path in more)
+
+
+def draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:
+    """The draft model --draft-model names (checked against the model's tokenizer), or None."""
+    if draft is None:
+        return None
+    if not serving:
+        raise UsageError("--draft-model works on the serving node only: add --serve PORT.")
+    path = speculation.find_draft(model) if draft == speculation.AUTO else check_gguf(Path(draft))
+    speculation.check_pair(model, path)
+    return path
+
+
+def prepare_weight_cache(home: NodeHome, model: Path, sha256: str,
+                         say: Callable[[str], None]) -> tuple[WeightCache, Path]:
+    """This node's rpc-server weight cache (checked, seeded from the model file it holds) and its helper."""
+    cache = WeightCache.in_home(home.root)
+    with setup_progress() as progress:
+        tool = weight_cache.ensure_tool(progress)
+        removed = weight_cache.verify(cache, tool, progress)
+        if removed:
+            say(f"Removed {removed} damaged file(s) from the weight cache; their tensors will be sent again.")
+        if sha256:
+            weight_cache.seed(cache, tool, model, sha256, progress)
+    return cache, tool
+
+
+def device_names(devices: str | None) -> tuple[str, ...]:
+    """--devices as names (UsageError for one llama.cpp could not name, or too many for gossip)."""
+    if devices is None:
+        return ()
+    names = tuple(name.strip() for name in devices.split(","))
+    if not all(DEVICE_NAME_RE.fullmatch(name) for name in names) or len(set(names)) != len(names):
+        raise UsageError(f"--devices takes distinct device names as llama.cpp gives them, comma-separated "
+                         f"(e.g. Vulkan0,CPU), not {devices!r}. `mesh-inference status` shows a node's devices.")
+    if len(names) > MAX_DEVICES_PER_MEMBER:
+        raise UsageError(f"--devices names {len(names)} devices; a node offers at most {MAX_DEVICES_PER_MEMBER}.")
+    return names
