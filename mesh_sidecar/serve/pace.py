@@ -11,7 +11,7 @@ where one takes 50 ms), within a few seconds instead of the 60 s stall timer.
 
 Prompt processing, of this request or of another one batched with it, holds tokens back
 for as long as the prompt is long, so nothing is judged before a stream's first byte nor
-while any request waits for its own: the proxy's STALL_TIMEOUT_S covers those.
+while any request waits for its own: stall_watch.STALL_TIMEOUT_S covers those.
 """
 
 from __future__ import annotations

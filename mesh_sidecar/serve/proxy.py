@@ -59,7 +59,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -76,7 +76,7 @@ from .catalog import MeshCatalog, mesh_models_list
 from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly
 from .generation import Generation, PreparedRequest, prepare, requested_model
 from .metrics import Metrics
-from .pace import Slow, StreamPace, TokenPace
+from .pace import Slow
 from .receipt import CONTINUE_AT_HEADER, OutputTap, parse_continue_at
 from .recovery import (
     MAX_FAILOVERS_PER_REQUEST,
@@ -99,16 +99,12 @@ from .recovery import (
 )
 from .replay import GENERATION_PATHS, EventSplitter
 from .routing import MODEL_LOADING_CODE, MODEL_LOADING_MESSAGE, MeshRouter, MeshRoutes, Refusal, Route
+from .stall_watch import STALL_TIMEOUT_S, StallWatch
 from .tiers import DEFAULT_MODEL_NAMES, TierView, why_not_served
 
 log = logging.getLogger(__name__)
 
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
-# A stream with no byte for this long is stuck (a member stopped answering without being lost
-# yet): llama-server is restarted and the stream continued. Most stalls are judged sooner,
-# against a token's expected time (pace.py); this covers prompts and a node's first request.
-STALL_TIMEOUT_S = 60.0
-PACE_CHECK_S = 0.5  # how often a stream with no new byte is judged against its pace (pace.py)
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=60.0, pool=None)
@@ -204,8 +200,7 @@ class ApiProxy:
         self._serving_here = mesh is None
         self._mesh_client = (httpx.AsyncClient(transport=mesh.transport, timeout=UPSTREAM_TIMEOUT)
                              if mesh is not None else None)
-        self._pace = TokenPace()
-        self._prompts_waiting = 0  # upstream requests that have not yet sent their first byte
+        self._stalls = StallWatch(options.stall_timeout_s)
         upstream_key = options.upstream_key
         self._client = httpx.AsyncClient(
             timeout=UPSTREAM_TIMEOUT,
@@ -530,8 +525,9 @@ class ApiProxy:
                     recovery.began()
                 splitter = EventSplitter()
                 # A member's API judges its own llama-server's pace; here only its connection can fail.
-                chunks = (self._unless_stalled(upstream.aiter_raw(), request.path) if at.node_id is None
-                          else upstream.aiter_raw())
+                chunks = (self._stalls.chunks(upstream.aiter_raw(), request.path, links_rtt_s=self._hooks.links_rtt_s,
+                                              on_slow=self._hooks.on_slow, on_stall=self._hooks.on_stall)
+                          if at.node_id is None else upstream.aiter_raw())
                 async for chunk in chunks:
                     for event in splitter.feed(chunk):
                         for out in recovery.relay(event):
@@ -573,12 +569,8 @@ class ApiProxy:
         self.token_rate.streamed(event, time.monotonic())
 
     async def _read_whole(self, upstream: httpx.Response) -> bytes:
-        # Its prompt and tokens pass unseen: while it runs, other streams' pauses may be its prompt.
-        self._prompts_waiting += 1
-        try:
+        with self._stalls.prompt():
             return await upstream.aread()
-        finally:
-            self._prompts_waiting -= 1
 
     @staticmethod
     def _assembled(assembly: Assembly) -> web.Response:
@@ -601,50 +593,6 @@ class ApiProxy:
             return Prepared(prompt, spelled.json())
         except (httpx.HTTPError, ValueError) as exc:
             return PrepareFailed(repr(exc))
-
-    async def _unless_stalled(self, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
-        """The chunks, until the stream falls far behind a token's expected time and a worker is found
-        holding it up (pace.py; the serving loop then replans without it), or until nothing comes for the
-        stall timeout (llama-server is restarted). Either way the request fails over."""
-        began = judge_at = time.monotonic()
-        pace = StreamPace()
-        pending: asyncio.Future[bytes] | None = None
-        self._prompts_waiting += 1
-        waiting = True  # for this stream's first byte: its prompt is being processed
-        try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(anext(chunks))
-                done, _ = await asyncio.wait((pending,), timeout=PACE_CHECK_S)
-                now = time.monotonic()
-                if done:
-                    try:
-                        chunk = pending.result()
-                    except StopAsyncIteration:
-                        return
-                    pending = None
-                    if waiting:
-                        waiting = False
-                        self._prompts_waiting -= 1
-                    pace.arrived(now)
-                    yield chunk
-                    if now < judge_at:  # judged at most every PACE_CHECK_S: tokens come far faster
-                        continue
-                judge_at = now + PACE_CHECK_S
-                expected_s = self._pace.expected_s(self._hooks.links_rtt_s())
-                if (slow := pace.judge(now, expected_s, self._prompts_waiting > 0)) is not None:
-                    if self._hooks.on_slow(slow):
-                        raise httpx.ReadTimeout(f"a worker held the stream up ({slow.describe()})")
-                    pace.excuse(now)
-                elif now - pace.last_progress(began) >= self._options.stall_timeout_s:
-                    self._hooks.on_stall(f"No progress on a {path} stream for {self._options.stall_timeout_s:.0f} s")
-                    raise httpx.ReadTimeout("llama-server stalled")
-        finally:
-            if waiting:
-                self._prompts_waiting -= 1
-            if pending is not None:
-                pending.cancel()
-                await asyncio.wait((pending,))  # the stream is closed next: its read must have ended
 
     @staticmethod
     def _headers(upstream: httpx.Response) -> dict[str, str]:
@@ -674,4 +622,4 @@ class ApiProxy:
         if isinstance(speed, (int, float)) and speed > 0:
             self.metrics.tokens_per_second.observe(speed)
             self.token_rate.finished(speed)
-            self._pace.finished(speed)
+            self._stalls.token_pace.finished(speed)
