@@ -46,6 +46,7 @@ from ..wire.api_forward import (
     ResponseHeadDecoder,
     encode_request,
     encode_response_head,
+    openai_error_body,
 )
 from ..wire.stream_kind import StreamKind
 from .streams import MeshStreamReader, MeshStreamWriter
@@ -194,7 +195,7 @@ def _passed_on(name: str) -> bool:
 
 def _answer_error(writer: MeshStreamWriter, status: int, message: str, error_type: str, code: str) -> None:
     """An OpenAI-style error (serve/access.py's shape) as the whole answer, if the stream still takes one."""
-    body = json.dumps({"error": {"message": message, "type": error_type, "code": code}}).encode()
+    body = json.dumps(openai_error_body(message, error_type, code)).encode()
     head = ForwardedResponseHead(status, (("Content-Type", "application/json"),))
     try:
         writer.write(encode_response_head(head) + body)

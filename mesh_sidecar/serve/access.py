@@ -19,7 +19,7 @@ from aiohttp.typedefs import Middleware
 from .. import environment
 from ..errors import UsageError
 from ..units import MIB
-from ..wire.api_forward import FORWARDED_TOKEN_HEADER, MAX_FORWARDED_BODY_BYTES
+from ..wire.api_forward import FORWARDED_TOKEN_HEADER, MAX_FORWARDED_BODY_BYTES, openai_error_body
 from .dashboard import KEYLESS_PATHS
 from .receipt import CONTINUE_AT_HEADER
 
@@ -41,9 +41,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def openai_error(status: int, message: str, error_type: str, code: str,
                  headers: dict[str, str] | None = None) -> web.Response:
     """An error body in the shape OpenAI clients parse."""
-    return web.json_response(
-        {"error": {"message": message, "type": error_type, "code": code}}, status=status, headers=headers
-    )
+    return web.json_response(openai_error_body(message, error_type, code), status=status, headers=headers)
 
 
 @dataclass(frozen=True)

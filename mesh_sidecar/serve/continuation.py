@@ -44,12 +44,11 @@ Sans-I/O: events in, requests and events out; the proxy performs the requests.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from .receipt import token_ids
-from .replay import DATA_PREFIX, EVENT_SEPARATOR, event_payload
+from .replay import event_payload, sse_event
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -130,10 +129,6 @@ def streamed(path: str, request: dict[str, Any]) -> dict[str, Any]:
     if path == CHAT_PATH:
         request["stream_options"] = {"include_usage": True}
     return request
-
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return DATA_PREFIX + json.dumps(payload).encode() + EVENT_SEPARATOR
 
 
 @dataclass
@@ -228,8 +223,8 @@ class Continuation:
         if isinstance(payload.get("usage"), dict):
             payload["usage"] = self._usage(payload["usage"])
         if self.path == COMPLETIONS_PATH:
-            return [_event(payload)]
-        return [_event(chunk) for chunk in self._chat_chunks(payload)]
+            return [sse_event(payload)]
+        return [sse_event(chunk) for chunk in self._chat_chunks(payload)]
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """Counted as one generation: the skipped ids were generated, not prompt."""

@@ -43,6 +43,14 @@ class PreparedRequest:
     assembly: Assembly | None = None  # a plain answer made from llama-server's stream
 
 
+def is_json_object(body: bytes) -> bool:
+    """Whether a request body is one JSON object (a generation request must be: else refused at once)."""
+    try:
+        return isinstance(json.loads(body), dict)
+    except ValueError:
+        return False
+
+
 def requested_model(body: bytes) -> str:
     """The ``model`` a generation request names ("" for none, or a body we cannot read)."""
     try:

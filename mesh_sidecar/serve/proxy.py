@@ -69,12 +69,12 @@ from .. import environment
 from ..errors import MeshError, ServiceUnavailableError
 from ..net.api_forward import mesh_url
 from ..ports import LOOPBACK
-from ..wire.api_forward import FORWARDED_TOKEN_HEADER, HOP_BY_HOP_HEADERS
+from ..wire.api_forward import FORWARDED_TOKEN_HEADER, HOP_BY_HOP_HEADERS, openai_error_body
 from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, ApiAccess, cors, guard, openai_error
 from .activity import TokenRate
 from .catalog import MeshCatalog, mesh_models_list
 from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly
-from .generation import Generation, PreparedRequest, prepare, requested_model
+from .generation import Generation, PreparedRequest, is_json_object, prepare, requested_model
 from .metrics import Metrics
 from .pace import Slow
 from .receipt import CONTINUE_AT_HEADER, OutputTap, parse_continue_at
@@ -97,7 +97,7 @@ from .recovery import (
     UpstreamReady,
     WaitForUpstream,
 )
-from .replay import GENERATION_PATHS, EventSplitter
+from .replay import GENERATION_PATHS, EventSplitter, sse_event
 from .routing import MODEL_LOADING_CODE, MODEL_LOADING_MESSAGE, MeshRouter, MeshRoutes, Refusal, Route
 from .stall_watch import STALL_TIMEOUT_S, StallWatch
 from .tiers import DEFAULT_MODEL_NAMES, TierView, why_not_served
@@ -168,18 +168,6 @@ class _ClientSide:
     started: float  # monotonic time the request arrived
     response: web.StreamResponse | None = None  # a stream's response, once begun
     first_text_seen: bool = False
-
-
-def _is_json_object(body: bytes) -> bool:
-    try:
-        return isinstance(json.loads(body), dict)
-    except ValueError:
-        return False
-
-
-def _sse_error(message: str, code: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "code": code}}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 class ApiProxy:
@@ -335,7 +323,7 @@ class ApiProxy:
         except ValueError as exc:
             return self._count(request, openai_error(400, str(exc), "invalid_request_error", "invalid_header"))
         body = await request.read()
-        if request.method == "POST" and request.path in GENERATION_PATHS and not _is_json_object(body):
+        if request.method == "POST" and request.path in GENERATION_PATHS and not is_json_object(body):
             # Refused here, where the client called: a member serving the model never sees it.
             return self._count(request, openai_error(400, "The request body is not a JSON object.",
                                                      "invalid_request_error", "invalid_json"))
@@ -604,7 +592,7 @@ class ApiProxy:
         """An OpenAI-style error, or an error event ending a stream that had begun."""
         if response is None:
             return openai_error(give_up.status, give_up.message, "server_error", give_up.code)
-        await response.write(_sse_error(give_up.message, give_up.code))
+        await response.write(sse_event(openai_error_body(give_up.message, "server_error", give_up.code)))
         await response.write_eof()
         return response
 

@@ -66,6 +66,11 @@ class EventSplitter:
         return events
 
 
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return DATA_PREFIX + json.dumps(payload).encode() + EVENT_SEPARATOR
+
+
 def event_payload(event: bytes) -> Any:
     """The JSON of a ``data:`` event, or None for [DONE], comments and non-JSON."""
     line = event.strip()

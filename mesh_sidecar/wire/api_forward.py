@@ -90,6 +90,12 @@ class ForwardedResponseHead:
     headers: Headers
 
 
+def openai_error_body(message: str, error_type: str, code: str) -> dict[str, Any]:
+    """An error in the shape OpenAI clients parse: what a node's API answers, whole or as a stream's last
+    event, wherever the error arose (this node, or the member a request was forwarded to)."""
+    return {"error": {"message": message, "type": error_type, "code": code}}
+
+
 def encode_request(request: ForwardedRequest) -> bytes:
     """The request's bytes on the stream (after the kind byte); a WireError if it breaks a rule above."""
     _check_method(request.method)
