@@ -161,6 +161,10 @@ class ServiceUnavailableError(ServingError):
         self.code = code  # the OpenAI-style error code: "model_loading" or "insufficient_capacity"
 
 
+class UpstreamLostError(ServingError):
+    """The llama-server or member a request was sent to could not be reached, or its answer broke off."""
+
+
 class ReplayMismatchError(ServingError):
     """After a failover the replayed stream differs from the text the client already has."""
 

@@ -35,6 +35,7 @@ from ..identity import NodeIdentity, short_id
 from ..llama.capacity import Capacity
 from ..llama.model import offered_files
 from ..net.addresses import reachable_addresses
+from ..net.api_forward import ApiServer
 from ..net.connection import PeerConnection
 from ..net.discovery import LanRecord, mesh_id
 from ..net.model_transfer import fetch_model_over
@@ -98,7 +99,7 @@ class Mesh:
         model_sha256: str = "",
         model_file: Path | None = None,
         lan: bool = False,
-        local_api: Callable[[], str | None] = lambda: None,
+        local_api: Callable[[], ApiServer | None] = lambda: None,
         forward_token: str = "",
         timings: MeshTimings = MeshTimings(),
         membership: type[Membership] = Membership,  # tests put a faulty one in its place

@@ -4,13 +4,19 @@
     httpx.AsyncClient(MeshForwardTransport)  ── QUIC stream ──▶ serve_forwarded_request
       GET/POST http://<B's node id>.mesh/v1/...   request         │ + Mesh-Forwarded: <token>
                                                                    ▼
-      httpx.Response, its body streamed       ◀── answer ──── B's own API on 127.0.0.1
+      httpx.Response, its body streamed       ◀── answer ──── B's own API server, in memory
 
 The stream carries wire/api_forward.py's format. A's side keeps its half open until
 it has the whole answer; closing the response before then resets the stream, B's side
-sees the reset (or a FIN), closes its HTTP request to the local API, and the
+sees the reset (or a FIN), tells its API server the connection is lost, and the
 generation there is cancelled. Nothing is buffered but QUIC's window and the
-stream's water marks (streams.py): each chunk is passed on as the local API sends it.
+stream's water marks (streams.py): each chunk is passed on as the API server writes it.
+
+B's API server (aiohttp's, the one on its API port) answers without a socket: it gets a
+connection whose transport is the stream (``_ApiConnection``), is handed the request as
+HTTP/1.0 bytes (wire/http1.py) and writes its answer into the stream. A loopback
+connection would cost each token a socket write and an HTTP client's read, CPU that the
+serving node takes from llama-server.
 
 Failures reach A's caller as httpx.TransportError subclasses, so failover code that
 already catches those for llama-server sees them too:
@@ -24,12 +30,12 @@ To route only mesh URLs through it: ``httpx.AsyncClient(mounts={MESH_URL_PATTERN
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import re
-import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
 
 import httpx
 
@@ -48,8 +54,9 @@ from ..wire.api_forward import (
     encode_response_head,
     openai_error_body,
 )
+from ..wire.http1 import ResponseHeadReader, http1_request
 from ..wire.stream_kind import StreamKind
-from .streams import MeshStreamReader, MeshStreamWriter
+from .streams import SEND_HIGH_WATER_BYTES, MeshStreamReader, MeshStreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +64,13 @@ READ_BYTES = 64 * KIB
 MESH_HOST_SUFFIX = ".mesh"
 MESH_URL_PATTERN = "http://*" + MESH_HOST_SUFFIX  # an httpx mount pattern matching every mesh URL
 _MESH_HOST_RE = re.compile(f"([0-9a-f]{{{2 * NODE_ID_BYTES}}}){re.escape(MESH_HOST_SUFFIX)}")
-LOCAL_API_CONNECT_TIMEOUT_S = 5.0
-# Generation can pause for long between tokens: no read timeout towards the local API.
-LOCAL_API_TIMEOUT = httpx.Timeout(connect=LOCAL_API_CONNECT_TIMEOUT_S, read=None, write=60.0, pool=None)
 BAD_FORWARD_CODE = "bad_forward"
 MODEL_UNAVAILABLE_CODE = "model_unavailable"
 
 # A new stream to a member, by its node id (not yet carrying anything).
 OpenStream = Callable[[bytes], Awaitable[tuple[MeshStreamReader, MeshStreamWriter]]]
+# This node's API server as loop.create_server takes it (aiohttp's web.Server): a new connection's protocol.
+ApiServer = Callable[[], asyncio.Protocol]
 
 
 def mesh_url(node_id: bytes) -> str:
@@ -84,14 +90,14 @@ def mesh_node_id(host: str) -> bytes | None:
 
 
 async def serve_forwarded_request(reader: MeshStreamReader, writer: MeshStreamWriter,
-                                  local_api: Callable[[], str | None], token: str, peer_name: str) -> None:
+                                  local_api: Callable[[], ApiServer | None], token: str, peer_name: str) -> None:
     """Answer one API_FORWARD stream (kind byte read) from ``peer_name`` with this node's own API.
 
-    ``local_api()`` is the API's base URL ("http://127.0.0.1:8080"), or None where this node
-    has none (503 ``model_unavailable``). The request goes there with ``FORWARDED_TOKEN_HEADER:
-    token``; its answer comes back as it is produced. Returns when the answer is sent, the
-    requester went away (its FIN or reset: the local request is closed, which cancels it), or
-    the stream failed; never raises for any of those.
+    ``local_api()`` is the API's server, or None where this node has none (503
+    ``model_unavailable``). The request reaches it with ``FORWARDED_TOKEN_HEADER: token``; its
+    answer goes back as it is produced. Returns when the answer is sent, the requester went
+    away (its FIN or reset: the server's connection is lost, which cancels the request), or the
+    stream failed; never raises for any of those.
     """
     try:
         request = await _read_request(reader)
@@ -104,24 +110,26 @@ async def serve_forwarded_request(reader: MeshStreamReader, writer: MeshStreamWr
         log.info("forwarded request from %s: the stream broke before the request was in (%s)", peer_name, exc)
         writer.abort()
         return
-    base = local_api()
-    if base is None:
+    server = local_api()
+    if server is None:
         _answer_error(writer, 503, "This member serves no API now; ask another.", "unavailable",
                       MODEL_UNAVAILABLE_CODE)
         return
+    passed_on = replace(request, headers=tuple((n, v) for n, v in request.headers if _passed_on(n)))
+    connection = _ApiConnection(writer, peer_name)
     try:
-        # trust_env=False: a proxy named in the environment must not see the token or the request.
-        async with (httpx.AsyncClient(timeout=LOCAL_API_TIMEOUT, trust_env=False, verify=_tls_context()) as client,
-                    asyncio.TaskGroup() as group):
-            relay = group.create_task(_relay(client, base, request, token, writer, peer_name))
+        connection.open(server(), http1_request(passed_on, ((FORWARDED_TOKEN_HEADER, token),)))
+        async with asyncio.TaskGroup() as group:
+            answered = group.create_task(connection.wait_closed())
             watch = group.create_task(_until_requester_leaves(reader))
             # Whichever ends first ends the other: the answer is sent, or nobody waits for it.
-            relay.add_done_callback(lambda _: watch.cancel())
-            watch.add_done_callback(lambda _: relay.cancel())
-        if relay.cancelled():
+            answered.add_done_callback(lambda _: watch.cancel())
+            watch.add_done_callback(lambda _: answered.cancel())
+        if answered.cancelled():
             log.info("forwarded %s %s from %s: the requester went away; cancelled", request.method,
                      request.target, peer_name)
     finally:
+        connection.lose()
         if not writer.is_closing():
             writer.abort()  # an answer cut off (cancelled, or this node stopping) is a reset, never a FIN
 
@@ -145,46 +153,137 @@ async def _until_requester_leaves(reader: MeshStreamReader) -> None:
         pass
 
 
-async def _relay(client: httpx.AsyncClient, base: str, request: ForwardedRequest, token: str,
-                 writer: MeshStreamWriter, peer_name: str) -> None:
-    """Make ``request`` to the local API and stream its answer to ``writer``."""
-    url = httpx.URL(base).copy_with(raw_path=request.target.encode("ascii"))  # the host stays ``base``'s
-    headers = [(name, value) for name, value in request.headers if _passed_on(name)]
-    headers.append((FORWARDED_TOKEN_HEADER, token))
-    head_sent = False
-    try:
-        async with client.stream(request.method, url, content=request.body,
-                                 headers=[(n.encode("latin-1"), v.encode("latin-1")) for n, v in headers]) as answer:
-            head = ForwardedResponseHead(answer.status_code, _end_to_end(answer.headers.raw))
-            try:
-                writer.write(encode_response_head(head))
-            except WireError as exc:
-                log.warning("the local API's answer to %s cannot be forwarded: %s", peer_name, exc)
-                _answer_error(writer, 502, f"This member's API answered what cannot be forwarded: {exc}",
+class _ApiConnection(asyncio.Transport):
+    """One connection of this node's API server whose far end is an API_FORWARD stream.
+
+    The server writes an HTTP/1.0 answer: its head goes on as the stream's answer head, the
+    rest as the body, and the server's close (the end of an HTTP/1.0 answer) is the stream's
+    FIN. Past the stream's high water mark the server is paused, as a socket's would be.
+    """
+
+    def __init__(self, writer: MeshStreamWriter, peer_name: str) -> None:
+        super().__init__()
+        self._writer = writer
+        self._peer_name = peer_name
+        self._head = ResponseHeadReader()
+        self._head_sent = False
+        self._protocol: asyncio.Protocol | None = None
+        self._closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._lost = False
+        self._drain: asyncio.Task[None] | None = None
+
+    def open(self, protocol: asyncio.BaseProtocol, request: bytes) -> None:
+        assert isinstance(protocol, asyncio.Protocol)
+        self._protocol = protocol
+        protocol.connection_made(self)
+        protocol.data_received(request)
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    def lose(self) -> None:
+        """The server hears that the connection is gone (once): what it still writes goes nowhere."""
+        if self._lost:
+            return
+        self._lost = True
+        self._end()
+        if self._drain is not None:
+            self._drain.cancel()
+        if self._protocol is not None:
+            self._protocol.connection_lost(None)
+
+    # asyncio.Transport, as the server uses it
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed.done():
+            return
+        chunk = bytes(data)
+        try:
+            if not self._head_sent:
+                got = self._head.feed(chunk)
+                if got is None:
+                    return
+                head, chunk = got
+                self._writer.write(encode_response_head(head))
+                self._head_sent = True
+            self._writer.write(chunk)
+        except WireError as exc:
+            log.warning("this node's API answered %s what cannot be forwarded: %s", self._peer_name, exc)
+            if not self._head_sent:
+                _answer_error(self._writer, 502, f"This member's API answered what cannot be forwarded: {exc}",
                               "server_error", BAD_FORWARD_CODE)
-                return
-            head_sent = True
-            async for chunk in answer.aiter_raw():
-                writer.write(chunk)
-                await writer.drain()  # the stream's water marks: aioquic has no backpressure of its own
-        writer.close()
-    except httpx.TransportError as exc:
-        if head_sent:
-            log.info("the local API's answer to %s broke off: %s", peer_name, exc)
-            writer.abort()  # a reset, not FIN: the requester must not take a cut answer as whole
+            self.abort()
+            return
+        except ConnectionError:
+            self._end()  # the requester reset the stream: lose() follows
+            return
+        if self._drain is None and self._writer.unsent_bytes() > SEND_HIGH_WATER_BYTES:
+            assert self._protocol is not None
+            self._protocol.pause_writing()
+            self._drain = asyncio.ensure_future(self._drained())
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def close(self) -> None:
+        """The server is done: the whole answer is written (a reset if it never began one)."""
+        if self._closed.done():
+            return
+        if self._head_sent:
+            self._writer.close()
         else:
-            log.info("the local API did not answer %s's forwarded request: %s", peer_name, exc)
-            _answer_error(writer, 503, f"This member's API is not answering ({exc}); ask another.", "unavailable",
-                          MODEL_UNAVAILABLE_CODE)
-    except ConnectionError as exc:
-        log.info("forwarded answer to %s stopped: %s", peer_name, exc)
+            self._writer.abort()
+        self._end()
 
+    def abort(self) -> None:
+        self._writer.abort()
+        self._end()
 
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """The one TLS context the local API's clients share: each client would load the CA bundle
-    again (18 ms, on every forwarded request) though a plain-HTTP local API never uses it."""
-    return ssl.create_default_context()
+    def is_closing(self) -> bool:
+        return self._closed.done()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default  # no socket, peer address or TLS: a member's stream, authenticated by the mesh
+
+    def get_write_buffer_size(self) -> int:
+        return self._writer.unsent_bytes()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass  # the stream's water marks rule
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def is_reading(self) -> bool:
+        return True
+
+    def pause_reading(self) -> None:
+        pass  # the whole request was handed over at once
+
+    def resume_reading(self) -> None:
+        pass
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        assert self._protocol is not None
+        return self._protocol
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        assert isinstance(protocol, asyncio.Protocol)
+        self._protocol = protocol
+
+    def _end(self) -> None:
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    async def _drained(self) -> None:
+        try:
+            await self._writer.drain()
+        except ConnectionError:
+            pass  # the stream failed: the next write says so
+        finally:
+            self._drain = None
+            if not self._lost and self._protocol is not None:
+                self._protocol.resume_writing()
 
 
 def _passed_on(name: str) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..identity import short_id
 from ..wire.stream_kind import StreamKind
-from .api_forward import serve_forwarded_request
+from .api_forward import ApiServer, serve_forwarded_request
 from .connection import PeerConnection
 from .model_transfer import serve_model_file
 from .relay import OpenLeg, RelayCounters, serve_relay_request
@@ -44,7 +44,7 @@ class StreamServices:
     relay_counters: RelayCounters
     # A RELAY_DELIVERY stream (kind byte read) from the relay it names: the transport's circuit.
     serve_circuit: Callable[[MeshStreamReader, MeshStreamWriter, bytes], Awaitable[None]]
-    local_api: Callable[[], str | None]  # this node's API base URL, for forwarded requests (None: none)
+    local_api: Callable[[], ApiServer | None]  # this node's API server, for forwarded requests (None: none)
     forward_token: str  # what forwarded requests carry to this node's API: they come from an admitted member
 
 

@@ -36,7 +36,7 @@ from ..mesh.exclusion import LLAMA_BUILD_MISMATCH, SAME_BUILD_REMEDY
 from ..mesh.runtime import Mesh
 from ..mesh.saved import SavedMesh
 from ..mesh.status import PeerView, mesh_json, peers_json
-from ..net.api_forward import MeshForwardTransport
+from ..net.api_forward import ApiServer, MeshForwardTransport
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import PlainProgress, ProgressCallback, ignore_progress
 from ..serve import dashboard
@@ -268,9 +268,9 @@ class Node:
             self._say(f"OpenAI-compatible API on {self.api_url()}: every model served in the mesh"
                       + (" (requires the API key: Authorization: Bearer KEY)" if api.access.api_key else ""))
 
-    def _local_api(self) -> str | None:
-        """Where this node's forwarding streams send members' requests (its own API, on loopback)."""
-        return f"http://{LOOPBACK}:{self.api_port}" if self.api_port is not None else None
+    def _local_api(self) -> ApiServer | None:
+        """The API server this node's forwarding streams hand members' requests to."""
+        return self.proxy.connection_factory() if self.proxy is not None else None
 
     def api_url(self) -> str | None:
         """The API's address for people (None: --no-api)."""

@@ -42,7 +42,8 @@ stream whose member died continues on another replica, or ends with
 ``model_unavailable`` when there is none.
 
 aiohttp serves (it embeds in our event loop without taking over signals and
-streams responses); httpx is the client to the internal llama-server.
+streams responses); upstream_http.py is the client, to our llama-server and to
+members' APIs.
 
 Who may use the port (an API key, a CORS origin, a body limit) is access.py's.
 
@@ -62,11 +63,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import httpx
 from aiohttp import web
 
 from .. import environment
-from ..errors import MeshError, ServiceUnavailableError
+from ..errors import MeshError, ServiceUnavailableError, UpstreamLostError
 from ..net.api_forward import mesh_url
 from ..ports import LOOPBACK
 from ..wire.api_forward import FORWARDED_TOKEN_HEADER, HOP_BY_HOP_HEADERS, openai_error_body
@@ -101,13 +101,11 @@ from .replay import GENERATION_PATHS, EventSplitter, sse_event
 from .routing import MODEL_LOADING_CODE, MODEL_LOADING_MESSAGE, MeshRouter, MeshRoutes, Refusal, Route
 from .stall_watch import STALL_TIMEOUT_S, StallWatch
 from .tiers import DEFAULT_MODEL_NAMES, TierView, why_not_served
+from .upstream_http import LlamaServerHttp, MemberApiHttp, UpstreamAnswer, UpstreamClient, post_json
 
 log = logging.getLogger(__name__)
 
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
-UPSTREAM_CONNECT_TIMEOUT_S = 5.0
-# Generation can pause for long between tokens on a slow mesh: no read timeout.
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=60.0, pool=None)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
 MODELS_PATH = "/v1/models"
@@ -186,13 +184,9 @@ class ApiProxy:
         self._forward_token = forward_token
         # Whether this node has a llama-server of its own (a serving node): always, without a mesh.
         self._serving_here = mesh is None
-        self._mesh_client = (httpx.AsyncClient(transport=mesh.transport, timeout=UPSTREAM_TIMEOUT)
-                             if mesh is not None else None)
+        self._mesh_client = MemberApiHttp(mesh.transport) if mesh is not None else None
         self._stalls = StallWatch(options.stall_timeout_s)
-        upstream_key = options.upstream_key
-        self._client = httpx.AsyncClient(
-            timeout=UPSTREAM_TIMEOUT,
-            headers={"Authorization": f"Bearer {upstream_key}"} if upstream_key else None)
+        self._client = LlamaServerHttp(options.upstream_key)
         self._runner: web.AppRunner | None = None
         self._upstream: str | None = None
         self._model = ""  # the id of the model self._upstream serves
@@ -227,7 +221,7 @@ class ApiProxy:
         """This node serves a model from now on: its llama-server (which needs ``upstream_key``) answers
         the requests routed here."""
         self._hooks = hooks
-        self._client.headers["Authorization"] = f"Bearer {upstream_key}"
+        self._client.authorize(upstream_key)
         self._serving_here = True
 
     @property
@@ -271,6 +265,11 @@ class ApiProxy:
             await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
 
+    def connection_factory(self) -> Callable[[], asyncio.Protocol] | None:
+        """The API server's new connection, for members' forwarded requests (net/api_forward.py) to reach
+        it without a socket; None before ``start``."""
+        return self._runner.server if self._runner is not None else None
+
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
@@ -302,10 +301,10 @@ class ApiProxy:
         text = self.metrics.exposition()
         if self._upstream is not None:
             try:
-                upstream = await self._client.get(self._upstream + "/metrics", timeout=5.0)
-                if upstream.status_code == 200:
-                    text += upstream.content
-            except httpx.HTTPError:
+                status, content = await self._client.get(self._upstream + "/metrics", timeout_s=5.0)
+                if status == 200:
+                    text += content
+            except UpstreamLostError:
                 pass  # our own figures still count
         return web.Response(body=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
@@ -461,7 +460,7 @@ class ApiProxy:
             if self._in_flight == 0:
                 self._idle.set()
 
-    def _client_for(self, at: Upstream) -> httpx.AsyncClient:
+    def _client_for(self, at: Upstream) -> UpstreamClient:
         """This node's llama-server's client (it sends llama-server's key), or the mesh's (to a member's API)."""
         if at.node_id is None:
             return self._client
@@ -493,8 +492,7 @@ class ApiProxy:
         if at.node_id is not None:
             self.metrics.forwarded.labels(at.model, self._router.name_of(at.node_id)).inc()
         try:
-            upstream = await http.send(http.build_request(
-                request.method, at.url + ask.target, headers=client.headers, content=ask.body), stream=True)
+            upstream = await http.send(request.method, at.url + ask.target, client.headers, ask.body)
             try:
                 if ask.step is Step.CONTINUED and upstream.status_code != 200:
                     detail = (await upstream.aread())[:200].decode(errors="replace")
@@ -513,15 +511,18 @@ class ApiProxy:
                     recovery.began()
                 splitter = EventSplitter()
                 # A member's API judges its own llama-server's pace; here only its connection can fail.
-                chunks = (self._stalls.chunks(upstream.aiter_raw(), request.path, links_rtt_s=self._hooks.links_rtt_s,
-                                              on_slow=self._hooks.on_slow, on_stall=self._hooks.on_stall)
-                          if at.node_id is None else upstream.aiter_raw())
-                async for chunk in chunks:
-                    for event in splitter.feed(chunk):
-                        for out in recovery.relay(event):
-                            await self._deliver(out, recovery, client)
-                        if recovery.cut_due():
-                            return Cut()
+                watch = (self._stalls.watch(request.path, links_rtt_s=self._hooks.links_rtt_s,
+                                            on_slow=self._hooks.on_slow, on_stall=self._hooks.on_stall)
+                         if at.node_id is None else contextlib.nullcontext(None))
+                async with watch as watched:
+                    async for chunk in upstream.aiter_raw():
+                        if watched is not None:
+                            watched.arrived()
+                        for event in splitter.feed(chunk):
+                            for out in recovery.relay(event):
+                                await self._deliver(out, recovery, client)
+                            if recovery.cut_due():
+                                return Cut()
                 if client.assembly is not None:
                     return self._assembled(client.assembly)
                 assert client.response is not None
@@ -529,7 +530,7 @@ class ApiProxy:
                 return client.response
             finally:
                 await upstream.aclose()
-        except httpx.TransportError as exc:
+        except UpstreamLostError as exc:
             log.warning("%s failed under %s (%r); waiting for the next one",
                         "llama-server" if at.node_id is None else self._router.name_of(at.node_id), request.path, exc)
             self.metrics.retries.inc()
@@ -556,7 +557,7 @@ class ApiProxy:
             await client.response.write(data)
         self.token_rate.streamed(event, time.monotonic())
 
-    async def _read_whole(self, upstream: httpx.Response) -> bytes:
+    async def _read_whole(self, upstream: UpstreamAnswer) -> bytes:
         with self._stalls.prompt():
             return await upstream.aread()
 
@@ -572,20 +573,16 @@ class ApiProxy:
             prompt = None
             http = self._client_for(at)
             if prepare.template is not None:
-                rendered = await http.post(at.url + TEMPLATE_PATH, json=prepare.template)
-                rendered.raise_for_status()
-                answer = rendered.json()
+                answer = await post_json(http, at.url + TEMPLATE_PATH, prepare.template)
                 prompt = answer.get("prompt") if isinstance(answer, dict) else None
-            spelled = await http.post(at.url + DETOKENIZE_PATH, json=prepare.detokenize)
-            spelled.raise_for_status()
-            return Prepared(prompt, spelled.json())
-        except (httpx.HTTPError, ValueError) as exc:
+            return Prepared(prompt, await post_json(http, at.url + DETOKENIZE_PATH, prepare.detokenize))
+        except UpstreamLostError as exc:
             return PrepareFailed(repr(exc))
 
     @staticmethod
-    def _headers(upstream: httpx.Response) -> dict[str, str]:
+    def _headers(upstream: UpstreamAnswer) -> dict[str, str]:
         # Its CORS headers are dropped later, in _cors, with any others.
-        return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP_HEADERS}
+        return {k: v for k, v in upstream.header_items() if k.lower() not in HOP_BY_HOP_HEADERS}
 
     @staticmethod
     async def _give_up(response: web.StreamResponse | None, give_up: GiveUp) -> web.StreamResponse:

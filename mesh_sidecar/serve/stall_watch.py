@@ -3,9 +3,13 @@
 A stream that falls far behind a token's expected time fails over once a worker is found holding
 it up (the serving loop replans without it); one with no byte for the stall timeout restarts
 llama-server (a member stopped answering without being lost yet). Either way the proxy's read
-ends with an httpx.ReadTimeout, which its recovery treats like a dead llama-server. pace.py
-judges (pure); this module reads the chunks with a deadline and counts the prompts in progress,
+ends with an UpstreamLostError, which its recovery treats like a dead llama-server. pace.py
+judges (pure); this module judges each stream on a timer and counts the prompts in progress,
 whose processing explains other streams' pauses.
+
+The judge runs on a timer, every PACE_CHECK_S, not per chunk: a token costs the relay one
+``arrived()`` (a clock read), where a read raced against a timeout would cost a task and a timer
+per token, CPU that a serving node takes from llama-server's threads.
 """
 
 from __future__ import annotations
@@ -15,8 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-import httpx
-
+from ..errors import UpstreamLostError
 from .pace import Slow, StreamPace, TokenPace
 
 # Most stalls are judged sooner, against a token's expected time (pace.py); this covers prompts and
@@ -44,47 +47,80 @@ class StallWatch:
         finally:
             self._prompts_waiting -= 1
 
-    async def chunks(self, chunks: AsyncIterator[bytes], path: str, *, links_rtt_s: Callable[[], float],
-                     on_slow: Callable[[Slow], bool], on_stall: Callable[[str], None]) -> AsyncIterator[bytes]:
-        """The chunks, until the stream falls far behind a token's expected time and ``on_slow`` finds a
-        worker holding it up, or until nothing comes for the stall timeout (``on_stall``). Either way
-        httpx.ReadTimeout: the request fails over."""
-        began = judge_at = time.monotonic()
-        pace = StreamPace()
-        pending: asyncio.Future[bytes] | None = None
+    @contextlib.asynccontextmanager
+    async def watch(self, path: str, *, links_rtt_s: Callable[[], float], on_slow: Callable[[Slow], bool],
+                    on_stall: Callable[[str], None]) -> AsyncIterator[WatchedStream]:
+        """Watch one stream while the block reads it (calling ``arrived()`` for each chunk). When it falls
+        far behind a token's expected time and ``on_slow`` finds a worker holding it up, or nothing comes
+        for the stall timeout (``on_stall``), the block is cancelled: UpstreamLostError, the request fails
+        over."""
+        stream = WatchedStream(self, path, links_rtt_s, on_slow, on_stall)
         self._prompts_waiting += 1
-        waiting = True  # for this stream's first byte: its prompt is being processed
         try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(anext(chunks))
-                done, _ = await asyncio.wait((pending,), timeout=PACE_CHECK_S)
-                now = time.monotonic()
-                if done:
-                    try:
-                        chunk = pending.result()
-                    except StopAsyncIteration:
-                        return
-                    pending = None
-                    if waiting:
-                        waiting = False
-                        self._prompts_waiting -= 1
-                    pace.arrived(now)
-                    yield chunk
-                    if now < judge_at:  # judged at most every PACE_CHECK_S: tokens come far faster
-                        continue
-                judge_at = now + PACE_CHECK_S
-                expected_s = self.token_pace.expected_s(links_rtt_s())
-                if (slow := pace.judge(now, expected_s, self._prompts_waiting > 0)) is not None:
-                    if on_slow(slow):
-                        raise httpx.ReadTimeout(f"a worker held the stream up ({slow.describe()})")
-                    pace.excuse(now)
-                elif now - pace.last_progress(began) >= self._stall_timeout_s:
-                    on_stall(f"No progress on a {path} stream for {self._stall_timeout_s:.0f} s")
-                    raise httpx.ReadTimeout("llama-server stalled")
+            async with asyncio.timeout(None) as deadline:
+                stream.start(deadline)
+                try:
+                    yield stream
+                finally:
+                    stream.stop()
+        except TimeoutError as exc:
+            if stream.failed is None:
+                raise  # not ours: a timeout of the block's own
+            raise UpstreamLostError(stream.failed) from exc
         finally:
-            if waiting:
+            if stream.waiting:
                 self._prompts_waiting -= 1
-            if pending is not None:
-                pending.cancel()
-                await asyncio.wait((pending,))  # the stream is closed next: its read must have ended
+
+    def _first_byte(self) -> None:
+        self._prompts_waiting -= 1
+
+
+class WatchedStream:
+    """One stream under watch: its pace (pace.py), judged every PACE_CHECK_S by a timer."""
+
+    def __init__(self, watch: StallWatch, path: str, links_rtt_s: Callable[[], float],
+                 on_slow: Callable[[Slow], bool], on_stall: Callable[[str], None]) -> None:
+        self._watch = watch
+        self._path = path
+        self._links_rtt_s = links_rtt_s
+        self._on_slow = on_slow
+        self._on_stall = on_stall
+        self._pace = StreamPace()
+        self._began = time.monotonic()
+        self.waiting = True  # for this stream's first byte: its prompt is being processed
+        self.failed: str | None = None  # why the watch cut the stream
+        self._deadline: asyncio.Timeout | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arrived(self) -> None:
+        """A chunk came."""
+        if self.waiting:
+            self.waiting = False
+            self._watch._first_byte()
+        self._pace.arrived(time.monotonic())
+
+    def start(self, deadline: asyncio.Timeout) -> None:
+        self._deadline = deadline
+        self._timer = asyncio.get_running_loop().call_later(PACE_CHECK_S, self._judge)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _judge(self) -> None:
+        now = time.monotonic()
+        watch = self._watch
+        expected_s = watch.token_pace.expected_s(self._links_rtt_s())
+        if (slow := self._pace.judge(now, expected_s, watch._prompts_waiting > 0)) is not None:
+            if self._on_slow(slow):
+                return self._cut(f"a worker held the stream up ({slow.describe()})")
+            self._pace.excuse(now)
+        elif now - self._pace.last_progress(self._began) >= watch._stall_timeout_s:
+            self._on_stall(f"No progress on a {self._path} stream for {watch._stall_timeout_s:.0f} s")
+            return self._cut("llama-server stalled")
+        self._timer = asyncio.get_running_loop().call_later(PACE_CHECK_S, self._judge)
+
+    def _cut(self, why: str) -> None:
+        assert self._deadline is not None
+        self.failed = why
+        self._deadline.reschedule(asyncio.get_running_loop().time())  # cancels the block reading the stream

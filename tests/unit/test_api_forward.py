@@ -27,6 +27,7 @@ from mesh_sidecar.errors import (
 )
 from mesh_sidecar.net.api_forward import (
     MESH_URL_PATTERN,
+    ApiServer,
     MeshForwardTransport,
     mesh_node_id,
     mesh_url,
@@ -34,7 +35,6 @@ from mesh_sidecar.net.api_forward import (
 )
 from mesh_sidecar.net.peer_streams import serve_peer_stream
 from mesh_sidecar.net.streams import MeshStreamReader, MeshStreamWriter
-from mesh_sidecar.ports import LOOPBACK, free_tcp_port
 from mesh_sidecar.serve.access import MAX_REQUEST_BODY_BYTES
 from mesh_sidecar.wire.api_forward import (
     FORWARD_VERSION,
@@ -306,7 +306,7 @@ TOKEN = "forwarded-token-of-this-mesh"
 class StandIn:
     """The member's own API: what it saw, and events a test steps its answers with."""
 
-    url: str = ""
+    server: ApiServer | None = None  # its server, as serve_forwarded_request reaches it
     seen: list[dict[str, object]] = field(default_factory=list)
     steps: list[asyncio.Event] = field(default_factory=lambda: [asyncio.Event() for _ in range(3)])
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -349,10 +349,11 @@ class StandIn:
         return web.Response(body=body * 4)
 
     async def cut(self, request: web.Request) -> web.StreamResponse:
-        """A first event, then the connection dropped mid-answer."""
+        """A first event, then (once the test has it) the connection dropped mid-answer."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b"data: 0\n\n")
+        await self.steps[0].wait()
         assert request.transport is not None
         request.transport.abort()
         return response
@@ -370,9 +371,7 @@ async def stand_in() -> AsyncIterator[StandIn]:
     # Cancelled when its client goes away, as llama-server stops generating when its connection closes.
     runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True)
     await runner.setup()
-    port = free_tcp_port()
-    await web.TCPSite(runner, LOOPBACK, port).start()
-    api.url = f"http://{LOOPBACK}:{port}"
+    api.server = runner.server
     try:
         yield api
     finally:
@@ -384,7 +383,7 @@ class Forwarding:
     mesh: Mesh
     api: StandIn
     client: httpx.AsyncClient
-    local_api: Callable[[], str | None]
+    local_api: Callable[[], ApiServer | None]
 
     async def open_raw(self) -> tuple[MeshStreamReader, MeshStreamWriter]:
         """A stream from A to B with its kind byte written, for bytes no transport would send."""
@@ -397,7 +396,7 @@ class Forwarding:
 async def fwd() -> AsyncIterator[Forwarding]:
     """A's client reaches B's stand-in API through B's serve_forwarded_request."""
     async with tunnel_mesh() as m, stand_in() as api:
-        holder = Forwarding(m, api, httpx.AsyncClient(), lambda: api.url)
+        holder = Forwarding(m, api, httpx.AsyncClient(), lambda: api.server)
         servers = {StreamKind.API_FORWARD: lambda r, w: serve_forwarded_request(r, w, lambda: holder.local_api(),
                                                                                   TOKEN, "A")}
         m.b_from_a.set_stream_handler(lambda r, w: serve_peer_stream(r, w, servers, "A"))
@@ -491,21 +490,20 @@ async def test_a_requester_that_ends_its_side_early_cancels_too(fwd):
 async def test_an_answer_cut_at_the_member_is_a_read_error(fwd):
     async with fwd.client.stream("GET", "/cut") as response:
         assert response.status_code == 200
+        chunks = response.aiter_raw()
+        assert await asyncio.wait_for(anext(chunks), HANG_S) == b"data: 0\n\n"
+        fwd.api.steps[0].set()
         with pytest.raises(httpx.ReadError, match="answer broke off"):
-            async for _ in response.aiter_raw():
+            async for _ in chunks:
                 pass
     await streams_finish(fwd.mesh)
 
 
 async def test_no_api_at_the_member_is_503_model_unavailable(fwd):
-    fwd.local_api = lambda: f"http://{LOOPBACK}:{free_tcp_port()}"  # nothing listens there
-    response = await fwd.client.get("/echo")
-    assert response.status_code == 503
-    assert response.json()["error"]["code"] == "model_unavailable"
-    assert "not answering" in response.json()["error"]["message"]
     fwd.local_api = lambda: None  # this member serves no API at all
     response = await fwd.client.get("/echo")
     assert (response.status_code, response.json()["error"]["code"]) == (503, "model_unavailable")
+    assert "serves no API" in response.json()["error"]["message"]
     assert not fwd.api.seen
     await streams_finish(fwd.mesh)
 

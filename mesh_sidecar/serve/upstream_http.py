@@ -1,0 +1,201 @@
+"""HTTP to where the proxy sends a request: this node's llama-server, or a member's API over the mesh.
+
+Both look alike to the proxy (``UpstreamClient``): a streamed exchange whose answer
+is read chunk by chunk as it comes (``UpstreamAnswer``), a JSON post for a
+continuation's preparation, and one error, ``UpstreamLostError``, for anything
+that means "nobody answered, or the answer broke off" (failover's cue).
+
+    LlamaServerHttp   aiohttp's client, over loopback TCP to our llama-server
+    MemberApiHttp     httpx with net/api_forward.py's transport: an API_FORWARD stream
+
+Why two libraries: each streamed chunk through httpx passes anyio's cancel scopes,
+h11 and a task switch, about 0.15 ms of CPU per token on a 2-core machine, and
+on a serving node that CPU is taken from llama-server's own threads; aiohttp's
+client (C parser, no task per read) reads the same stream for less than half.
+aiohttp already serves our API. The mesh side stays on httpx, whose transport
+interface carries a request over a QUIC stream without an HTTP parser at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+import httpx
+
+from ..errors import UpstreamLostError
+
+UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+UPSTREAM_WRITE_TIMEOUT_S = 60.0
+# Generation can pause for long between tokens on a slow mesh: no read timeout.
+_MEMBER_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=UPSTREAM_WRITE_TIMEOUT_S,
+                                pool=None)
+_LLAMA_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=UPSTREAM_CONNECT_TIMEOUT_S, sock_read=None)
+_LLAMA_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+
+
+class UpstreamAnswer(Protocol):
+    """An answer whose body is read as it arrives; ``aclose`` before its end cancels the request there."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    def header_items(self) -> list[tuple[str, str]]: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aread(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class UpstreamClient(Protocol):
+    async def send(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> UpstreamAnswer:
+        """The answer's head; its body follows through the answer. UpstreamLostError if none came."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+# --- this node's llama-server ---------------------------------------------------------------
+
+
+class _LlamaAnswer:
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+
+    @property
+    def status_code(self) -> int:
+        return self._response.status
+
+    def header_items(self) -> list[tuple[str, str]]:
+        return list(self._response.headers.items())
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except _LLAMA_ERRORS as exc:
+            raise UpstreamLostError(f"llama-server's answer broke off: {exc!r}") from exc
+
+    async def aread(self) -> bytes:
+        try:
+            return await self._response.read()
+        except _LLAMA_ERRORS as exc:
+            raise UpstreamLostError(f"llama-server's answer broke off: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        # A whole answer gives its connection back to the pool; a cut one closes it, which is what
+        # stops llama-server generating for a client that left.
+        self._response.release()
+
+
+class LlamaServerHttp:
+    """This node's llama-server (any of them, by URL), with its key once ``authorize``d."""
+
+    def __init__(self, key: str | None = None) -> None:
+        self._headers: dict[str, str] = {}
+        self._session: aiohttp.ClientSession | None = None
+        if key:
+            self.authorize(key)
+
+    def authorize(self, key: str) -> None:
+        self._headers["Authorization"] = f"Bearer {key}"
+
+    def _opened(self) -> aiohttp.ClientSession:
+        # Made on first use: a session belongs to the running event loop.
+        if self._session is None:
+            # auto_decompress off: bytes pass through as llama-server sent them, with its Content-Encoding.
+            self._session = aiohttp.ClientSession(timeout=_LLAMA_TIMEOUT, auto_decompress=False,
+                                                  skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        return self._session
+
+    async def send(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> UpstreamAnswer:
+        try:
+            response = await self._opened().request(method, url, headers={**headers, **self._headers}, data=body)
+        except _LLAMA_ERRORS as exc:
+            raise UpstreamLostError(f"llama-server did not answer: {exc!r}") from exc
+        return _LlamaAnswer(response)
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        """Status and body of a GET (for /metrics), within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await self.send("GET", url, {}, b"")
+                try:
+                    return answer.status_code, await answer.aread()
+                finally:
+                    await answer.aclose()
+        except TimeoutError as exc:
+            raise UpstreamLostError(f"llama-server did not answer within {timeout_s:g} s") from exc
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+# --- a member's API, over the mesh ----------------------------------------------------------
+
+
+class _MemberAnswer:
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+
+    @property
+    def status_code(self) -> int:
+        return self._response.status_code
+
+    def header_items(self) -> list[tuple[str, str]]:
+        return list(self._response.headers.items())
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except httpx.TransportError as exc:
+            raise UpstreamLostError(str(exc)) from exc
+
+    async def aread(self) -> bytes:
+        try:
+            return await self._response.aread()
+        except httpx.TransportError as exc:
+            raise UpstreamLostError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class MemberApiHttp:
+    """Members' APIs through ``transport`` (net/api_forward.MeshForwardTransport), by mesh URL."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        self._client = httpx.AsyncClient(transport=transport, timeout=_MEMBER_TIMEOUT)
+
+    async def send(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> UpstreamAnswer:
+        try:
+            response = await self._client.send(
+                self._client.build_request(method, url, headers=headers, content=body), stream=True)
+        except httpx.TransportError as exc:
+            raise UpstreamLostError(str(exc)) from exc
+        return _MemberAnswer(response)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+async def post_json(client: UpstreamClient, url: str, payload: object) -> Any:
+    """The JSON of a 2xx answer; UpstreamLostError for no answer, another status or no JSON."""
+    answer = await client.send("POST", url, {"Content-Type": "application/json"}, json.dumps(payload).encode())
+    try:
+        body = await answer.aread()
+    finally:
+        await answer.aclose()
+    if not 200 <= answer.status_code < 300:
+        raise UpstreamLostError(f"answered {answer.status_code}: {body[:200].decode(errors='replace')}")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise UpstreamLostError(f"answered no JSON: {exc}") from exc
