@@ -1,0 +1,102 @@
+"""serve/upstream_http.py's client to this node's llama-server, against a real HTTP server on loopback:
+one error, UpstreamLostError, for no answer and for an answer that broke off."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from mesh_sidecar.errors import UpstreamLostError
+from mesh_sidecar.ports import LOOPBACK, free_tcp_port
+from mesh_sidecar.serve.upstream_http import LlamaServerHttp, post_json
+
+KEY = "llama-server-key"
+
+
+async def _stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b"data: 0\n\n")
+    if request.query.get("cut"):
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def _echo(request: web.Request) -> web.Response:
+    return web.json_response({"auth": request.headers.get("Authorization"), "body": await request.json()},
+                             status=int(request.query.get("status", "200")))
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_get("/stream", _stream)
+    app.router.add_post("/echo", _echo)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_tcp_port()
+    await web.TCPSite(runner, LOOPBACK, port).start()
+    try:
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_stream_comes_in_chunks_with_its_head(server) -> None:
+    client = LlamaServerHttp()
+    try:
+        answer = await client.send("GET", server + "/stream", {}, b"")
+        assert answer.status_code == 200
+        assert ("Content-Type", "text/event-stream") in answer.header_items()
+        assert b"".join([chunk async for chunk in answer.aiter_raw()]) == b"data: 0\n\ndata: [DONE]\n\n"
+        await answer.aclose()
+    finally:
+        await client.aclose()
+
+
+async def test_an_answer_cut_off_is_upstream_lost(server) -> None:
+    client = LlamaServerHttp()
+    try:
+        answer = await client.send("GET", server + "/stream?cut=1", {}, b"")
+        with pytest.raises(UpstreamLostError, match="broke off"):
+            async for _ in answer.aiter_raw():
+                pass
+        await answer.aclose()
+    finally:
+        await client.aclose()
+
+
+async def test_nobody_listening_is_upstream_lost() -> None:
+    client = LlamaServerHttp()
+    try:
+        with pytest.raises(UpstreamLostError, match="did not answer"):
+            await client.send("GET", f"http://{LOOPBACK}:{free_tcp_port()}/health", {}, b"")
+    finally:
+        await client.aclose()
+
+
+async def test_the_key_goes_with_every_request_and_json_posts_check_the_status(server) -> None:
+    client = LlamaServerHttp()
+    client.authorize(KEY)
+    try:
+        assert await post_json(client, server + "/echo", {"a": 1}) == {"auth": f"Bearer {KEY}", "body": {"a": 1}}
+        with pytest.raises(UpstreamLostError, match="answered 500"):
+            await post_json(client, server + "/echo?status=500", {"a": 1})
+        status, body = await client.get(server + "/stream", timeout_s=5.0)
+        assert (status, body) == (200, b"data: 0\n\ndata: [DONE]\n\n")
+    finally:
+        await client.aclose()
+
+
+async def test_a_get_that_takes_too_long_is_upstream_lost(server) -> None:
+    client = LlamaServerHttp()
+    try:
+        with pytest.raises(UpstreamLostError, match="within"):
+            await client.get(server + "/stream", timeout_s=0.0)
+    finally:
+        await client.aclose()
