@@ -36,8 +36,6 @@ against this table:
     both     _loss._rtt_smoothed, _rtt_initialized          smoothed_rtt, for status
     aioquic  _max_datagram_size, _cc, _pacer sizes          set_datagram_size: probed sizes (path_mtu.py)
     aioquic  _loss._pto_count                               probe_timeouts: black-hole detection
-    aioquic  _spaces, ack_at, largest_received_packet,      delayed ACKs: one per two packets, or riding
-             _ack_delay, _handshake_complete                  on data (receive_datagram, send_stream_data)
     aioquic  packet builder state, _loss.on_packet_sent     datagram_size_probe: a padded PING out of flight
     qh3      datagrams_to_send, _streams_dirty_limits       it doubles windows inline in _write_application
     qh3      _handle_data_blocked_frame                     it doubles the connection window on DATA_BLOCKED
@@ -102,9 +100,6 @@ STREAM_RECEIVE_WINDOW_BYTES = 1 * MIB
 WINDOW_GRANT_STEP_BYTES = STREAM_RECEIVE_WINDOW_BYTES // 4  # fewer MAX_STREAM_DATA frames
 CONNECTION_RECEIVE_WINDOW_BYTES = 16 * MIB
 PRE_AUTH_RECEIVE_WINDOW_BYTES = 4 * KIB
-# A lone ack-eliciting packet may wait this long for a second one, or for data to ride with: under
-# the 25 ms max_ack_delay both libraries announce, which the peer's loss timers allow for.
-LONE_PACKET_ACK_DELAY_S = 0.020
 
 
 def quic_configuration(identity: NodeIdentity, *, is_client: bool) -> QuicConfiguration:
@@ -172,36 +167,6 @@ class _Quic(_LibraryConnection):
         if self.paces_in_bursts:
             # aioquic 1.7.2 builds its pacer inside the recovery object, with no hook to pick another.
             self._loss._pacer = _BurstPacer(max_datagram_size=self._max_datagram_size)
-
-    # ACKs. aioquic 1.7.2 acknowledges every ack-eliciting packet within 1 ms (K_GRANULARITY), so a
-    # stream of tokens, one packet each, costs each side a second packet per token (the receiver's
-    # timer and ACK, the sender's processing of it), CPU that a serving node takes from
-    # llama-server. Here, as RFC 9000 13.2.2 suggests: a lone packet's ACK waits up to
-    # LONE_PACKET_ACK_DELAY_S for a second packet (then within 1 ms, as before: a burst is
-    # acknowledged as promptly) or for data of ours to ride with (send_stream_data).
-    delays_lone_acks = True
-
-    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
-        space = (self._spaces.get(tls.Epoch.ONE_RTT)
-                 if self.delays_lone_acks and self._handshake_complete else None)
-        if space is None:
-            super().receive_datagram(data, addr, now)
-            return
-        pending, largest = space.ack_at, space.largest_received_packet
-        super().receive_datagram(data, addr, now)
-        if space.ack_at is None:
-            return
-        if pending is None:
-            space.ack_at = now + LONE_PACKET_ACK_DELAY_S
-        elif space.largest_received_packet != largest:
-            space.ack_at = min(space.ack_at, now + self._ack_delay)
-
-    def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
-        super().send_stream_data(stream_id, data, end_stream)
-        if self.delays_lone_acks:
-            space = self._spaces.get(tls.Epoch.ONE_RTT)
-            if space is not None and space.ack_at is not None:
-                space.ack_at = 0.0  # due now: the ACK goes in the packet that carries this data
 
     def _write_connection_limits(self, builder: QuicPacketBuilder, space: QuicPacketSpace) -> None:
         if self._admitted:
@@ -329,7 +294,6 @@ class _Qh3Quic(_Quic):
     """qh3 1.x: aioquic's core with Rust parts; it doubles windows inline, where aioquic has hooks."""
 
     probes_datagram_size = False  # it probes 1350 and 1452 itself, with per-space packet numbers
-    delays_lone_acks = False  # its ACK timing is its own
     paces_in_bursts = False  # its pacer is native code
 
     def __init__(self, **kwargs: Any) -> None:
