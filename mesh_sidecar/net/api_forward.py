@@ -18,8 +18,8 @@ HTTP/1.0 bytes (wire/http1.py) and writes its answer into the stream. A loopback
 connection would cost each token a socket write and an HTTP client's read, CPU that the
 serving node takes from llama-server.
 
-Failures reach A's caller as httpx.TransportError subclasses, so failover code that
-already catches those for llama-server sees them too:
+Failures reach A's caller as httpx.TransportError subclasses (the proxy's client,
+serve/upstream_http.py, turns them into the UpstreamLostError its failover waits for):
     no stream to the member (not connected, a mesh error)     httpx.ConnectError
     the stream ends, resets or sends nonsense before the head httpx.RemoteProtocolError / ReadError
     the body breaks off (B reset the stream)                  httpx.ReadError

@@ -19,8 +19,9 @@ interface carries a request over a QUIC stream without an HTTP parser at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -35,6 +36,7 @@ _MEMBER_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, w
                                 pool=None)
 _LLAMA_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=UPSTREAM_CONNECT_TIMEOUT_S, sock_read=None)
 _LLAMA_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+_MEMBER_ERRORS = (httpx.TransportError,)
 
 
 class UpstreamAnswer(Protocol):
@@ -75,17 +77,13 @@ class _LlamaAnswer:
         return list(self._response.headers.items())
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        try:
+        with _lost_on(_LLAMA_ERRORS, "llama-server's answer broke off"):
             async for chunk in self._response.content.iter_any():
                 yield chunk
-        except _LLAMA_ERRORS as exc:
-            raise UpstreamLostError(f"llama-server's answer broke off: {exc!r}") from exc
 
     async def aread(self) -> bytes:
-        try:
+        with _lost_on(_LLAMA_ERRORS, "llama-server's answer broke off"):
             return await self._response.read()
-        except _LLAMA_ERRORS as exc:
-            raise UpstreamLostError(f"llama-server's answer broke off: {exc!r}") from exc
 
     async def aclose(self) -> None:
         # A whole answer gives its connection back to the pool; a cut one closes it, which is what
@@ -114,10 +112,8 @@ class LlamaServerHttp:
         return self._session
 
     async def send(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> UpstreamAnswer:
-        try:
+        with _lost_on(_LLAMA_ERRORS, "llama-server did not answer"):
             response = await self._opened().request(method, url, headers={**headers, **self._headers}, data=body)
-        except _LLAMA_ERRORS as exc:
-            raise UpstreamLostError(f"llama-server did not answer: {exc!r}") from exc
         return _LlamaAnswer(response)
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
@@ -152,17 +148,13 @@ class _MemberAnswer:
         return list(self._response.headers.items())
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        try:
+        with _lost_on(_MEMBER_ERRORS):
             async for chunk in self._response.aiter_raw():
                 yield chunk
-        except httpx.TransportError as exc:
-            raise UpstreamLostError(str(exc)) from exc
 
     async def aread(self) -> bytes:
-        try:
+        with _lost_on(_MEMBER_ERRORS):
             return await self._response.aread()
-        except httpx.TransportError as exc:
-            raise UpstreamLostError(str(exc)) from exc
 
     async def aclose(self) -> None:
         await self._response.aclose()
@@ -175,15 +167,23 @@ class MemberApiHttp:
         self._client = httpx.AsyncClient(transport=transport, timeout=_MEMBER_TIMEOUT)
 
     async def send(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> UpstreamAnswer:
-        try:
+        with _lost_on(_MEMBER_ERRORS):
             response = await self._client.send(
                 self._client.build_request(method, url, headers=headers, content=body), stream=True)
-        except httpx.TransportError as exc:
-            raise UpstreamLostError(str(exc)) from exc
         return _MemberAnswer(response)
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+@contextlib.contextmanager
+def _lost_on(errors: tuple[type[BaseException], ...], what: str = "") -> Iterator[None]:
+    """The client library's ``errors`` in the block, as UpstreamLostError saying ``what`` failed (the
+    mesh transport's own messages already name the member and what broke)."""
+    try:
+        yield
+    except errors as exc:
+        raise UpstreamLostError(f"{what}: {exc!r}" if what else str(exc)) from exc
 
 
 async def post_json(client: UpstreamClient, url: str, payload: object) -> Any:
