@@ -70,12 +70,13 @@ class StreamPace:
         self._last: float | None = None
         self._excused_at: float | None = None
 
-    def arrived(self, now: float) -> None:
-        """A chunk of the stream came (llama-server sends one event per token)."""
+    def arrived(self, now: float, events: int = 1) -> None:
+        """A chunk of the stream came with ``events`` whole events (llama-server sends one per token; the
+        proxy reads several at once when they come fast, see upstream_http.STREAM_FLUSH_INTERVAL_S)."""
         if self._first is None:
             self._first = now
         self._last = now
-        self._arrivals.append(now)
+        self._arrivals.extend(now for _ in range(events))
 
     def last_progress(self, began: float) -> float:
         """When the stream last moved: its last chunk, or ``began`` before the first."""

@@ -516,13 +516,17 @@ class ApiProxy:
                          if at.node_id is None else contextlib.nullcontext(None))
                 async with watch as watched:
                     async for chunk in upstream.aiter_raw():
+                        events = splitter.feed(chunk)
                         if watched is not None:
-                            watched.arrived()
-                        for event in splitter.feed(chunk):
-                            for out in recovery.relay(event):
-                                await self._deliver(out, recovery, client)
+                            watched.arrived(len(events))
+                        # The chunk's events leave in one write: one send (or QUIC packet) per chunk, not per event.
+                        pieces: list[bytes] = []
+                        for event in events:
+                            pieces += (self._delivered(out, recovery, client) for out in recovery.relay(event))
                             if recovery.cut_due():
+                                await self._write(pieces, client)
                                 return Cut()
+                        await self._write(pieces, client)
                 if client.assembly is not None:
                     return self._assembled(client.assembly)
                 assert client.response is not None
@@ -543,19 +547,25 @@ class ApiProxy:
                 raise
             return client.response
 
-    async def _deliver(self, event: bytes, recovery: RequestRecovery, client: _ClientSide) -> None:
-        """One event to the client (or to the assembly of its plain answer)."""
+    def _delivered(self, event: bytes, recovery: RequestRecovery, client: _ClientSide) -> bytes:
+        """One event as the client is to get it (added to the assembly of a plain answer instead: b"")."""
         if not client.first_text_seen and recovery.delivered and client.response is not None:
             client.first_text_seen = True
             self.metrics.first_token.observe(time.monotonic() - client.started)
         self._observe_timings(event)
+        self.token_rate.streamed(event, time.monotonic())
         data = client.tap.event(event) if client.tap is not None else event
         if client.assembly is not None:
             client.assembly.add(data)
-        else:
+            return b""
+        return data
+
+    @staticmethod
+    async def _write(pieces: list[bytes], client: _ClientSide) -> None:
+        data = b"".join(pieces)
+        if data:
             assert client.response is not None
             await client.response.write(data)
-        self.token_rate.streamed(event, time.monotonic())
 
     async def _read_whole(self, upstream: UpstreamAnswer) -> bytes:
         with self._stalls.prompt():

@@ -92,12 +92,12 @@ class WatchedStream:
         self._deadline: asyncio.Timeout | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def arrived(self) -> None:
-        """A chunk came."""
+    def arrived(self, events: int) -> None:
+        """A chunk came, with ``events`` whole events (tokens, give or take the first and the last)."""
         if self.waiting:
             self.waiting = False
             self._watch._first_byte()
-        self._pace.arrived(time.monotonic())
+        self._pace.arrived(time.monotonic(), events)
 
     def start(self, deadline: asyncio.Timeout) -> None:
         self._deadline = deadline

@@ -30,6 +30,12 @@ import httpx
 from ..errors import UpstreamLostError
 
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+# A streamed answer is read from llama-server at most this often: tokens that come faster leave
+# together, one write to the client (one QUIC packet when forwarded) instead of one each. Each
+# token read and passed on costs the sidecar CPU that llama-server's threads lose; 50 writes a
+# second is smoother than a screen needs, and adds at most this much to when a token is seen.
+STREAM_FLUSH_INTERVAL_S = 0.02
+UNHELD_READS = 2
 UPSTREAM_WRITE_TIMEOUT_S = 60.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
 _MEMBER_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=UPSTREAM_WRITE_TIMEOUT_S,
@@ -77,9 +83,34 @@ class _LlamaAnswer:
         return list(self._response.headers.items())
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        loop = asyncio.get_running_loop()
+        reads = 0
+        held_until = loop.time()
         with _lost_on(_LLAMA_ERRORS, "llama-server's answer broke off"):
-            async for chunk in self._response.content.iter_any():
+            while True:
+                # The first two reads go as they come, so the first token is never held: a chat stream's
+                # first event carries only the role.
+                if reads >= UNHELD_READS and (hold_s := held_until - loop.time()) > 0 and not content.is_eof():
+                    await self._gather(hold_s)
+                chunk = await content.readany()
+                if not chunk:
+                    return
+                reads += 1
+                held_until = loop.time() + STREAM_FLUSH_INTERVAL_S
                 yield chunk
+
+    async def _gather(self, hold_s: float) -> None:
+        """Let the socket gather what llama-server sends for ``hold_s``: no wakeup per token meanwhile."""
+        connection = self._response.connection  # None once the whole body is in
+        if connection is None or connection.protocol is None:
+            return
+        protocol = connection.protocol
+        protocol.pause_reading()
+        try:
+            await asyncio.sleep(hold_s)
+        finally:
+            protocol.resume_reading()
 
     async def aread(self) -> bytes:
         with _lost_on(_LLAMA_ERRORS, "llama-server's answer broke off"):

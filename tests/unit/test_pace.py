@@ -50,6 +50,23 @@ def test_a_stream_keeping_pace_is_never_slow() -> None:
     assert batched.judge(last, TOKEN_S, prompts_waiting=False) is None
 
 
+def test_tokens_read_together_count_each() -> None:
+    """A fast model's tokens (1 ms each) read 20 ms apart, 20 to a chunk: the pace counts tokens, not
+    chunks, so a healthy stream is not slow, and one whose chunks carry a token a second is."""
+    token_s, chunk_gap_s, per_chunk = 0.001, 0.02, 20
+    pace = StreamPace()
+    now = 100.0
+    for _ in range(int(STALL_FLOOR_S / chunk_gap_s) + 1):
+        pace.arrived(now, per_chunk)
+        now += chunk_gap_s
+    assert pace.judge(now, token_s, prompts_waiting=False) is None
+    for _ in range(int(STALL_FLOOR_S) + 1):
+        now += 1.0
+        pace.arrived(now, 1)
+    slow = pace.judge(now, token_s, prompts_waiting=False)
+    assert slow is not None and slow.tokens == int(STALL_FLOOR_S)
+
+
 def test_a_stream_that_stops_is_slow_within_the_floor() -> None:
     pace = StreamPace()
     last = streamed(pace, 100.0, TOKEN_S, 100)

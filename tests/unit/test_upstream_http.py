@@ -1,8 +1,10 @@
 """serve/upstream_http.py's client to this node's llama-server, against a real HTTP server on loopback:
-one error, UpstreamLostError, for no answer and for an answer that broke off."""
+one error, UpstreamLostError, for no answer and for an answer that broke off; tokens that come faster
+than the flush interval are read together."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -10,9 +12,16 @@ from aiohttp import web
 
 from mesh_sidecar.errors import UpstreamLostError
 from mesh_sidecar.ports import LOOPBACK, free_tcp_port
+from mesh_sidecar.serve import upstream_http
 from mesh_sidecar.serve.upstream_http import LlamaServerHttp, post_json
 
 KEY = "llama-server-key"
+# Longer than the product's, so that a loaded machine's scheduling delays stay well inside it.
+FLUSH_INTERVAL_S = 0.1
+FAST_EVENTS = 20
+FAST_GAP_S = FLUSH_INTERVAL_S / 4  # four events come in each flush interval
+FIRST_ALONE_S = 3 * FLUSH_INTERVAL_S
+ROLE_GAP_S = 0.001
 
 
 async def _stream(request: web.Request) -> web.StreamResponse:
@@ -27,6 +36,21 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def _fast(request: web.Request) -> web.StreamResponse:
+    """A role event, the first token soon after it, a pause, then FAST_EVENTS events FAST_GAP_S apart, each
+    its own write."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b"data: role\n\n")
+    await asyncio.sleep(ROLE_GAP_S)
+    await response.write(b"data: first\n\n")
+    await asyncio.sleep(FIRST_ALONE_S)
+    for n in range(FAST_EVENTS):
+        await response.write(f"data: {n}\n\n".encode())
+        await asyncio.sleep(FAST_GAP_S)
+    return response
+
+
 async def _echo(request: web.Request) -> web.Response:
     return web.json_response({"auth": request.headers.get("Authorization"), "body": await request.json()},
                              status=int(request.query.get("status", "200")))
@@ -36,6 +60,7 @@ async def _echo(request: web.Request) -> web.Response:
 async def server() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/stream", _stream)
+    app.router.add_get("/fast", _fast)
     app.router.add_post("/echo", _echo)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
     await runner.setup()
@@ -57,6 +82,27 @@ async def test_a_stream_comes_in_chunks_with_its_head(server) -> None:
         await answer.aclose()
     finally:
         await client.aclose()
+
+
+async def test_tokens_faster_than_the_flush_interval_are_read_together(server, monkeypatch) -> None:
+    """The role event and the first token are read as they come, however soon one follows the other; the
+    fast events after them in a few reads, not one each; no byte is lost or reordered."""
+    monkeypatch.setattr(upstream_http, "STREAM_FLUSH_INTERVAL_S", FLUSH_INTERVAL_S)
+    client = LlamaServerHttp()
+    try:
+        answer = await client.send("GET", server + "/fast", {}, b"")
+        chunks = []
+        async for chunk in answer.aiter_raw():
+            chunks.append((chunk, asyncio.get_running_loop().time()))
+        await answer.aclose()
+    finally:
+        await client.aclose()
+    assert [chunk for chunk, _ in chunks[:2]] == [b"data: role\n\n", b"data: first\n\n"]
+    assert chunks[1][1] - chunks[0][1] < FLUSH_INTERVAL_S / 2  # the first token was not held
+    fast = [chunk for chunk, _ in chunks[2:]]
+    assert b"".join(fast) == b"".join(f"data: {n}\n\n".encode() for n in range(FAST_EVENTS))
+    # Read as they come, the fast events would take FAST_EVENTS reads; held, about a quarter of that.
+    assert len(fast) <= FAST_EVENTS // 2, [len(c) for c in fast]
 
 
 async def test_an_answer_cut_off_is_upstream_lost(server) -> None:
