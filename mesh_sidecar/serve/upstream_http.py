@@ -103,14 +103,16 @@ class _LlamaAnswer:
     async def _gather(self, hold_s: float) -> None:
         """Let the socket gather what llama-server sends for ``hold_s``: no wakeup per token meanwhile."""
         connection = self._response.connection  # None once the whole body is in
-        if connection is None or connection.protocol is None:
+        transport = connection.transport if connection is not None else None
+        # Closed: the read says how. Not reading: aiohttp's own flow control holds it, and resumes it.
+        if transport is None or transport.is_closing() or not transport.is_reading():
             return
-        protocol = connection.protocol
-        protocol.pause_reading()
+        transport.pause_reading()
         try:
             await asyncio.sleep(hold_s)
         finally:
-            protocol.resume_reading()
+            if not transport.is_closing():
+                transport.resume_reading()
 
     async def aread(self) -> bytes:
         with _lost_on(_LLAMA_ERRORS, "llama-server's answer broke off"):

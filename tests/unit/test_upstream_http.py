@@ -28,6 +28,9 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     await response.write(b"data: 0\n\n")
+    if request.query.get("cut") == "late":  # a second read first: the next one would be held
+        await asyncio.sleep(FAST_GAP_S)
+        await response.write(b"data: 1\n\n")
     if request.query.get("cut"):
         assert request.transport is not None
         request.transport.abort()
@@ -112,6 +115,20 @@ async def test_an_answer_cut_off_is_upstream_lost(server) -> None:
         with pytest.raises(UpstreamLostError, match="broke off"):
             async for _ in answer.aiter_raw():
                 pass
+        await answer.aclose()
+    finally:
+        await client.aclose()
+
+
+async def test_an_answer_cut_off_while_reads_are_held_is_upstream_lost(server) -> None:
+    """The connection is lost between two reads close together: the held read says so as UpstreamLostError
+    (the proxy's failover cue), whatever state the closed connection is in."""
+    client = LlamaServerHttp()
+    try:
+        answer = await client.send("GET", server + "/stream?cut=late", {}, b"")
+        with pytest.raises(UpstreamLostError, match="broke off"):
+            async for _ in answer.aiter_raw():
+                await asyncio.sleep(ROLE_GAP_S * 5)  # the relay's work on a chunk, while the cut arrives
         await answer.aclose()
     finally:
         await client.aclose()
