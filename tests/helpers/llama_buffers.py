@@ -142,10 +142,35 @@ def _start_llama_server(argv: Sequence[str], log_path: Path, started: list[subpr
     wait_until(ready, LLAMA_START_TIMEOUT_S, "llama-server becomes ready")
 
 
-def mesh_llama_argv(node) -> tuple[list[str], str]:
-    """A serving node's llama-server command line and log file."""
-    llama = next(p for p in node.status()["processes"] if p["name"] == "llama-server")
-    return psutil.Process(llama["pid"]).cmdline(), llama["log"]
+@dataclass(frozen=True)
+class Served:
+    """What one llama-server of a serving node answered, with the plan it runs, its argv and its log."""
+
+    answer: str
+    plan: dict
+    argv: list[str]
+    log: str
+
+
+def served_by_one_llama_server(node, ask: Callable[[], str], attempts: int = 3) -> Served:
+    """``ask()`` answered with ``node``'s plan, read while the llama-server running it stayed the same.
+
+    The supervisor may replan (capacities in gossip move: a lavapipe device's free memory is the host's)
+    and start a new llama-server between reading the plan and asking; then ask again."""
+    def running() -> tuple[int, dict, list[str], str]:
+        status = node.status()
+        llama = next(p for p in status["processes"] if p["name"] == "llama-server")
+        return llama["pid"], status["serving"]["plan"], psutil.Process(llama["pid"]).cmdline(), llama["log"]
+
+    for _ in range(attempts):
+        pid, plan, argv, log = running()
+        split = argv[argv.index("--tensor-split") + 1] if "--tensor-split" in argv else ""
+        if split != ",".join(f"{w:g}" for w in plan["tensor_split"]):
+            continue  # the plan read is not yet (or no longer) the one running
+        answer = ask()
+        if running()[0] == pid:
+            return Served(answer, plan, argv, log)
+    raise AssertionError(f"{node.name}'s llama-server was replaced {attempts} times while asked")
 
 
 def device_buffers_mib(log: str) -> dict[tuple[str, str], float]:

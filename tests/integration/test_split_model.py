@@ -17,7 +17,7 @@ from mesh_sidecar.llama.model import model_sha256
 from mesh_sidecar.llama.model_files import model_files
 from mesh_sidecar.llama.weight_cache import hashed_tensor_ranges
 from tests.helpers.llama import complete, quiet
-from tests.helpers.llama_buffers import check_plan_against_llama_cpp, mesh_llama_argv
+from tests.helpers.llama_buffers import check_plan_against_llama_cpp, served_by_one_llama_server
 from tests.helpers.nodes import cli
 from tests.helpers.waiting import wait_until
 
@@ -55,13 +55,14 @@ def test_a_split_model_answers_and_plans_as_its_single_file(start_node, model_pa
     receipts = tmp_path / "receipts"
     c = start_node("c", "--join", b.ticket(), "--model", str(split_model), "--min-peers", "2",
                    "--receipt", str(receipts), serve=True)
-    assert complete(c.serve_port) == reference_text
+    served = served_by_one_llama_server(c, lambda: complete(c.serve_port))
+    assert served.answer == reference_text
     models = httpx.get(f"http://127.0.0.1:{c.serve_port}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["smol"]  # the set's name, not a shard's
-    plan = c.status()["serving"]["plan"]
+    plan = served.plan
     assert sorted(n["name"] for n in plan["nodes"]) == ["a", "b", "c"]  # split over all three (--spread)
-    mesh_argv, mesh_log = mesh_llama_argv(c)
-    check_plan_against_llama_cpp(plan, mesh_argv, Path(mesh_log).read_text())  # per node, as llama.cpp loaded it
+    # Per node, as llama.cpp loaded it.
+    check_plan_against_llama_cpp(plan, served.argv, Path(served.log).read_text())
     # The same plan for the set and for the single file, over the same mesh.
     as_split, as_single = plan_json(c, split_model), plan_json(c, model_path)
     ranges = [[(n["name"], n["layers"], n["weights_bytes"]) for n in p["nodes"]]

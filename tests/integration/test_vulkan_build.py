@@ -18,7 +18,12 @@ from mesh_sidecar.llama.backends import VULKAN
 from mesh_sidecar.llama.build import BUILD_STAMP_NAME, STOCK, LlamaBinaries, binaries_in, pinned_build_dir
 from mesh_sidecar.llama.devices import list_devices
 from tests.helpers.llama import GREEDY, PROMPT, complete, plain_llama_server_answer
-from tests.helpers.llama_buffers import RpcServer, answer_over_tcp, check_plan_against_llama_cpp, mesh_llama_argv
+from tests.helpers.llama_buffers import (
+    RpcServer,
+    answer_over_tcp,
+    check_plan_against_llama_cpp,
+    served_by_one_llama_server,
+)
 from tests.helpers.nodes import cli
 from tests.helpers.waiting import wait_until
 
@@ -82,17 +87,16 @@ def test_a_mixed_mesh_gives_the_text_of_llama_servers_own_rpc_with_the_same_spli
     a = start_node("a")
     start_node("b", "--join", a.ticket(), "--llama-bin", str(vulkan_binaries.directory), env=VISIBLE_DEVICE)
     c = start_node("c", "--join", a.ticket(), "--min-peers", "2", serve=True)
-    plan = c.status()["serving"]["plan"]
+    served = served_by_one_llama_server(c, lambda: complete(c.serve_port))
+    plan = served.plan
     assert sorted((n["name"], n["device"]) for n in plan["nodes"]) == [("a", "CPU"), ("b", "Vulkan0"), ("c", "CPU")]
-    text = complete(c.serve_port)
     speed = httpx.post(f"http://127.0.0.1:{c.serve_port}/v1/completions", timeout=300,
                        json={"prompt": PROMPT, "max_tokens": 64, "ignore_eos": True, **GREEDY}).json()["timings"]
     print(f"\nmixed mesh decode: {speed['predicted_per_second']:.1f} tok/s (64 tokens)")
-    mesh_argv, mesh_log = mesh_llama_argv(c)
-    check_plan_against_llama_cpp(plan, mesh_argv, open(mesh_log).read())
+    check_plan_against_llama_cpp(plan, served.argv, open(served.log).read())
     servers = {"a": RpcServer(binaries), "b": RpcServer(vulkan_binaries, VISIBLE_DEVICE), "c": RpcServer(binaries)}
-    reference = answer_over_tcp(mesh_argv, [servers[n["name"]] for n in plan["nodes"]], tmp_path, complete)
-    assert text == reference
+    reference = answer_over_tcp(served.argv, [servers[n["name"]] for n in plan["nodes"]], tmp_path, complete)
+    assert served.answer == reference
 
 
 @pytest.mark.slow
@@ -103,12 +107,11 @@ def test_a_worker_offering_two_devices_is_planned_as_two(start_node, binaries, v
                    "--max-memory", "2G", env=VISIBLE_DEVICE)
     assert [d["name"] for d in b.status()["node"]["devices"]] == ["Vulkan0", "CPU"]
     c = start_node("c", "--join", b.ticket(), "--min-peers", "1", serve=True)
-    plan = c.status()["serving"]["plan"]
+    served = served_by_one_llama_server(c, lambda: complete(c.serve_port))
+    plan, mesh_argv = served.plan, served.argv
     assert [(n["name"], n["device"]) for n in plan["nodes"]] == [("b", "Vulkan0"), ("b", "CPU"), ("c", "CPU")]
-    text = complete(c.serve_port)
-    mesh_argv, mesh_log = mesh_llama_argv(c)
     assert len(mesh_argv[mesh_argv.index("--rpc") + 1].split(",")) == 2  # b's rpc-server once
     assert len(mesh_argv[mesh_argv.index("--tensor-split") + 1].split(",")) == 3  # a weight per device
-    check_plan_against_llama_cpp(plan, mesh_argv, open(mesh_log).read())
+    check_plan_against_llama_cpp(plan, mesh_argv, open(served.log).read())
     servers = [RpcServer(vulkan_binaries, VISIBLE_DEVICE, ("Vulkan0", "CPU")), RpcServer(binaries)]
-    assert text == answer_over_tcp(mesh_argv, servers, tmp_path, complete)
+    assert served.answer == answer_over_tcp(mesh_argv, servers, tmp_path, complete)
