@@ -76,7 +76,7 @@ class StreamPace:
         if self._first is None:
             self._first = now
         self._last = now
-        self._arrivals.extend(now for _ in range(events))
+        self._arrivals.extend([now] * events)
 
     def last_progress(self, began: float) -> float:
         """When the stream last moved: its last chunk, or ``began`` before the first."""

@@ -167,6 +167,12 @@ class _ClientSide:
     response: web.StreamResponse | None = None  # a stream's response, once begun
     first_text_seen: bool = False
 
+    async def write(self, pieces: list[bytes]) -> None:
+        """Events for the stream's response in one write: one send (or QUIC packet), not one per event."""
+        if data := b"".join(pieces):
+            assert self.response is not None
+            await self.response.write(data)
+
 
 class ApiProxy:
     """Forwards ``/v1/*`` and ``/health`` to whichever llama-server is current; serves /metrics."""
@@ -519,14 +525,15 @@ class ApiProxy:
                         events = splitter.feed(chunk)
                         if watched is not None:
                             watched.arrived(len(events))
-                        # The chunk's events leave in one write: one send (or QUIC packet) per chunk, not per event.
                         pieces: list[bytes] = []
+                        cut = False
                         for event in events:
                             pieces += (self._delivered(out, recovery, client) for out in recovery.relay(event))
-                            if recovery.cut_due():
-                                await self._write(pieces, client)
-                                return Cut()
-                        await self._write(pieces, client)
+                            if cut := recovery.cut_due():
+                                break
+                        await client.write(pieces)
+                        if cut:
+                            return Cut()
                 if client.assembly is not None:
                     return self._assembled(client.assembly)
                 assert client.response is not None
@@ -559,13 +566,6 @@ class ApiProxy:
             client.assembly.add(data)
             return b""
         return data
-
-    @staticmethod
-    async def _write(pieces: list[bytes], client: _ClientSide) -> None:
-        data = b"".join(pieces)
-        if data:
-            assert client.response is not None
-            await client.response.write(data)
 
     async def _read_whole(self, upstream: UpstreamAnswer) -> bytes:
         with self._stalls.prompt():

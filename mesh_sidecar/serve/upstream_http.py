@@ -35,6 +35,7 @@ UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # token read and passed on costs the sidecar CPU that llama-server's threads lose; 50 writes a
 # second is smoother than a screen needs, and adds at most this much to when a token is seen.
 STREAM_FLUSH_INTERVAL_S = 0.02
+# Reads never held, so the first token never is: a chat stream's first event carries only the role.
 UNHELD_READS = 2
 UPSTREAM_WRITE_TIMEOUT_S = 60.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
@@ -89,8 +90,6 @@ class _LlamaAnswer:
         held_until = loop.time()
         with _lost_on(_LLAMA_ERRORS, "llama-server's answer broke off"):
             while True:
-                # The first two reads go as they come, so the first token is never held: a chat stream's
-                # first event carries only the role.
                 if reads >= UNHELD_READS and (hold_s := held_until - loop.time()) > 0 and not content.is_eof():
                     await self._gather(hold_s)
                 chunk = await content.readany()

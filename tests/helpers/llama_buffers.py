@@ -164,8 +164,8 @@ def served_by_one_llama_server(node, ask: Callable[[], str], attempts: int = 3) 
 
     for _ in range(attempts):
         pid, plan, argv, log = running()
-        split = argv[argv.index("--tensor-split") + 1] if "--tensor-split" in argv else ""
-        if split != ",".join(f"{w:g}" for w in plan["tensor_split"]):
+        given = argv[argv.index("--tensor-split") + 1].split(",") if "--tensor-split" in argv else []
+        if [float(w) for w in given] != plan["tensor_split"]:
             continue  # the plan read is not yet (or no longer) the one running
         answer = ask()
         if running()[0] == pid:
