@@ -50,7 +50,7 @@ from ..serve.supervisor import PlanAnnouncement, ServeOptions
 from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
 from ..units import parse_size
 from ..wire.ticket import decode_ticket
-from .prepare import device_names, draft_for, err_console, prepare, prepare_weight_cache
+from .prepare import device_names, draft_for, err_console, prepare, prepare_data_relay, prepare_weight_cache
 from .views import plan_view, status_view
 
 STATUS_WATCH_INTERVAL_S = 1.0
@@ -261,6 +261,10 @@ def run_node(
         "--fetch-model", metavar=FLAG, rich_help_panel=ADVANCED_PANEL,
         help="Without --serve: fetch the serving node's model over the mesh (resumable, sha256-checked) so "
              "loads send only hashes.")] = False,
+    data_path: Annotated[str, typer.Option(
+        "--data-path", metavar="auto|quic", rich_help_panel=MESH_PANEL,
+        help="How RPC reaches members: auto (the native relay, TLS over TCP on the mesh's port number, to "
+             "members reached directly; QUIC to the others) or quic (always QUIC).")] = "auto",
     no_mdns: Annotated[bool, typer.Option(
         "--no-mdns", metavar=FLAG, rich_help_panel=MESH_PANEL,
         help="Neither advertise this node on the LAN (mDNS) nor look for members there.")] = False,
@@ -293,6 +297,8 @@ def run_node(
     binaries, model_path, sha256, more_models = prepare(
         llama_bin, model[0] if model else None, identify_model=serve is not None or bool(model), b2b=b2b,
         more_models=model[1:] if model else ())
+    if data_path not in ("auto", "quic"):
+        raise UsageError(f"--data-path takes 'auto' or 'quic', not {data_path!r}.")
     if speculation_mode not in ("auto", "off"):
         raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
     if speculation_mode == "off" and draft_model is not None:
@@ -307,6 +313,7 @@ def run_node(
     # Said before the weight cache is seeded, so the seeding lines belong to this node.
     console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
     cache, tool = prepare_weight_cache(node_home, model_path, sha256, _say) if use_weight_cache else (None, None)
+    data_relay = prepare_data_relay(_say) if data_path == "auto" else None
     serving = ServeOptions(models=((model_path, sha256), *more_models), ctx_size=ctx_size,
                            min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
                            spread=spread, draft_model=draft_path,
@@ -317,7 +324,7 @@ def run_node(
                           join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
                           devices=device_names(devices),
                           model_sha256=sha256, weight_cache=cache, weight_cache_tool=tool, fetch_model=fetch_model,
-                          mdns=not no_mdns, plain_progress=not console.is_terminal)
+                          mdns=not no_mdns, plain_progress=not console.is_terminal, data_relay=data_relay)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
 
 
@@ -386,12 +393,14 @@ def setup(
                          f"{environment.LLAMA_BIN_ENV}) names your own: give one.")
     chosen = None if own_build else backend_named(backend)
     binaries, model_path, _, _ = prepare(llama_bin, model, b2b=b2b, backend=chosen)
+    relay = prepare_data_relay(lambda line: console.print(line, highlight=False))
     if chosen is None:
         console.print("backend: your own build (--llama-bin)", highlight=False)
     else:
         record_backend(chosen)  # only now that its build is complete
         console.print(f"backend: {chosen.name}{' (detected)' if backend == AUTO else ''}", highlight=False)
     console.print(f"model: {model_path}", highlight=False)
+    console.print(f"data relay: {relay or 'missing (tunnels use QUIC)'}", highlight=False)
     print(binaries.directory)
 
 

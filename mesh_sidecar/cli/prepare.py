@@ -11,13 +11,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
-from ..errors import UsageError
+from ..errors import SetupError, UsageError
 from ..home import NodeHome
 from ..llama import weight_cache
 from ..llama.backends import Backend, recorded_backend
 from ..llama.build import B2B, STOCK, ensure_binaries
 from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..llama.weight_cache import WeightCache
+from ..net.data_relay_build import ensure_data_relay
 from ..progress import PlainProgress, ProgressCallback
 from ..serve import speculation
 from ..wire.gossip import DEVICE_NAME_RE, MAX_DEVICES_PER_MEMBER
@@ -117,3 +118,13 @@ def device_names(devices: str | None) -> tuple[str, ...]:
     if len(names) > MAX_DEVICES_PER_MEMBER:
         raise UsageError(f"--devices names {len(names)} devices; a node offers at most {MAX_DEVICES_PER_MEMBER}.")
     return names
+
+
+def prepare_data_relay(say: Callable[[str], None]) -> Path | None:
+    """The native data relay's binary, built if missing; None (said why: tunnels then use QUIC) if it cannot be."""
+    try:
+        with setup_progress() as progress:
+            return ensure_data_relay(progress)
+    except SetupError as exc:
+        say(f"The native data relay is not available, so every tunnel uses QUIC (slower): {exc}")
+        return None

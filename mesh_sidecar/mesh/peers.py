@@ -25,7 +25,7 @@ from ..llama.capacity import MAX_HELD_ENTRIES, held_key
 from ..net.connection import PeerConnection
 from ..net.peer_streams import open_relay_delivery
 from ..net.streams import StreamPair
-from ..net.tunnel import OutputChecks, TunnelListener
+from ..net.tunnel import NativePath, OutputChecks, TunnelListener
 from ..ports import LOOPBACK
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class PeerTable(Mapping[bytes, Peer]):
         self._retire_idle_s = retire_idle_s
         self._retire_poll_s = retire_poll_s
         self._peers: dict[bytes, Peer] = {}
+        self.native: NativePath | None = None  # the native data relay, offered every tunnel connection
 
     def __getitem__(self, node_id: bytes) -> Peer:
         return self._peers[node_id]
@@ -100,7 +101,7 @@ class PeerTable(Mapping[bytes, Peer]):
         node_id = connection.peer_id
         peer = self._peers.get(node_id)
         if peer is None or peer.connection.closed:
-            tunnel = TunnelListener(connection, checks)
+            tunnel = TunnelListener(connection, checks, self.native)
             await tunnel.start()
             peer = self._peers[node_id] = Peer(connection, tunnel)
             return peer, True

@@ -11,6 +11,7 @@ This is the asyncio edge that joins the pure parts together:
         Membership events  -> messages to people, tunnels closed, mesh.json
                               (saved.py); PeerLost (heartbeats, health.py) ->
                               close the connection; ``changes`` notified
+    native data relay (data_paths.py) -> tcp+tls routes per peer, its reports -> tunnel counters
     heartbeat timer -> Membership.heartbeat (pings; health judged inside)
     LanDialer (lan.py, with --lan) -> dial members found on the LAN
     serving node -> install_serving -> ServingVerdicts (serving.py)
@@ -37,12 +38,14 @@ from ..llama.model import offered_files
 from ..net.addresses import reachable_addresses
 from ..net.api_forward import ApiServer
 from ..net.connection import PeerConnection
+from ..net.data_relay import DataRelay, bind_data_port
 from ..net.discovery import LanRecord, mesh_id
 from ..net.model_transfer import fetch_model_over
 from ..net.peer_streams import StreamServices, serve_streams
 from ..net.relay import RelayCounters
 from ..net.streams import StreamPair
 from ..net.transport import MeshTransport
+from ..net.tunnel import TunnelCounters
 from ..progress import ProgressCallback
 from ..wire.auth import MESH_SECRET_BYTES
 from ..wire.gossip import (
@@ -57,9 +60,11 @@ from ..wire.gossip import (
     decode_message,
     encode_message,
 )
+from ..wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 from ..wire.ticket import MAX_TICKET_ADDRESSES, Ticket, encode_ticket
 from . import events
 from .changes import Changes
+from .data_paths import DataPaths
 from .dialer import Dialer
 from .health import lost_reason
 from .lan import LanDialer
@@ -104,6 +109,7 @@ class Mesh:
         timings: MeshTimings = MeshTimings(),
         membership: type[Membership] = Membership,  # tests put a faulty one in its place
         devices: tuple[OfferedDevice, ...] = (),  # what our rpc-server offers, as it listed them
+        data_relay: Path | None = None,  # the native relay's binary; None: every tunnel over QUIC
     ) -> None:
         self.identity = identity
         self._timings = timings
@@ -125,6 +131,7 @@ class Mesh:
         self._transport = MeshTransport(identity, saved.secret, self._serve_peer, dial_timeout_s=timings.dial_timeout_s)
         self._transport.refuse_nodes(saved.removed)
         self._tasks: set[asyncio.Task[None]] = set()  # dials and deferred closes
+        self._data_relay_binary = data_relay
         self._peers = PeerTable(identity.node_id, self._spawn, retire_idle_s=timings.retire_idle_s,
                                 retire_poll_s=timings.retire_poll_s)
         self._addresses = OwnAddresses()
@@ -133,6 +140,8 @@ class Mesh:
         # The serving side: its output checks and the members it leaves out (install_serving).
         self.verdicts = ServingVerdicts(self._peers, lambda node_id: self._membership.info_of(node_id),
                                         self.name_of, say, self._verdicts_changed)
+        self.data_paths = DataPaths(None, self.verdicts, self._peer_counters)
+        self._peers.native = self.data_paths
         self._streams = StreamServices(
             rpc_port, self._resolve_endpoint,
             # Only the files of the model we announce, and only while we announce it.
@@ -166,6 +175,12 @@ class Mesh:
                 raise
             await self._transport.start(LISTEN_HOST, 0)
             self._say(f"UDP port {DEFAULT_QUIC_PORT} is taken; listening for the mesh on {self.port} instead.")
+        if self._data_relay_binary is not None:
+            relay = DataRelay(self._data_relay_binary, self.identity, bind_data_port(self.port),
+                              self.data_paths.on_report, self.data_paths.relay_exited,
+                              guard=(HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO))
+            relay.set_rpc_port(self._rpc_port)
+            self.data_paths.relay = relay
         self._membership.update_self(self._self_info())
 
     @property
@@ -199,6 +214,8 @@ class Mesh:
                 tg.create_task(self._lan.run())
             tg.create_task(self._heartbeats())
             tg.create_task(self._dialer.punch_again())
+            if self.data_paths.relay is not None:
+                tg.create_task(self.data_paths.relay.run())
 
     async def _heartbeats(self) -> None:
         last_refresh = time.monotonic()
@@ -312,7 +329,7 @@ class Mesh:
 
     def peer_views(self) -> tuple[PeerView, ...]:
         """Every member we know of, as it stands now (status.py)."""
-        return peer_views(self._membership, self._peers, self._transport.relay_of)
+        return peer_views(self._membership, self._peers, self._transport.relay_of, self.data_paths.path_of)
 
     # --- internals ---------------------------------------------------------------
 
@@ -340,7 +357,7 @@ class Mesh:
             serving=self._serving, rpc_ready=True, llama_build=self.build, model_sha256=self.model_sha256,
             secret_epoch=self._saved.epoch, run_id=self.run_id,
             corrupt_outputs=self.verdicts.corrupt, slow_workers=self.verdicts.slow, serves=self._serves(),
-            devices=self.devices)
+            devices=self.devices, data_port=self.data_paths.port)
 
     def _disconnected(self, node_id: bytes, reason: str) -> None:
         """Our connection to ``node_id`` ended, or (dialer.py) it could be reached neither directly nor relayed."""
@@ -367,6 +384,10 @@ class Mesh:
                         self._spawn(peer.close_when_idle(reason))
         while (event := self._membership.next_event()) is not None:
             self._on_event(event)
+        if (relay := self.data_paths.relay) is not None:
+            order = self._membership.rpc_order
+            relay.set_endpoints({index: endpoint for index, node_id in enumerate(order)
+                                 if (endpoint := self._peers.rpc_endpoint(node_id, self._rpc_port)) is not None})
 
     def _on_event(self, event: events.Event) -> None:
         """Tell people what happened, keep mesh.json current, and close what must close."""
@@ -380,6 +401,7 @@ class Mesh:
                     self._say(notice)
                 self.verdicts.member_seen(info)
                 self._remember(info.node_id, info.addresses)
+                self._route(info.node_id)
             case events.MemberLeft(node_id=node_id, reason=reason) if reason == LEFT_FOR_GOOD_REASON:
                 self._remember(node_id, None)
             case events.MemberRemoved(node_id=node_id, by=by):
@@ -435,6 +457,16 @@ class Mesh:
         return LanRecord(mesh_id(self._saved.secret), self.identity.node_id, self._name,
                          reachable_addresses(self.port))
 
+    def _route(self, node_id: bytes) -> None:
+        """Which data path a connected member's tunnels take (data_paths.py), on news of it or its connection."""
+        peer, info = self._peers.get(node_id), self._membership.info_of(node_id)
+        if peer is not None and info is not None:
+            self.data_paths.peer_seen(node_id, peer.connection, info.data_port)
+
+    def _peer_counters(self, node_id: bytes) -> TunnelCounters | None:
+        peer = self._peers.get(node_id)
+        return None if peer is None else peer.tunnel.counters
+
     def _resolve_endpoint(self, peer_index: int) -> str | None:
         """REGISTER_PEER's peer id -> the endpoint that reaches that member from here."""
         order = self._membership.rpc_order
@@ -445,6 +477,7 @@ class Mesh:
         node_id = connection.peer_id
         peer, joined = await self._peers.admit(connection, self.verdicts)
         serve_streams(connection, self._streams, peer.tunnel.counters)
+        self._route(node_id)
         reason = "connection closed"
         try:
             if joined:
@@ -463,4 +496,5 @@ class Mesh:
             # A close from our side (a lost heartbeat) cancels this task: its reason is the one.
             reason = connection.close_reason or reason
             if await self._peers.release(peer, connection):
+                self.data_paths.peer_gone(node_id)
                 self._disconnected(node_id, reason)

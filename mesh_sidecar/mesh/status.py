@@ -52,6 +52,8 @@ class PeerView:
     address: str | None  # the connection's remote address, else the first the member announced
     path: str | None  # PATH_DIRECT or PATH_RELAYED while this node holds a connection to it, else None
     via: str | None  # with PATH_RELAYED: the relaying member's name
+    # How RPC reaches it: "tcp+tls" (native relay), "quic" or "relayed via NAME"; None: no connection.
+    data_path: str | None
     health: HealthState | None  # from heartbeats; LOST for a lost member without a connection
     rtt_last_s: float | None  # the last heartbeat's round trip
     rtt_p50_s: float | None
@@ -132,6 +134,7 @@ def peer_json(view: PeerView) -> dict[str, Any]:
         # How our packets reach it: "direct" (our own QUIC connection) and where, or None when not connected.
         "path": view.path,
         "via": view.via,
+        "data_path": view.data_path,
         "addr": view.address if view.path is not None else None,
         "health": None if view.health is None else view.health.value,
         "rtt_ms": rtt_ms(view.rtt_last_s),
@@ -184,7 +187,8 @@ def mesh_json(view: MeshView) -> dict[str, Any]:
 
 
 def peer_views(membership: Membership, peers: Mapping[bytes, Peer],
-               relay_of: Callable[[PeerConnection], bytes | None]) -> tuple[PeerView, ...]:
+               relay_of: Callable[[PeerConnection], bytes | None],
+               data_path_of: Callable[[bytes], str]) -> tuple[PeerView, ...]:
     """Every member ``membership`` knows of, as it stands now; ``peers``: those we hold a connection to,
     ``relay_of``: the member relaying a connection (net/transport.py)."""
 
@@ -205,6 +209,8 @@ def peer_views(membership: Membership, peers: Mapping[bytes, Peer],
             address=address_in_use(peer) if peer is not None else (info.addresses or [None])[0],
             path=None if peer is None else PATH_RELAYED if peer.connection.relayed else PATH_DIRECT,
             via=membership.name_of(relay_id) if relay_id is not None else None,
+            data_path=(None if peer is None else f"relayed via {membership.name_of(relay_id)}"
+                       if relay_id is not None else data_path_of(info.node_id)),
             health=(health.state if health is not None
                     else HealthState.LOST if state is MemberState.LOST else None),
             rtt_last_s=health.rtt_last_s if health else None,

@@ -37,9 +37,13 @@ class ReplyWaits:
 
     def received(self, now: float) -> None:
         if self._owing_since is not None:
-            self._done.append((self._owing_since, now))
+            self.owed(self._owing_since, now)
             self._owing_since = None
-        while self._done and self._done[0][1] < now - REPLY_WAIT_HISTORY_S:
+
+    def owed(self, began: float, ended: float) -> None:
+        """A wait measured elsewhere (the native relay reports each connection's every 100 ms)."""
+        self._done.append((began, ended))
+        while self._done and self._done[0][1] < ended - REPLY_WAIT_HISTORY_S:
             self._done.popleft()
 
     def owed_s(self, since: float, now: float) -> float:

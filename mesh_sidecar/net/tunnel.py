@@ -27,6 +27,12 @@ than compute on garbage) and reports it through ``OutputChecks.rejected``.
 
 A listener also times how long the peer owes replies (reply_waits.py): when tokens stall,
 that names the worker holding them up.
+
+Two data paths: given a NativePath (mesh/data_paths.py), a listener first offers each accepted
+connection to it, before a byte is read; when the peer's native relay is up (tcp+tls), the
+connection's socket goes to the relay (net/data_relay.py), which relays, checks and times it
+outside Python and reports counters and faults back. Otherwise, or when the relay is missing or
+dead, the connection takes the QUIC stream as above. The port is the same either way.
 """
 
 from __future__ import annotations
@@ -56,6 +62,14 @@ RELAY_CHUNK_BYTES = 256 * 1024
 
 Reader = asyncio.StreamReader | MeshStreamReader
 Writer = asyncio.StreamWriter | MeshStreamWriter
+
+
+class NativePath(Protocol):
+    """The native data relay, as a tunnel listener offers it connections (mesh/data_paths.py)."""
+
+    def hand_over(self, node_id: bytes, sock: socket.socket, check: bool, tunnel: TunnelListener) -> bool:
+        """Relay ``sock`` (accepted, nothing read) to ``node_id`` natively; False: take the QUIC path."""
+        ...
 
 
 class OutputChecks(Protocol):
@@ -157,21 +171,58 @@ async def _relay_checked(reader: Reader, writer: Writer, check: RpcOutputCheck,
 class TunnelListener:
     """127.0.0.1:<port> that leads to one peer's rpc-server."""
 
-    def __init__(self, peer: PeerConnection, checks: OutputChecks | None = None) -> None:
+    def __init__(self, peer: PeerConnection, checks: OutputChecks | None = None,
+                 native: NativePath | None = None) -> None:
         self.peer = peer
         self._checks = checks
+        self._native = native
         self.counters = TunnelCounters()
         self.reply_waits = ReplyWaits()
         self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self.native_connections: set[int] = set()  # handed to the native relay, not yet closed
         self._idle = asyncio.Event()
         self._idle.set()
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, LOOPBACK, 0)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Accepted(self), LOOPBACK, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
+
+    def _accepted(self, transport: asyncio.Transport) -> bool:
+        """A new connection, nothing read yet: refused, or handed to the native path (True: done here)."""
+        # The port is on loopback, but any local user could connect and so reach a
+        # peer's rpc-server: only our own user's processes (llama-server) may.
+        client, server = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+        if (uid := loopback_client_uid(client, server)) != os.getuid():
+            log.warning("tunnel to %s: refused a local connection from %s:%d owned by uid %s, not ours (%d)",
+                        short_id(self.peer.peer_id), client[0], client[1], uid, os.getuid())
+            transport.abort()
+            return True
+        if self._native is None:
+            return False
+        node_id = self.peer.peer_id
+        sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+        try:
+            check = self._checks is not None and self._checks.check_for(node_id) is not None
+            handed = self._native.hand_over(node_id, sock, check, self)
+        finally:
+            sock.close()  # the relay holds its own copy now
+        if handed:
+            self.counters.streams += 1
+            transport.abort()  # only our descriptor closes: the connection lives on in the relay
+        return handed
+
+    def native_opened(self, conn_id: int) -> None:
+        self.native_connections.add(conn_id)
+        self._idle.clear()
+
+    def native_closed(self, conn_id: int) -> None:
+        self.native_connections.discard(conn_id)
+        if not self._writers and not self.native_connections:
+            self._idle.set()
 
     def use(self, peer: PeerConnection) -> None:
         """Open the streams of TCP connections accepted from now on over ``peer``."""
@@ -194,14 +245,6 @@ class TunnelListener:
             await self._server.wait_closed()
 
     async def _handle(self, tcp_reader: asyncio.StreamReader, tcp_writer: asyncio.StreamWriter) -> None:
-        # The port is on loopback, but any local user could connect and so reach a
-        # peer's rpc-server: only our own user's processes (llama-server) may.
-        client, server = tcp_writer.get_extra_info("peername"), tcp_writer.get_extra_info("sockname")
-        if (uid := loopback_client_uid(client, server)) != os.getuid():
-            log.warning("tunnel to %s: refused a local connection from %s:%d owned by uid %s, not ours (%d)",
-                        short_id(self.peer.peer_id), client[0], client[1], uid, os.getuid())
-            tcp_writer.transport.abort()
-            return
         _nodelay(tcp_writer)
         self._writers.add(tcp_writer)
         self._idle.clear()
@@ -237,8 +280,15 @@ class TunnelListener:
             )
         finally:
             self._writers.discard(tcp_writer)
-            if not self._writers:
+            if not self._writers and not self.native_connections:
                 self._idle.set()
+
+    def count_native(self, to_peer_bytes: int, from_peer_bytes: int, owed_s: float, now: float) -> None:
+        """What the native relay reports for one of this tunnel's connections (stats every 100 ms)."""
+        self.counters.bytes_to_peer += to_peer_bytes
+        self.counters.bytes_from_peer += from_peer_bytes
+        if owed_s:
+            self.reply_waits.owed(now - owed_s, now)
 
     def _count_bytes_out(self, n: int) -> None:
         self.counters.bytes_to_peer += n
@@ -250,6 +300,20 @@ class TunnelListener:
     def _count_in(self, n: int) -> None:
         self.counters.bytes_from_peer += n
         self.reply_waits.received(time.monotonic())
+
+
+class _Accepted(asyncio.StreamReaderProtocol):
+    """A tunnel port's connection: offered to the native path before anything is read, else relayed here."""
+
+    def __init__(self, listener: TunnelListener) -> None:
+        super().__init__(asyncio.StreamReader(), listener._handle)
+        self._listener = listener
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        # The transport starts reading only after this returns: a handed-over socket loses no byte.
+        if not self._listener._accepted(transport):
+            super().connection_made(transport)
 
 
 async def serve_inbound_stream(

@@ -104,6 +104,8 @@ class NodeOptions:
     # Also say the progress of steps a terminal shows nothing of (llama-server's load stages, seeding
     # the weight cache after a fetch): for output that is not a terminal, such as a CI log.
     plain_progress: bool = False
+    # The native data relay's binary (--data-path auto); None: every tunnel over QUIC.
+    data_relay: Path | None = None
 
 
 class _StopRequested(Exception):
@@ -233,7 +235,8 @@ class Node:
                          serving=self.options.serving is not None, model_sha256=self.options.model_sha256,
                          model_file=self.options.model if self.options.model_sha256 else None,
                          lan=self.options.mdns, local_api=self._local_api, forward_token=self._forward_token,
-                         devices=tuple(OfferedDevice(d.name, d.total_bytes, d.free_bytes) for d in self._devices))
+                         devices=tuple(OfferedDevice(d.name, d.total_bytes, d.free_bytes) for d in self._devices),
+                         data_relay=self.options.data_relay)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
         self._say(f"Node ticket: {ticket}")
@@ -382,6 +385,9 @@ class Node:
             children.append((self.serving.llama_server, self.serving.llama_port))
         processes = [{"name": child.name, "pid": child.pid, "running": child.running, "port": port,
                       "log": str(child.log_path)} for child, port in children if child is not None]
+        if self.mesh is not None and (relay := self.mesh.data_paths.relay) is not None:
+            processes.append({"name": "mesh-data-relay", "pid": relay.pid, "running": relay.running,
+                              "port": relay.port, "log": None, "restarts": relay.restarts})
         # With model tiers, the one in service (or last planned).
         model = self.serving.model if self.serving is not None else self.options.model
         return {

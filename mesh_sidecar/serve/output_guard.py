@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..wire.rpc_outputs import NON_FINITE, NORM_OUTLIER, Fault, TensorMeasured
-
-HISTORY_SAMPLES = 64  # healthy RMS values kept per worker and tensor name
-MIN_HISTORY_SAMPLES = 8  # norms are judged only with at least this many
-NORM_RATIO = 64.0  # an RMS this far outside the recent range (either way) is a fault
+from ..wire.rpc_outputs import (
+    HISTORY_SAMPLES,
+    MIN_HISTORY_SAMPLES,
+    NORM_RATIO,
+    Fault,
+    TensorMeasured,
+    non_finite_fault,
+    norm_outlier_fault,
+)
 
 
 class OutputGuard:
@@ -34,14 +38,13 @@ class OutputGuard:
     def judge(self, worker: bytes, tensor: TensorMeasured) -> Fault | None:
         """A fault in ``tensor`` returned by ``worker``, or None (then it joins the worker's history)."""
         if not tensor.finite:
-            return Fault(NON_FINITE, f"NaN or Inf among the {tensor.values} values of {tensor.name}")
+            return non_finite_fault(tensor)
         rms = tensor.rms
         assert rms is not None  # finite values have one
         history = self._history.setdefault((worker, tensor.name), deque(maxlen=HISTORY_SAMPLES))
         if len(history) >= MIN_HISTORY_SAMPLES:
             low, high = min(history), max(history)
             if rms > high * NORM_RATIO or rms < low / NORM_RATIO:
-                return Fault(NORM_OUTLIER, f"{tensor.name} has RMS {rms:.3g}, over {NORM_RATIO:g}x outside "
-                                           f"its last {len(history)} ({low:.3g} to {high:.3g})")
+                return norm_outlier_fault(tensor, low, high, len(history))
         history.append(rms)
         return None

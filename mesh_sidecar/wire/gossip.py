@@ -52,6 +52,7 @@ from .gossip_fields import (
 )
 from .rpc_hello import RpcVersion
 
+# 7: MemberInfo.data_port (the TCP port of the member's native data relay, optional: absent means none).
 # 6: MemberInfo.devices (the devices a member's rpc-server offers: name, total and free memory); at most
 # 190 members a list (was 200), to make room for them.
 # 5: MemberInfo.serves (what a serving node serves: the mesh routes requests and assigns workers by it);
@@ -62,7 +63,7 @@ from .rpc_hello import RpcVersion
 # keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
-GOSSIP_WIRE_VERSION = 6
+GOSSIP_WIRE_VERSION = 7
 MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
@@ -85,6 +86,7 @@ MAX_NONCE = 2**64 - 1
 MAX_EPOCH = 2**63 - 1
 MAX_REMOVED_PER_REKEY = MAX_MEMBERS_PER_LIST
 MAX_RUN_ID = 2**63 - 1
+MAX_PORT = 65535
 # A serving node lists the last few members it found returning corrupt output or too slow (about 150
 # and 180 bytes each), at most this many in both lists together: 256 members at every limit still fit one frame.
 MAX_JUDGED_MEMBERS = 4
@@ -252,6 +254,15 @@ class OfferedDevice:
                    integer(items[2], f"{what}[2]", MAX_CAPACITY_VALUE))
 
 
+def _data_port(fields: dict[str, Any], what: str) -> int:
+    if "data_port" not in fields:
+        return 0
+    port = integer(fields["data_port"], f"{what}.data_port", MAX_PORT)
+    if port < 1:
+        raise field_error(f"{what}.data_port", f"a TCP port, 1 to {MAX_PORT}")
+    return port
+
+
 @dataclass(frozen=True)
 class MemberInfo:
     """What a node says about itself. Travels inside MemberList.
@@ -284,6 +295,8 @@ class MemberInfo:
     serves: ServedModel | None = None
     # The devices its rpc-server offers (none before it has listed them).
     devices: tuple[OfferedDevice, ...] = ()
+    # Its native data relay's TCP port, on the hosts of ``addresses`` (0: none; tunnels to it use QUIC).
+    data_port: int = 0
 
     def judged_within_limit(self, what: str) -> MemberInfo:
         if len(self.corrupt_outputs) + len(self.slow_workers) > MAX_JUDGED_MEMBERS:
@@ -315,6 +328,7 @@ class MemberInfo:
             **({"slow_workers": [w.to_body() for w in self.slow_workers]} if self.slow_workers else {}),
             **({"serves": self.serves.to_body()} if self.serves is not None else {}),
             **({"devices": [d.to_body() for d in self.devices]} if self.devices else {}),
+            **({"data_port": self.data_port} if self.data_port else {}),
         }
 
     @classmethod
@@ -324,7 +338,7 @@ class MemberInfo:
             what,
             ("node_id", "name", "addresses", "version", "capacity", "serving", "rpc_ready",
              "llama_build", "model_sha256", "secret_epoch"),
-            ("run_id", "corrupt_outputs", "slow_workers", "serves", "devices"),
+            ("run_id", "corrupt_outputs", "slow_workers", "serves", "devices", "data_port"),
         )
         capacity = fields["capacity"]
         if not isinstance(capacity, dict) or len(capacity) > MAX_CAPACITY_ENTRIES:
@@ -375,6 +389,7 @@ class MemberInfo:
             devices=tuple(
                 OfferedDevice.from_body(d, f"{what}.devices[{i}]") for i, d in
                 enumerate(bounded_list(fields.get("devices", []), f"{what}.devices", MAX_DEVICES_PER_MEMBER))),
+            data_port=_data_port(fields, what),
         ).judged_within_limit(what)
 
 

@@ -124,6 +124,21 @@ class CheckOff:
     """Why, for the log."""
 
 
+# The judge's figures (serve/output_guard.py judges with them; the native relay is told them).
+HISTORY_SAMPLES = 64  # healthy RMS values kept per worker and tensor name
+MIN_HISTORY_SAMPLES = 8  # norms are judged only with at least this many
+NORM_RATIO = 64.0  # an RMS this far outside the recent range (either way) is a fault
+
+
+def non_finite_fault(tensor: TensorMeasured) -> Fault:
+    return Fault(NON_FINITE, f"NaN or Inf among the {tensor.values} values of {tensor.name}")
+
+
+def norm_outlier_fault(tensor: TensorMeasured, low: float, high: float, samples: int) -> Fault:
+    return Fault(NORM_OUTLIER, f"{tensor.name} has RMS {tensor.rms:.3g}, over {NORM_RATIO:g}x outside "
+                               f"its last {samples} ({low:.3g} to {high:.3g})")
+
+
 OutputEvent = OutputRejected | CheckOff
 Judge = Callable[[TensorMeasured], Fault | None]  # what is wrong with the tensor, or None
 

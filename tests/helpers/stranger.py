@@ -6,6 +6,8 @@
     python -m tests.helpers.stranger impostor HOST PORT NODE_ID_HEX CLAIMED_ID_HEX SECRET_HEX
     python -m tests.helpers.stranger flood HOST PORT COUNT
     python -m tests.helpers.stranger relay HOST PORT TARGET_ID_HEX
+    python -m tests.helpers.stranger data-port HOST PORT     (TLS with a key of its own, then RPC)
+    python -m tests.helpers.stranger data-garbage HOST PORT  (no TLS: bytes that are none of it)
 
 Each mode prints one line saying how it was turned away (or "ADMITTED", which
 a test treats as a failure); exit status 0 unless the tool itself broke.
@@ -20,6 +22,7 @@ import socket
 import ssl
 import struct
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived
+from cryptography.hazmat.primitives import serialization
 
 from mesh_sidecar.errors import MeshError
 from mesh_sidecar.identity import NodeIdentity, generate_identity
@@ -133,6 +137,39 @@ def flood(host: str, port: int, count: int) -> str:
     return f"sent {count} datagrams"
 
 
+# What a member's relay sends after TLS: "MESH" | version 1 | kind RPC (net/native/README.md),
+# then an RPC HELLO (cmd 14, 24 bytes of capabilities).
+DATA_PREAMBLE = b"MESH\x01\x01"
+RPC_HELLO = bytes([14]) + struct.pack("<Q", 24) + bytes(24)
+
+
+def data_port(host: str, port: int, garbage: bool) -> str:
+    """Dial a node's native data port as a stranger: the node must give it nothing at all."""
+    identity = generate_identity()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    with tempfile.NamedTemporaryFile("wb", suffix=".pem") as pem:
+        pem.write(identity.certificate().public_bytes(serialization.Encoding.PEM))
+        pem.write(identity.private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+        pem.flush()
+        context.load_cert_chain(pem.name)
+    raw = socket.create_connection((host, port), timeout=10)
+    try:
+        if garbage:
+            raw.sendall(os.urandom(4096))
+            conn: socket.socket = raw
+        else:
+            conn = context.wrap_socket(raw)
+            conn.sendall(DATA_PREAMBLE + RPC_HELLO)
+        data = conn.recv(64)
+    except (OSError, ssl.SSLError) as exc:
+        return f"refused: {type(exc).__name__}: {exc}"
+    finally:
+        raw.close()
+    return "ADMITTED" if data else "refused: closed with nothing sent"
+
+
 def main(argv: list[str]) -> None:
     mode, *args = argv
     match mode:
@@ -149,6 +186,8 @@ def main(argv: list[str]) -> None:
             result = flood(args[0], int(args[1]), int(args[2]))
         case "relay":
             result = asyncio.run(relay(args[0], int(args[1]), bytes.fromhex(args[2])))
+        case "data-port" | "data-garbage":
+            result = data_port(args[0], int(args[1]), garbage=mode == "data-garbage")
         case _:
             raise SystemExit(f"unknown mode {mode}")
     print(result, flush=True)

@@ -1,0 +1,196 @@
+"""Which path each peer's RPC tunnels take, and what the native relay reports about them.
+
+Two paths lead to a peer's rpc-server (docs/architecture.md, "Data paths"):
+
+- ``tcp+tls``: the native relay (net/data_relay.py): TLS 1.3 over TCP, relayed, checked and
+  timed outside Python. Taken for a peer that announces a data port in gossip, that this node
+  reaches directly (not through a relay), and whose relay answered a probe: its key checked and
+  an answer back. Probed again whenever the peer's connection or announcement changes, and after
+  our relay restarts.
+- ``quic``: the QUIC tunnels (net/tunnel.py). Every other peer, a peer relayed through a member,
+  every peer while our relay is missing or dead, and everyone with ``--data-path quic``.
+
+A connection keeps the path it started on; a switch applies to connections made after it (the
+serving node's next llama-server), so a stream in flight is never cut by one. A relay that dies
+takes its connections with it: llama-server sees them reset, and serving's recovery continues
+the stream on a new llama-server, over QUIC until the relay is back and probed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..identity import short_id
+from ..net.connection import PeerConnection
+from ..net.data_relay import DataRelay
+from ..net.tunnel import OutputChecks, TunnelCounters, TunnelListener
+from ..wire import data_relay as reports
+from ..wire.rpc_outputs import NON_FINITE, OutputRejected, TensorMeasured, non_finite_fault, norm_outlier_fault
+
+log = logging.getLogger(__name__)
+
+PATH_NATIVE = "tcp+tls"
+PATH_QUIC = "quic"
+
+
+@dataclass
+class _Route:
+    """A peer's native route: where its relay listens, and whether it answered our probe."""
+
+    host: str
+    port: int
+    ready: bool = False
+
+
+@dataclass
+class _Inbound:
+    """A member's connection into our rpc-server through the relay."""
+
+    counters: TunnelCounters
+    held_bytes: int = 0
+
+
+class DataPaths:
+    """The native relay's side of the mesh: routes per peer, connections, their reports."""
+
+    def __init__(self, relay: DataRelay | None, checks: OutputChecks,
+                 counters_of: Callable[[bytes], TunnelCounters | None]) -> None:
+        self.relay = relay
+        self._checks = checks
+        self._counters_of = counters_of  # a peer's tunnel counters, for what it sends our rpc-server
+        self._routes: dict[bytes, _Route] = {}
+        self._tunnels: dict[int, tuple[bytes, TunnelListener]] = {}
+        self._inbound: dict[int, _Inbound] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def port(self) -> int:
+        """The data port announced in gossip; 0 without a relay."""
+        return 0 if self.relay is None else self.relay.port
+
+    def path_of(self, node_id: bytes) -> str:
+        route = self._routes.get(node_id)
+        return PATH_NATIVE if route is not None and route.ready and self._running() else PATH_QUIC
+
+    def _running(self) -> bool:
+        return self.relay is not None and self.relay.running
+
+    # --- membership, as the mesh sees it --------------------------------------------------------
+
+    def peer_seen(self, node_id: bytes, connection: PeerConnection, data_port: int) -> None:
+        """``node_id`` is connected (directly or not) and announces ``data_port`` (0: none): route it."""
+        relay = self.relay
+        if relay is None:
+            return
+        relay.member(node_id)
+        host = None if connection.relayed else connection.remote_address[0]
+        route = self._routes.get(node_id)
+        if host is None or not data_port:
+            self._routes.pop(node_id, None)
+            return
+        if route is None or (route.host, route.port) != (host, data_port):
+            self._routes[node_id] = _Route(host, data_port)
+            relay.probe(node_id, host, data_port)
+
+    def peer_gone(self, node_id: bytes) -> None:
+        """No connection to ``node_id`` any more (lost, left, kicked): its relayed connections close now."""
+        self._routes.pop(node_id, None)
+        if self.relay is not None:
+            self.relay.forget(node_id)
+
+    def relay_restarted(self) -> None:
+        """Probe every route again: nothing is known of the new relay's reach."""
+        for node_id, route in self._routes.items():
+            route.ready = False
+            if self.relay is not None:
+                self.relay.probe(node_id, route.host, route.port)
+
+    def relay_exited(self) -> None:
+        for route in self._routes.values():
+            route.ready = False
+        for conn_id, (_, tunnel) in list(self._tunnels.items()):
+            tunnel.native_closed(conn_id)
+        self._tunnels.clear()
+        for conn_id in list(self._inbound):
+            self._inbound_closed(conn_id)
+
+    # --- the tunnel listeners' NativePath ---------------------------------------------------
+
+    def hand_over(self, node_id: bytes, sock: socket.socket, check: bool, tunnel: TunnelListener) -> bool:
+        route = self._routes.get(node_id)
+        if self.relay is None or route is None or not route.ready:
+            return False
+        conn_id = next(self._ids)
+        if not self.relay.tunnel(conn_id, node_id, route.host, route.port, check, sock):
+            return False
+        self._tunnels[conn_id] = (node_id, tunnel)
+        tunnel.native_opened(conn_id)
+        return True
+
+    # --- reports ------------------------------------------------------------------------------
+
+    def on_report(self, report: reports.Report) -> None:
+        match report:
+            case reports.Stats():
+                self._stats(report)
+            case reports.Hello(port=port):
+                log.info("native data relay running, data port TCP %d", port)
+                self.relay_restarted()
+            case reports.ProbeResult(node_id=node_id, ok=ok):
+                route = self._routes.get(node_id)
+                if route is not None:
+                    route.ready = ok
+                log.log(logging.INFO if ok else logging.WARNING, "data path to %s: %s", short_id(node_id),
+                        f"{PATH_NATIVE} (answered in {report.rtt_us} us)" if ok
+                        else f"{PATH_QUIC}, its relay did not answer ({report.why})")
+            case reports.Closed(id=conn_id, why=why):
+                if conn_id in self._inbound:
+                    self._inbound_closed(conn_id)
+                elif (entry := self._tunnels.pop(conn_id, None)) is not None:
+                    entry[1].native_closed(conn_id)
+                    if why not in ("ended", "forgotten"):
+                        log.warning("tunnel to %s (native) closed: %s", short_id(entry[0]), why)
+            case reports.Inbound(id=conn_id, node_id=node_id):
+                counters = self._counters_of(node_id) or TunnelCounters()
+                counters.inbound_streams += 1
+                self._inbound[conn_id] = _Inbound(counters)
+            case reports.Rejected():
+                self._rejected(report)
+            case reports.Event(id=conn_id, what=what, text=text):
+                log.info("native tunnel %d: %s %s", conn_id, what, text)
+            case reports.Refused(address=address, why=why):
+                log.warning("data port: refused a connection from %s (%s)", address, why)
+            case reports.RelayError(text=text):
+                log.error("native data relay: %s", text)
+
+    def _stats(self, stats: reports.Stats) -> None:
+        if (entry := self._tunnels.get(stats.id)) is not None:
+            entry[1].count_native(stats.from_client_bytes, stats.from_server_bytes, stats.owed_us / 1e6,
+                                  time.monotonic())
+        elif (inbound := self._inbound.get(stats.id)) is not None:
+            counters = inbound.counters
+            counters.inbound_bytes_from_peer += stats.from_client_bytes
+            counters.inbound_bytes_to_peer += stats.from_server_bytes
+            counters.rpc_commands += stats.frames
+            counters.inbound_activation_bytes += stats.activation_bytes
+            counters.inbound_held_bytes += stats.allocated_bytes
+            inbound.held_bytes += stats.allocated_bytes
+
+    def _inbound_closed(self, conn_id: int) -> None:
+        inbound = self._inbound.pop(conn_id)
+        inbound.counters.inbound_held_bytes -= inbound.held_bytes  # rpc-server freed this client's buffers
+
+    def _rejected(self, report: reports.Rejected) -> None:
+        entry = self._tunnels.get(report.id)
+        if entry is None:
+            return
+        finite = report.kind != NON_FINITE
+        tensor = TensorMeasured(report.name, report.values, finite, report.rms if finite else None)
+        fault = (norm_outlier_fault(tensor, report.low, report.high, report.count) if finite
+                 else non_finite_fault(tensor))
+        self._checks.rejected(entry[0], OutputRejected(tensor, fault))

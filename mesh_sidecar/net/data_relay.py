@@ -1,0 +1,201 @@
+"""The native data relay process: started, told what it needs, listened to, restarted when it dies.
+
+``DataRelay`` owns the TCP port members' relays dial (bound here, handed to the child, so a
+restarted relay keeps it) and the control socket (wire/data_relay.py's lines). It keeps what it
+told the relay (members, our rpc-server's port, REGISTER_PEER endpoints) and tells it all again
+after a restart; every report goes to ``on_report``, and a death to ``on_exit`` (the connections it
+carried are gone: llama-server sees them reset, and the serving node's recovery takes over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+
+from ..errors import MalformedMessageError
+from ..identity import NodeIdentity
+from ..wire.data_relay import MAX_REPORT_LINE_BYTES, Report, configuration_lines, parse_report
+
+log = logging.getLogger(__name__)
+
+# A relay that died is started again after this long (doubling while it keeps dying, at most the max).
+RESTART_FIRST_S = 0.5
+RESTART_MAX_S = 30.0
+# It stayed up this long: the next death starts the backoff over.
+STEADY_S = 60.0
+HANDSHAKE_TIMEOUT_S = 5.0  # TLS and the preamble, from the TCP accept
+MAX_CONNECTIONS = 256  # relayed connections at once, both ways
+MAX_HANDSHAKES = 16  # inbound connections not yet authenticated: a flood costs nothing more
+
+
+def bind_data_port(preferred: int | None) -> socket.socket:
+    """The TCP listener members dial: ``preferred`` (the mesh's UDP port number) if free, else any port."""
+    for port in ((preferred, 0) if preferred else (0,)):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            sock.close()
+            continue
+        sock.listen(64)
+        return sock
+    raise OSError("no TCP port for the data relay")
+
+
+class DataRelay:
+    """One ``mesh-data-relay`` child and what it was told."""
+
+    def __init__(self, binary: Path, identity: NodeIdentity, listener: socket.socket,
+                 on_report: Callable[[Report], None], on_exit: Callable[[], None], *,
+                 guard: tuple[int, int, float]) -> None:
+        self._binary = binary
+        self._identity = identity
+        self._listener = listener
+        self._on_report = on_report
+        self._on_exit = on_exit
+        self._guard = guard  # history, min_history, norm_ratio (serve/output_guard.py)
+        self._members: set[bytes] = set()
+        self._endpoints: dict[int, str] = {}
+        self._rpc_port = 0
+        self._control: socket.socket | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.getsockname()[1])
+
+    @property
+    def running(self) -> bool:
+        return self._control is not None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    # --- what it is told ----------------------------------------------------------------------
+
+    def set_rpc_port(self, port: int) -> None:
+        self._rpc_port = port
+        self._tell(f"rpc-port {port}")
+
+    def member(self, node_id: bytes) -> None:
+        if node_id not in self._members:
+            self._members.add(node_id)
+            self._tell(f"member {node_id.hex()}")
+
+    def forget(self, node_id: bytes) -> None:
+        """Not a member any more: its connections, both ways, close now."""
+        if node_id in self._members:
+            self._members.discard(node_id)
+            self._tell(f"forget {node_id.hex()}")
+
+    def set_endpoints(self, endpoints: dict[int, str]) -> None:
+        """REGISTER_PEER's peer index -> the endpoint that reaches that member from here."""
+        for index in set(self._endpoints) - set(endpoints):
+            self._tell(f"endpoint {index} -")
+        for index, endpoint in endpoints.items():
+            if self._endpoints.get(index) != endpoint:
+                self._tell(f"endpoint {index} {endpoint}")
+        self._endpoints = dict(endpoints)
+
+    def probe(self, node_id: bytes, host: str, port: int) -> None:
+        self._tell(f"probe {node_id.hex()} {host} {port}")
+
+    def tunnel(self, conn_id: int, node_id: bytes, host: str, port: int, check: bool, sock: socket.socket) -> bool:
+        """Relay the accepted connection ``sock`` to ``node_id``'s relay; False if the relay is not running."""
+        if self._control is None:
+            return False
+        line = f"tunnel {conn_id} {node_id.hex()} {host} {port} {int(check)}\n".encode()
+        try:
+            socket.send_fds(self._control, [line], [sock.fileno()])
+        except OSError:
+            return False
+        return True
+
+    def close_connection(self, conn_id: int) -> None:
+        self._tell(f"close {conn_id}")
+
+    def _tell(self, line: str) -> None:
+        if self._control is not None:
+            try:
+                self._control.sendall(line.encode() + b"\n")
+            except OSError:
+                pass  # it died: run() restarts it and tells it everything again
+
+    # --- its life -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep the relay running until cancelled."""
+        delay_s = RESTART_FIRST_S
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self._run_once()
+            finally:
+                await self._stop()
+            self._on_exit()
+            delay_s = RESTART_FIRST_S if loop.time() - started > STEADY_S else min(delay_s * 2, RESTART_MAX_S)
+            log.warning("the native data relay exited; starting it again in %.1f s (meanwhile tunnels use QUIC)",
+                        delay_s)
+            await asyncio.sleep(delay_s)
+            self.restarts += 1
+
+    async def _run_once(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            fds = (theirs.fileno(), self._listener.fileno())
+            self._process = await asyncio.create_subprocess_exec(
+                str(self._binary), "--control-fd", str(fds[0]), "--listen-fd", str(fds[1]),
+                pass_fds=fds, stdin=asyncio.subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self._control = ours
+        cert = self._identity.certificate().public_bytes(serialization.Encoding.DER)
+        key = self._identity.private_key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption())
+        history, min_history, ratio = self._guard
+        for line in configuration_lines(cert, key, handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
+                                        max_connections=MAX_CONNECTIONS, max_handshakes=MAX_HANDSHAKES,
+                                        history=history, min_history=min_history, norm_ratio=ratio):
+            self._tell(line)
+        if self._rpc_port:
+            self._tell(f"rpc-port {self._rpc_port}")
+        for node_id in self._members:
+            self._tell(f"member {node_id.hex()}")
+        for index, endpoint in self._endpoints.items():
+            self._tell(f"endpoint {index} {endpoint}")
+        reader, writer = await asyncio.open_unix_connection(sock=ours.dup(), limit=4 * MAX_REPORT_LINE_BYTES)
+        try:
+            while raw := await reader.readline():
+                try:
+                    report = parse_report(raw.rstrip(b"\n"))
+                except MalformedMessageError as exc:
+                    log.warning("%s", exc)
+                    continue
+                self._on_report(report)
+        finally:
+            writer.close()
+
+    async def _stop(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self._process is not None:
+            if self._process.returncode is None:
+                self._process.kill()
+            await self._process.wait()
+            self._process = None
+
+    def kill(self) -> None:
+        """SIGKILL the relay (tests: its death must cost a request nothing)."""
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()
+

@@ -1,0 +1,70 @@
+"""The native data relay's build: compiled once per source version with cmake and ninja, cached.
+
+The sources are net/native/ (CMakeLists.txt, the C files); the binary lands in the shared cache
+under a name that carries the sources' digest, so a changed relay is built again and two versions
+never mix. Built by ``mesh-inference setup`` and, when missing, at a node's start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from ..errors import SetupError
+from ..home import cache_root
+from ..progress import ProgressCallback
+
+BINARY_NAME = "mesh-data-relay"
+_SOURCES_PACKAGE = "mesh_sidecar.net.native"
+_SOURCE_SUFFIXES = (".c", ".h", ".txt")
+OPENSSL_PACKAGE = "libssl-dev"
+
+
+def _sources() -> dict[str, bytes]:
+    folder = resources.files(_SOURCES_PACKAGE)
+    return {entry.name: entry.read_bytes() for entry in folder.iterdir()
+            if entry.is_file() and entry.name.endswith(_SOURCE_SUFFIXES)}
+
+
+def data_relay_path() -> Path:
+    """Where this version of the relay is (or will be) built."""
+    digest = hashlib.sha256()
+    for name, data in sorted(_sources().items()):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return cache_root() / "tools" / f"{BINARY_NAME}-{digest.hexdigest()[:12]}"
+
+
+def ensure_data_relay(progress: ProgressCallback) -> Path:
+    """The relay's binary, built on first use; SetupError saying what is missing if it cannot be."""
+    binary = data_relay_path()
+    if binary.exists():
+        return binary
+    missing = [tool for tool in ("cmake", "ninja", "cc") if shutil.which(tool) is None]
+    if missing:
+        raise SetupError(f"Building the native data relay needs {', '.join(missing)}. On Debian/Ubuntu: "
+                         f"sudo apt-get install cmake ninja-build gcc {OPENSSL_PACKAGE}")
+    progress("Building the native data relay", 0, 0)
+    with tempfile.TemporaryDirectory(prefix="mesh-data-relay-") as work:
+        source = Path(work) / "src"
+        source.mkdir()
+        for name, data in _sources().items():
+            (source / name).write_bytes(data)
+        build = Path(work) / "build"
+        for argv in (["cmake", "-G", "Ninja", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"],
+                     ["ninja", "-C", str(build)]):
+            result = subprocess.run(argv, capture_output=True, text=True)
+            if result.returncode != 0:
+                output = (result.stdout + result.stderr).strip()[-2000:]
+                hint = (f" OpenSSL's headers are missing: sudo apt-get install {OPENSSL_PACKAGE}"
+                        if "OpenSSL" in output or "openssl/" in output else "")
+                raise SetupError(f"Building the native data relay failed.{hint}\n{output}")
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        partial = binary.with_name(binary.name + ".partial")
+        shutil.copy2(build / BINARY_NAME, partial)
+        partial.replace(binary)
+    progress("Building the native data relay", 1, 1)
+    return binary
