@@ -247,7 +247,7 @@ def peers_table(snapshot: dict[str, Any], *, wide: bool = False) -> Table:
         rtt = "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}"
         if peer.get("rtt_p50_ms") is not None:
             rtt += f" ({peer['rtt_p50_ms']:.1f}/{peer['rtt_p95_ms']:.1f})"
-        path = peer.get("data_path") or "-"
+        path = peer.get("data_path") or (peer.get("path") or "-") + (f" via {peer['via']}" if peer.get("via") else "")
         _add_row(table, peer["name"], peer["short_id"], str(peer["address"] or "-"), path,
                  _styled(_peer_state(peer)), rtt,
                  str(peer.get("datagram_bytes") or "-"),

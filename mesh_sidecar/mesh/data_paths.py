@@ -18,6 +18,7 @@ the stream on a new llama-server, over QUIC until the relay is back and probed.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import socket
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 
 PATH_NATIVE = "tcp+tls"
 PATH_QUIC = "quic"
+# A probe that failed (the peer's sidecar may not have named us to its relay yet) is tried again
+# after this long, doubling while it fails.
+PROBE_RETRY_FIRST_S = 0.5
+PROBE_RETRY_MAX_S = 30.0
 
 
 @dataclass
@@ -45,6 +50,13 @@ class _Route:
     host: str
     port: int
     ready: bool = False
+    retry_s: float = PROBE_RETRY_FIRST_S
+    retry: asyncio.TimerHandle | None = None
+
+    def cancel(self) -> None:
+        if self.retry is not None:
+            self.retry.cancel()
+            self.retry = None
 
 
 @dataclass
@@ -91,15 +103,20 @@ class DataPaths:
         host = None if connection.relayed else connection.remote_address[0]
         route = self._routes.get(node_id)
         if host is None or not data_port:
-            self._routes.pop(node_id, None)
+            self._drop(node_id)
             return
         if route is None or (route.host, route.port) != (host, data_port):
+            self._drop(node_id)
             self._routes[node_id] = _Route(host, data_port)
             relay.probe(node_id, host, data_port)
 
+    def _drop(self, node_id: bytes) -> None:
+        if (route := self._routes.pop(node_id, None)) is not None:
+            route.cancel()
+
     def peer_gone(self, node_id: bytes) -> None:
         """No connection to ``node_id`` any more (lost, left, kicked): its relayed connections close now."""
-        self._routes.pop(node_id, None)
+        self._drop(node_id)
         if self.relay is not None:
             self.relay.forget(node_id)
 
@@ -107,6 +124,8 @@ class DataPaths:
         """Probe every route again: nothing is known of the new relay's reach."""
         for node_id, route in self._routes.items():
             route.ready = False
+            route.cancel()
+            route.retry_s = PROBE_RETRY_FIRST_S
             if self.relay is not None:
                 self.relay.probe(node_id, route.host, route.port)
 
@@ -145,6 +164,8 @@ class DataPaths:
                 route = self._routes.get(node_id)
                 if route is not None:
                     route.ready = ok
+                    if not ok:
+                        self._probe_later(node_id, route)
                 log.log(logging.INFO if ok else logging.WARNING, "data path to %s: %s", short_id(node_id),
                         f"{PATH_NATIVE} (answered in {report.rtt_us} us)" if ok
                         else f"{PATH_QUIC}, its relay did not answer ({report.why})")
@@ -167,6 +188,16 @@ class DataPaths:
                 log.warning("data port: refused a connection from %s (%s)", address, why)
             case reports.RelayError(text=text):
                 log.error("native data relay: %s", text)
+
+    def _probe_later(self, node_id: bytes, route: _Route) -> None:
+        def probe() -> None:
+            route.retry = None
+            if self.relay is not None and self._routes.get(node_id) is route:
+                self.relay.probe(node_id, route.host, route.port)
+
+        route.cancel()
+        route.retry = asyncio.get_running_loop().call_later(route.retry_s, probe)
+        route.retry_s = min(route.retry_s * 2, PROBE_RETRY_MAX_S)
 
     def _stats(self, stats: reports.Stats) -> None:
         if (entry := self._tunnels.get(stats.id)) is not None:

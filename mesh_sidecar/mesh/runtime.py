@@ -477,6 +477,8 @@ class Mesh:
         node_id = connection.peer_id
         peer, joined = await self._peers.admit(connection, self.verdicts)
         serve_streams(connection, self._streams, peer.tunnel.counters)
+        if self.data_paths.relay is not None:
+            self.data_paths.relay.member(node_id)  # admitted: its relay may dial ours from now on
         self._route(node_id)
         reason = "connection closed"
         try:

@@ -37,13 +37,17 @@ class ReplyWaits:
 
     def received(self, now: float) -> None:
         if self._owing_since is not None:
-            self.owed(self._owing_since, now)
+            self._done.append((self._owing_since, now))
             self._owing_since = None
+        self._forget_before(now - REPLY_WAIT_HISTORY_S)
 
     def owed(self, began: float, ended: float) -> None:
         """A wait measured elsewhere (the native relay reports each connection's every 100 ms)."""
         self._done.append((began, ended))
-        while self._done and self._done[0][1] < ended - REPLY_WAIT_HISTORY_S:
+        self._forget_before(ended - REPLY_WAIT_HISTORY_S)
+
+    def _forget_before(self, when: float) -> None:
+        while self._done and self._done[0][1] < when:
             self._done.popleft()
 
     def owed_s(self, since: float, now: float) -> float:

@@ -183,10 +183,10 @@ def test_every_message_round_trips(msg: object) -> None:
 def test_known_frame_bytes() -> None:
     # Pins the layout, so a change to it fails here and not only between two releases.
     data = encode_message(Ping(nonce=7, sent_at=1.5))
-    assert data == b"\x06\x04" + b'{"nonce":7,"sent_at":1.5}'
-    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x06\x04"  # the transport's length, then ours
-    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x06\x02"
-    assert encode_message(Observed("203.0.113.5:47470")) == b"\x06\x07" + b'{"address":"203.0.113.5:47470"}'
+    assert data == b"\x07\x04" + b'{"nonce":7,"sent_at":1.5}'
+    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x07\x04"  # the transport's length, then ours
+    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x07\x02"
+    assert encode_message(Observed("203.0.113.5:47470")) == b"\x07\x07" + b'{"address":"203.0.113.5:47470"}'
 
 
 def test_node_ids_travel_as_lowercase_hex() -> None:

@@ -195,6 +195,8 @@ struct side {
     size_t retry_len;              /* an SSL_write to repeat with this length */
     uint32_t events;               /* what epoll watches now */
     int registered;                /* added to epoll (events may be 0) */
+    int readable;                  /* epoll said so and no read has come back empty since: saves a
+                                      syscall per hop that would only say EAGAIN */
 };
 
 struct pipe {
@@ -298,8 +300,8 @@ static struct pipe *new_pipe(uint32_t id, int outbound) {
     if (!p) abort();
     p->id = id;
     p->outbound = outbound;
-    p->client = (struct side){.kind = H_SIDE, .pipe = p, .fd = -1};
-    p->server = (struct side){.kind = H_SIDE, .pipe = p, .fd = -1};
+    p->client = (struct side){.kind = H_SIDE, .pipe = p, .fd = -1, .readable = 1};
+    p->server = (struct side){.kind = H_SIDE, .pipe = p, .fd = -1, .readable = 1};
     p->up.data = malloc(BUF_BYTES);
     p->down.data = malloc(BUF_BYTES);
     if (!p->up.data || !p->down.data) abort();
@@ -406,12 +408,13 @@ static int pump(struct pipe *p) {
         for (int i = 0; i < 2; i++) {
             struct side *from = dirs[i].from, *to = dirs[i].to;
             struct buf *b = dirs[i].b;
-            if (!from->eof) {
+            if (!from->eof && (from->readable || (from->ssl && SSL_pending(from->ssl)))) {
                 size_t space = room(b, dirs[i].up ? BUF_BYTES : limit);
                 if (space) {
                     ssize_t got = side_read(from, b->data + b->end, space);
                     if (got == -2) goto reset;
                     if (got == -1) from->eof = 1;
+                    if (got == 0) from->readable = 0;
                     if (got > 0) {
                         b->end += (size_t)got;
                         *dirs[i].count += (uint64_t)got;
@@ -895,6 +898,7 @@ static int read_control(void) {
 
 static void side_ready(struct side *s, uint32_t events) {
     struct pipe *p = s->pipe;
+    if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) s->readable = 1;
     if (p->outbound && s == &p->server && p->state != P_RELAY) outbound_ready(p, events);
     else if (!p->outbound && p->state == P_RPC_CONNECTING && s == &p->server) rpc_connected(p);
     else if (!p->outbound && p->state != P_RELAY) inbound_ready(p);
@@ -985,6 +989,7 @@ int main(int argc, char **argv) {
     getsockname(listen_fd, (struct sockaddr *)&addr, &len);
     report("hello %s %d", RELAY_VERSION, ntohs(((struct sockaddr_in *)&addr)->sin_port));
     uint64_t next_tick = now_ns() + TICK_NS;
+    uint32_t control_watched = EPOLLIN;
     for (;;) {
         struct epoll_event events[64];
         int n = epoll_wait(epoll_fd, events, 64, 50);
@@ -1003,8 +1008,12 @@ int main(int argc, char **argv) {
                 if (alive && s->fd >= 0) side_ready(s, events[i].events);
             }
         }
-        struct epoll_event cev = {.events = EPOLLIN | (control_out_len ? EPOLLOUT : 0), .data.ptr = &control_handle};
-        epoll_ctl(epoll_fd, EPOLL_CTL_MOD, control_fd, &cev);
+        uint32_t control_events = EPOLLIN | (control_out_len ? EPOLLOUT : 0);
+        if (control_events != control_watched) { /* a syscall only when it changes */
+            struct epoll_event cev = {.events = control_events, .data.ptr = &control_handle};
+            epoll_ctl(epoll_fd, EPOLL_CTL_MOD, control_fd, &cev);
+            control_watched = control_events;
+        }
         if (now_ns() >= next_tick) {
             tick();
             next_tick = now_ns() + TICK_NS;

@@ -1,0 +1,210 @@
+"""The native data path's own cost: round trips and bulk through two relays vs. plain TCP, one run.
+
+    client --TCP--> relay A ==TLS 1.3 over TCP==> relay B --TCP--> target      (the tunnel)
+    client --TCP------------------------------------------------> target      (direct)
+
+Every party is its own process: the target (an echo or byte counter, ``--role target``), the two
+``mesh-data-relay`` processes (started and told by the real ``net/data_relay.DataRelay``, as a
+node's sidecar does), and the client (this process). The target's first byte picks its mode
+("E": echo, "S": count to EOF and answer the count); it is no RPC HELLO, so the relays' RPC
+watch passes the stream untouched.
+
+- round trip: ``--round-trips`` ping-pongs of 64 bytes on one connection (TCP_NODELAY) after a
+  warm-up; p50 and p99 in microseconds, direct and tunnel, and the tunnel's added time;
+- bulk: ``--bulk-mb`` MB one way, ``--reps`` times; Gbit/s from the first byte sent to the
+  target's count coming back (every byte arrived).
+
+Run: ``.venv/bin/python -m benchmarks.data_path [--round-trips N] [--bulk-mb N] [--reps N]
+[--json PATH]``. Needs the relay built (``mesh-inference setup``). Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from mesh_sidecar.identity import generate_identity
+from mesh_sidecar.net.data_relay import DataRelay, bind_data_port
+from mesh_sidecar.net.data_relay_build import ensure_data_relay
+from mesh_sidecar.wire import data_relay as reports
+from mesh_sidecar.wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
+
+PING_BYTES = 64
+WARMUP_ROUND_TRIPS = 500
+CHUNK_BYTES = 1 << 20
+COUNT = struct.Struct("<Q")
+
+
+def target(port_file: Path) -> None:
+    """--role target: echo ("E") or count to EOF ("S"), a thread per connection."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port_file.write_text(str(server.getsockname()[1]))
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mode = conn.recv(1)
+        if mode == b"E":
+            while data := conn.recv(65536):
+                conn.sendall(data)
+        elif mode == b"S":
+            total = 0
+            while data := conn.recv(CHUNK_BYTES):
+                total += len(data)
+            conn.sendall(COUNT.pack(total))
+        conn.close()
+
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+class Relays:
+    """Two relays, A and B, told of each other as two sidecars would; B leads to ``target_port``."""
+
+    def __init__(self, binary: Path, target_port: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.a_id, self.b_id = generate_identity(), generate_identity()
+        self.opened = threading.Event()
+        self.probed = threading.Event()
+        self.a = DataRelay(binary, self.a_id, bind_data_port(None), self._on_a, lambda: None,
+                           guard=(HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO))
+        self.b = DataRelay(binary, self.b_id, bind_data_port(None), lambda _r: None, lambda: None,
+                           guard=(HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO))
+        self.b.set_rpc_port(target_port)
+        self.a.member(self.b_id.node_id)
+        self.b.member(self.a_id.node_id)
+        self._tasks = [self.loop.create_task(self.a.run()), self.loop.create_task(self.b.run())]
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.call(lambda: None)
+        deadline = time.monotonic() + 10
+        while not self.probed.is_set() and time.monotonic() < deadline:
+            self.call(lambda: self.a.probe(self.b_id.node_id, "127.0.0.1", self.b.port))
+            self.probed.wait(0.5)
+        if not self.probed.is_set():
+            raise SystemExit("the relays did not answer each other's probe")
+
+    def _on_a(self, report: reports.Report) -> None:
+        if isinstance(report, reports.ProbeResult) and report.ok:
+            self.probed.set()
+        elif isinstance(report, reports.Opened):
+            self.opened.set()
+
+    def call(self, fn) -> None:
+        done = threading.Event()
+        self.loop.call_soon_threadsafe(lambda: (fn(), done.set()))
+        done.wait(10)
+
+    def tunnel(self, conn_id: int) -> socket.socket:
+        """A client socket whose other end the relay carries to the target."""
+        listener = socket.create_server(("127.0.0.1", 0))
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        listener.close()
+        self.opened.clear()
+        self.call(lambda: self.a.tunnel(conn_id, self.b_id.node_id, "127.0.0.1", self.b.port, False, accepted))
+        accepted.close()
+        if not self.opened.wait(10):
+            raise SystemExit("the tunnel did not open")
+        return client
+
+    def close(self) -> None:
+        for task in self._tasks:
+            self.loop.call_soon_threadsafe(task.cancel)
+        time.sleep(0.5)
+
+
+def round_trips(sock: socket.socket, count: int) -> list[float]:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(b"E")
+    ping, times = b"p" * PING_BYTES, []
+    for i in range(WARMUP_ROUND_TRIPS + count):
+        began = time.perf_counter()
+        sock.sendall(ping)
+        got = 0
+        while got < PING_BYTES:
+            got += len(sock.recv(PING_BYTES - got))
+        if i >= WARMUP_ROUND_TRIPS:
+            times.append((time.perf_counter() - began) * 1e6)
+    sock.close()
+    return times
+
+
+def bulk_gbit_s(sock: socket.socket, megabytes: int) -> float:
+    chunk = b"b" * CHUNK_BYTES
+    began = time.perf_counter()
+    sock.sendall(b"S")
+    for _ in range(megabytes):
+        sock.sendall(chunk)
+    sock.shutdown(socket.SHUT_WR)
+    answer = b""
+    while len(answer) < COUNT.size:
+        answer += sock.recv(COUNT.size)
+    elapsed = time.perf_counter() - began
+    sock.close()
+    assert COUNT.unpack(answer)[0] == megabytes * CHUNK_BYTES  # every byte arrived
+    return megabytes * CHUNK_BYTES * 8 / elapsed / 1e9
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=("bench", "target"), default="bench")
+    parser.add_argument("--port-file", type=Path)
+    parser.add_argument("--round-trips", type=int, default=20000)
+    parser.add_argument("--bulk-mb", type=int, default=1000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.role == "target":
+        target(args.port_file)
+        return
+    port_file = Path(f"/tmp/data-path-bench-{time.time_ns()}.port")
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.data_path", "--role", "target",
+                             "--port-file", str(port_file)])
+    try:
+        while not port_file.exists() or not port_file.read_text():
+            time.sleep(0.05)
+        target_port = int(port_file.read_text())
+        relays = Relays(ensure_data_relay(lambda *_: None), target_port)
+        direct = lambda: socket.create_connection(("127.0.0.1", target_port))  # noqa: E731
+        ids = iter(range(1, 1000))
+        rt = {"direct": round_trips(direct(), args.round_trips),
+              "tunnel": round_trips(relays.tunnel(next(ids)), args.round_trips)}
+        bulk: dict[str, list[float]] = {"direct": [], "tunnel": []}
+        for _ in range(args.reps):  # alternating, so the machine's drift hits both
+            bulk["direct"].append(bulk_gbit_s(direct(), args.bulk_mb))
+            bulk["tunnel"].append(bulk_gbit_s(relays.tunnel(next(ids)), args.bulk_mb))
+        relays.close()
+    finally:
+        proc.kill()
+        port_file.unlink(missing_ok=True)
+    result = {
+        "round_trip_us": {path: {"p50": percentile(t, 50), "p99": percentile(t, 99)} for path, t in rt.items()},
+        "bulk_gbit_s": {path: statistics.median(v) for path, v in bulk.items()},
+    }
+    rtt = result["round_trip_us"]
+    result["added_round_trip_us"] = {q: rtt["tunnel"][q] - rtt["direct"][q] for q in ("p50", "p99")}
+    print(f"{'path':<8} {'RTT p50 us':>11} {'RTT p99 us':>11} {'bulk Gbit/s':>12}")
+    for path in ("direct", "tunnel"):
+        print(f"{path:<8} {rtt[path]['p50']:>11.1f} {rtt[path]['p99']:>11.1f} {result['bulk_gbit_s'][path]:>12.2f}")
+    added = result["added_round_trip_us"]
+    print(f"added by the native tunnel: p50 {added['p50']:.1f} us, p99 {added['p99']:.1f} us; "
+          f"bulk tunnel/direct {result['bulk_gbit_s']['tunnel'] / result['bulk_gbit_s']['direct']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
