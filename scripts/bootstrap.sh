@@ -49,6 +49,8 @@ missing_packages() {
   command -v ip >/dev/null 2>&1 || echo iproute2
   command -v curl >/dev/null 2>&1 || echo curl
   command -v git >/dev/null 2>&1 || echo git
+  # OpenSSL's headers: setup builds the native data relay (TLS between members) against them.
+  [ -f /usr/include/openssl/ssl.h ] || echo libssl-dev
   if [ "$(id -u)" = 0 ]; then
     # The NAT lab of the tests (root only: network namespaces): home routers and their mappings.
     command -v nft >/dev/null 2>&1 || echo nftables

@@ -69,7 +69,7 @@ static size_t control_out_len, control_out_cap;
 
 static void flush_control(void) {
     while (control_out_len) {
-        ssize_t n = send(control_fd, control_out, control_out_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t n = write(control_fd, control_out, control_out_len); /* nonblocking; SIGPIPE ignored */
         if (n <= 0) return; /* EAGAIN: epoll says when; an error: the read side sees EOF and exits */
         memmove(control_out, control_out + n, control_out_len - (size_t)n);
         control_out_len -= (size_t)n;
@@ -952,7 +952,8 @@ static int replay(void) {
             char *hex = malloc(2 * (b->ok - b->start) + 1);
             for (size_t i = b->start; i < b->ok; i++) sprintf(hex + 2 * (i - b->start), "%02x", b->data[i]);
             hex[2 * (b->ok - b->start)] = '\0';
-            report("%s %s", client ? "up" : "down", hex);
+            printf("%s %s\n", client ? "up" : "down", hex); /* may be longer than a report line */
+            fflush(stdout);
             free(hex);
             b->start = b->ok;
         } else {
