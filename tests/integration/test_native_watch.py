@@ -57,7 +57,8 @@ def relay_binary():
     return ensure_data_relay(lambda *_: None)
 
 
-def replay(binary, check: bool, rewrite: bool, chunks: list[tuple[str, bytes]], endpoints=()) -> tuple[bytes, bytes, list[str]]:
+def replay(binary, check: bool, rewrite: bool, chunks: list[tuple[str, bytes]],
+           endpoints=()) -> tuple[bytes, bytes, list[str]]:
     lines = configuration_lines(b"", b"", handshake_timeout_s=5, max_connections=8, max_handshakes=4,
                                 history=HISTORY_SAMPLES, min_history=MIN_HISTORY_SAMPLES, norm_ratio=NORM_RATIO)
     lines = [line for line in lines if not line.startswith("identity")]
