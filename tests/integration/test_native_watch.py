@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import struct
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import mesh_sidecar.net.native
 from mesh_sidecar.net.data_relay_build import ensure_data_relay
 from mesh_sidecar.serve.output_guard import OutputGuard
 from mesh_sidecar.wire.data_relay import configuration_lines
@@ -143,3 +145,15 @@ def test_an_oversized_frame_breaks_the_worker_side(relay_binary):
     huge = bytes([6]) + struct.pack("<Q", 1 << 40)
     _, _, events = replay(relay_binary, False, True, [("c", HELLO), ("s", HELLO_REPLY_7), ("c", huge)])
     assert any(" broken " in e for e in events)
+
+
+def test_the_watch_survives_random_and_mutated_streams_under_sanitizers(tmp_path):
+    """fuzz_rpc_watch.c's standalone driver, built with AddressSanitizer and UBSan: any crash,
+    out-of-bounds access or release of more than was shown fails it."""
+    native = Path(mesh_sidecar.net.native.__file__).parent
+    binary = tmp_path / "fuzz_rpc_watch"
+    subprocess.run(["cc", "-O1", "-g", "-DMESH_FUZZ_STANDALONE", "-fsanitize=address,undefined",
+                    "-fno-sanitize-recover=all", str(native / "fuzz_rpc_watch.c"), str(native / "rpc_watch.c"),
+                    "-lm", "-o", str(binary)], check=True, capture_output=True, timeout=120)
+    result = subprocess.run([str(binary), "100000", "11"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("ok 100000"), result.stderr[-3000:]

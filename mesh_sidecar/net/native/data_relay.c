@@ -408,13 +408,14 @@ static int pump(struct pipe *p) {
         for (int i = 0; i < 2; i++) {
             struct side *from = dirs[i].from, *to = dirs[i].to;
             struct buf *b = dirs[i].b;
-            if (!from->eof && (from->readable || (from->ssl && SSL_pending(from->ssl)))) {
+            if (!from->eof && (from->readable || (from->ssl && SSL_has_pending(from->ssl)))) {
                 size_t space = room(b, dirs[i].up ? BUF_BYTES : limit);
                 if (space) {
                     ssize_t got = side_read(from, b->data + b->end, space);
                     if (got == -2) goto reset;
                     if (got == -1) from->eof = 1;
-                    if (got == 0) from->readable = 0;
+                    /* Nothing, or a plain socket's short read: drained until epoll says otherwise. */
+                    if (got == 0 || (!from->ssl && (size_t)got < space)) from->readable = 0;
                     if (got > 0) {
                         b->end += (size_t)got;
                         *dirs[i].count += (uint64_t)got;
@@ -499,6 +500,7 @@ static SSL_CTX *make_tls(const uint8_t *cert_der, size_t cert_len, const uint8_t
     SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, accept_any_certificate);
     SSL_CTX_set_session_cache_mode(ctx, SSL_SESS_CACHE_OFF);
     SSL_CTX_set_num_tickets(ctx, 0);
+    SSL_CTX_set_read_ahead(ctx, 1); /* one read() per record, not two (header, then body) */
     const uint8_t *c = cert_der, *k = key_der;
     X509 *cert = d2i_X509(NULL, &c, (long)cert_len);
     EVP_PKEY *key = d2i_AutoPrivateKey(NULL, &k, (long)key_len);
