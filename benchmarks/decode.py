@@ -522,9 +522,9 @@ def _resolve_model(given: str | None) -> Path:
 
 
 def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workdir: Path,
-                started: Started, b2b: bool = False) -> dict[str, Any]:
-    """The mesh, then the direct setup (and with ``b2b`` the mesh on the b2b build), on a fresh lab
-    with this link profile; its report entry."""
+                started: Started, b2b: bool = False, quic: bool = False) -> dict[str, Any]:
+    """The mesh, then the direct setup (and with ``b2b`` the mesh on the b2b build, with ``quic`` the mesh
+    with ``--data-path quic``), on a fresh lab with this link profile; its report entry."""
     from tests.helpers.netns import LINK_PROFILES, Lab
 
     workdir.mkdir(parents=True)
@@ -543,6 +543,11 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
             print(f"[{profile}] mesh with --b2b: workers pass activations to each other...", flush=True)
             b2b_result, _, b2b_info = run_mesh(hosts, started, workdir, spec, model,
                                                        ("--speculation", "off"), "mesh-b2b", ("--b2b",))
+        if quic:
+            started.stop_all()
+            print(f"[{profile}] mesh with --data-path quic: every tunnel over QUIC...", flush=True)
+            quic_result, _, quic_info = run_mesh(hosts, started, workdir, spec, model,
+                                                 ("--speculation", "off"), "mesh-quic", ("--data-path", "quic"))
     finally:
         started.stop_all()
         lab.close()
@@ -570,6 +575,10 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         # greedy streams may part ways between two runs of the same setup too.
         entry["stream_texts_identical"] = [m == d for m, d in zip(entry["mesh"]["streams"]["texts"],
                                                                    entry["direct"]["streams"]["texts"], strict=True)]
+    if quic:
+        entry["mesh_quic"] = {**_summary(quic_result), **quic_info}
+        entry["decode_ratio_mesh_quic_over_direct"] = _ratio(entry, "mesh_quic", "direct", "decode_tok_s")
+        entry["ttft_ratio_mesh_quic_over_direct"] = _ratio(entry, "mesh_quic", "direct", "ttft_ms")
     if b2b:
         entry["mesh_b2b"] = {**_summary(b2b_result), **b2b_info}
         entry["mesh_b2b_tunnels"] = _tunnel_bytes(b2b_result)
@@ -622,6 +631,13 @@ def _print_summary(report: dict[str, Any]) -> None:
                       f"{d['prompt_tok_s']['median']:.1f}",
                       f"{m['prompt_tok_s']['median']:.1f}", "yes" if e["greedy_texts_identical"] else "NO")
     Console(width=max(Console().width, 180)).print(table)
+    for e in report["profiles"]:
+        if "mesh_quic" in e:
+            print(f"[{e['profile']}] mesh with --data-path quic: decode "
+                  f"{e['mesh_quic']['decode_tok_s']['median']:.1f} tok/s, "
+                  f"{e['decode_ratio_mesh_quic_over_direct']:.2f} of direct; TTFT "
+                  f"{e['mesh_quic']['ttft_ms']['median']:.0f} ms, "
+                  f"{e['ttft_ratio_mesh_quic_over_direct']:.2f} of direct")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -634,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="GGUF file, or a synthetic preset name such as bench-1gb "
                                         "(default: the default model)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--quic", action="store_true",
+                        help="also run the mesh with --data-path quic (every tunnel over QUIC), for the "
+                             "native data path's gain in the same run")
     parser.add_argument("--b2b", action="store_true",
                         help="also run the mesh on the b2b build (workers pass activations to each other)")
     parser.add_argument("--streams", type=int, default=0, choices=range(LLAMA_SERVER_AUTO_SLOTS + 1),
@@ -683,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = False
         for profile in profiles:
             try:
-                entry = run_profile(profile, binaries, model, spec, workdir / profile, started, args.b2b)
+                entry = run_profile(profile, binaries, model, spec, workdir / profile, started, args.b2b, args.quic)
             except Exception as exc:  # noqa: BLE001 - a profile failing (timeout, crash) keeps the others' figures
                 print(f"[{profile}] failed: {exc!r}", file=sys.stderr, flush=True)
                 report["profiles"].append({"profile": profile, "error": repr(exc)})

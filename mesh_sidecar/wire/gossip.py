@@ -75,7 +75,7 @@ MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
 # The largest mesh gossip can describe: 190 members at every field's limit take about
-# 1010 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
+# 1020 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
 MAX_MEMBERS_PER_LIST = 190
 # An rpc-server lists its GPUs (or its CPU): a few a machine. Names as ggml gives them: CPU, Vulkan0, CUDA1.
 MAX_DEVICES_PER_MEMBER = 4

@@ -8,6 +8,7 @@
     python -m tests.helpers.stranger relay HOST PORT TARGET_ID_HEX
     python -m tests.helpers.stranger data-port HOST PORT     (TLS with a key of its own, then RPC)
     python -m tests.helpers.stranger data-garbage HOST PORT  (no TLS: bytes that are none of it)
+    python -m tests.helpers.stranger data-member HOST PORT HOME  (a member's key, then broken RPC frames)
 
 Each mode prints one line saying how it was turned away (or "ADMITTED", which
 a test treats as a failure); exit status 0 unless the tool itself broke.
@@ -26,6 +27,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.quic.configuration import QuicConfiguration
@@ -33,7 +35,7 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataRecei
 from cryptography.hazmat.primitives import serialization
 
 from mesh_sidecar.errors import MeshError
-from mesh_sidecar.identity import NodeIdentity, generate_identity
+from mesh_sidecar.identity import NodeIdentity, generate_identity, load_or_create_identity
 from mesh_sidecar.net.quic import ALPN
 from mesh_sidecar.net.transport import MeshTransport
 from mesh_sidecar.wire import auth
@@ -143,9 +145,11 @@ DATA_PREAMBLE = b"MESH\x01\x01"
 RPC_HELLO = bytes([14]) + struct.pack("<Q", 24) + bytes(24)
 
 
-def data_port(host: str, port: int, garbage: bool) -> str:
-    """Dial a node's native data port as a stranger: the node must give it nothing at all."""
-    identity = generate_identity()
+def data_port(host: str, port: int, garbage: bool, identity: NodeIdentity | None = None) -> str:
+    """Dial a node's native data port as a stranger (or, given ``identity``, as that member sending
+    broken RPC): a stranger must get nothing at all, a member's broken stream must be dropped."""
+    member = identity is not None
+    identity = identity or generate_identity()
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     with tempfile.NamedTemporaryFile("wb", suffix=".pem") as pem:
@@ -163,8 +167,14 @@ def data_port(host: str, port: int, garbage: bool) -> str:
             conn = context.wrap_socket(raw)
             conn.sendall(DATA_PREAMBLE + RPC_HELLO)
         data = conn.recv(64)
+        if member:
+            # A frame declaring a 1 TiB payload, then a truncated one: the relay drops the connection.
+            conn.sendall(bytes([6]) + struct.pack("<Q", 1 << 40) + os.urandom(100) + bytes([8, 1, 2]))
+            while conn.recv(65536):
+                pass
+            return "dropped: closed by the node"
     except (OSError, ssl.SSLError) as exc:
-        return f"refused: {type(exc).__name__}: {exc}"
+        return f"{'dropped' if member else 'refused'}: {type(exc).__name__}: {exc}"
     finally:
         raw.close()
     return "ADMITTED" if data else "refused: closed with nothing sent"
@@ -188,6 +198,9 @@ def main(argv: list[str]) -> None:
             result = asyncio.run(relay(args[0], int(args[1]), bytes.fromhex(args[2])))
         case "data-port" | "data-garbage":
             result = data_port(args[0], int(args[1]), garbage=mode == "data-garbage")
+        case "data-member":
+            result = data_port(args[0], int(args[1]), garbage=False,
+                               identity=load_or_create_identity(Path(args[2])))
         case _:
             raise SystemExit(f"unknown mode {mode}")
     print(result, flush=True)

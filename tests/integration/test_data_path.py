@@ -112,3 +112,24 @@ def test_strangers_on_the_data_port_get_nothing_and_the_node_keeps_serving(start
         thread.join()
     assert complete(server.serve_port) == reference_text
     assert peer_row(server, "w")["data_path"] == "tcp+tls"
+
+
+def test_broken_frames_from_a_member_drop_that_connection_and_nothing_else(start_node, reference_text):
+    worker, server = serving_pair(start_node)
+    port = relay_process(worker)["port"]
+    wait_until(lambda: peer_row(server, "w")["data_path"] == "tcp+tls", PATH_TIMEOUT_S, "the native path to w")
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.stranger", "data-member", "127.0.0.1", str(port),
+                             str(server.home)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("dropped"), (result.stdout, result.stderr[-2000:])
+    assert complete(server.serve_port) == reference_text
+
+
+def test_a_kicked_member_loses_its_data_connections_at_once(start_node, tmp_path):
+    worker, server = serving_pair(start_node)
+    data_port = relay_process(worker)["port"]
+    wait_until(lambda: complete(server.serve_port) is not None and relay_connections_to(server, data_port),
+               PATH_TIMEOUT_S, "llama-server connected through the native path")
+    kicked = subprocess.run([sys.executable, "-m", "mesh_sidecar", "--home", str(server.home), "kick", "w"],
+                            capture_output=True, text=True, timeout=60)
+    assert kicked.returncode == 0, kicked.stderr
+    wait_until(lambda: not relay_connections_to(server, data_port), 10, "the relay closed its connections to w")

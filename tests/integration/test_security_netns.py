@@ -110,9 +110,18 @@ print(json.dumps([[c.type == 1 and "tcp" or "udp", c.laddr.ip, c.laddr.port, c.s
         # mDNS (LAN discovery, off with --no-mdns) answers only for this node's public record.
         mdns = [s for s in exposed if s[0] == "udp" and s[2] == MDNS_PORT]
         assert mdns, f"{name}: {exposed}"
-        assert [s for s in exposed if s not in mdns] == [["udp", "0.0.0.0", QUIC_PORT, "NONE"]], f"{name}: {exposed}"
-        # And from another host, no TCP port of it answers.
+        # QUIC, and the native data relay's TCP port (the same number): TLS, members' keys only.
+        assert sorted(s for s in exposed if s not in mdns) == [["tcp", "0.0.0.0", QUIC_PORT, "LISTEN"],
+                                                               ["udp", "0.0.0.0", QUIC_PORT, "NONE"]], \
+            f"{name}: {exposed}"
+        # A stranger's TLS (a key of its own) and plain garbage on the data port get nothing.
+        for mode in ("data-port", "data-garbage"):
+            result = stranger(hosts["d"], mode, hosts[name].ip, str(QUIC_PORT))
+            assert result.startswith("refused"), (name, mode, result)
+        # And from another host, no other TCP port of it answers.
         for _, _, port, _ in listening_tcp:
+            if port == QUIC_PORT:
+                continue
             refused = ns_python(hosts["d"], f"""
 import socket
 s = socket.socket(); s.settimeout(3)

@@ -53,6 +53,7 @@ from mesh_sidecar.wire.gossip import (
     MAX_MODEL_ID_CHARS,
     MAX_NAME_CHARS,
     MAX_NONCE,
+    MAX_PORT,
     MAX_REASON_CHARS,
     MAX_RUN_ID,
     MAX_SERVED_MEMBERS,
@@ -116,6 +117,7 @@ member_infos = st.builds(
         st.integers(0, MAX_IN_FLIGHT), st.integers(0, MAX_CAPACITY_VALUE), st.integers(0, MAX_CAPACITY_VALUE),
         st.integers(0, MAX_CAPACITY_VALUE), st.booleans(),
         st.lists(node_ids, max_size=MAX_SERVED_MEMBERS, unique=True).map(tuple)),
+    data_port=st.just(0) | st.integers(1, MAX_PORT),
 )
 times = st.floats(allow_nan=False, allow_infinity=False)
 messages = st.one_of(
@@ -269,7 +271,7 @@ def test_each_frame_decodes_on_its_own() -> None:
 
 def test_other_wire_versions_are_refused() -> None:
     # 3 too: a version-3 node would close on our frames anyway (gossip.py says why).
-    for version in (v for v in (0, 1, 2, 3, 4, 5, 255) if v != GOSSIP_WIRE_VERSION):
+    for version in (v for v in (0, 1, 2, 3, 4, 5, 6, 255) if v != GOSSIP_WIRE_VERSION):
         with pytest.raises(ProtocolVersionError, match="wire version"):
             decode_message(body_frame(4, '{"nonce":1,"sent_at":2}', version=version))
 
@@ -431,6 +433,7 @@ def test_the_largest_member_list_fits_in_one_frame() -> None:
                            tuple(i.to_bytes(32, "big") for i in range(MAX_SERVED_MEMBERS))),
         devices=(OfferedDevice("W" * MAX_DEVICE_NAME_CHARS, MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE),)
         * MAX_DEVICES_PER_MEMBER,
+        data_port=MAX_PORT,
     )
     members = tuple(
         replace(widest, node_id=i.to_bytes(32, "big")) for i in range(MAX_MEMBERS_PER_LIST)
@@ -928,3 +931,18 @@ def test_devices_round_trip_and_bad_ones_are_refused() -> None:
             MemberInfo.from_body({**body, "devices": [bad]})
     with pytest.raises(MalformedMessageError):
         MemberInfo.from_body({**body, "devices": [["GPU", 1, 1]] * (MAX_DEVICES_PER_MEMBER + 1)})
+
+
+def test_data_port_round_trips_and_bad_ones_are_refused() -> None:
+    for port in (1, 7448, MAX_PORT):
+        member = info(A_ID, data_port=port)
+        assert decode_message(encode_message(MemberList((member,)))) == MemberList((member,))
+    # No native relay: left out, and read back as none.
+    assert "data_port" not in info(A_ID).to_body()
+    assert decode_message(encode_message(MemberList((info(A_ID),)))) == MemberList((info(A_ID),))
+    body = info(A_ID).to_body()
+    for bad in (0, -1, MAX_PORT + 1, 70000, "x", "7448", 7448.0, True, None):
+        with pytest.raises(MalformedMessageError):
+            MemberInfo.from_body({**body, "data_port": bad})
+    with pytest.raises(ValueError):  # the encoder checks its own output
+        encode_message(MemberList((info(A_ID, data_port=70000),)))

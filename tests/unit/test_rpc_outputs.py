@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -217,3 +221,47 @@ def test_measure_rms_and_limits() -> None:
     big = np.full(1000, np.finfo(np.float32).max, dtype=np.float32)
     assert measure("t", big.tobytes(), GGML_TYPE_F32).finite  # squares past float32's range are not Inf
     assert measure("t", np.zeros(8, np.float32).tobytes(), GGML_TYPE_F32).rms == 0.0
+
+
+@pytest.mark.parametrize(("dtype", "ggml_type", "scale"), [
+    (np.float16, GGML_TYPE_F16, 1.0), (np.float16, GGML_TYPE_F16, float(np.finfo(np.float16).max)),
+    (np.float32, GGML_TYPE_F32, 1.0), (np.float32, GGML_TYPE_F32, 1e38),  # squares past float32's range
+])
+def test_measure_matches_an_exact_sum_of_squares(dtype: type[np.floating], ggml_type: int, scale: float) -> None:
+    values = (np.random.default_rng(7).uniform(-1, 1, 4096) * scale).astype(dtype)
+    values[0] = scale  # the largest value itself
+    # Squares of f16 and f32 values are exact in float64, and fsum rounds their sum once.
+    square_sum = math.fsum(float(v) ** 2 for v in values)
+    got = measure("t", values.tobytes(), ggml_type)
+    assert got.values == values.size and got.finite
+    assert got.rms == pytest.approx(math.sqrt(square_sum / values.size), rel=1e-12)
+
+
+# Other threads' CPU time in a fresh process, around replies measured. OpenBLAS starts its pool when
+# numpy is imported, so counting threads shows nothing; a BLAS call wakes the pool, which then spins.
+_OTHER_THREADS_CPU = """
+import os, numpy as np
+from mesh_sidecar.wire.rpc_outputs import GGML_TYPE_F32, measure
+def others():
+    ticks = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != os.getpid():
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            ticks += int(stat[11]) + int(stat[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+data = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32).tobytes()  # 4 MiB
+before = others()
+for _ in range(100):
+    measure("t", data, GGML_TYPE_F32)
+print(others() - before)
+"""
+OTHER_THREADS_MAX_CPU_S = 0.05  # np.dot took 0.2 to 0.4 s here on 2 cores; idle threads take 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads threads' CPU time from /proc")
+def test_measure_keeps_to_its_own_thread() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _OTHER_THREADS_CPU], env=env, capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parents[2]).stdout
+    assert float(out) < OTHER_THREADS_MAX_CPU_S
