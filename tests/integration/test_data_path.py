@@ -92,44 +92,35 @@ def test_a_stream_survives_the_relay_being_killed_and_the_relay_comes_back(start
     assert relay_process(server)["restarts"] >= 1
 
 
-def test_strangers_on_the_data_port_get_nothing_and_the_node_keeps_serving(start_node, reference_text):
+def test_strangers_broken_members_and_a_kick_on_the_data_port(start_node, reference_text):
     worker, server = serving_pair(start_node)
     port = relay_process(worker)["port"]
+    wait_until(lambda: complete(server.serve_port) == reference_text and relay_connections_to(server, port),
+               PATH_TIMEOUT_S, "llama-server connected through the native path")
+    # Strangers: TLS with a key of its own, and plain garbage, get nothing at all.
     for mode in ("data-port", "data-garbage"):
-        result = subprocess.run([sys.executable, "-m", "tests.helpers.stranger", mode, "127.0.0.1", str(port)],
-                                capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.startswith("refused"), result.stdout
+        assert stranger(mode, "127.0.0.1", str(port)).startswith("refused")
     log = (worker.home / "logs" / "sidecar.log").read_text()
     assert "data port: refused a connection from 127.0.0.1 (not-a-member)" in log
     # Many at once: the handshake cap turns the excess away, and members still get through.
-    threads = [threading.Thread(target=subprocess.run, args=([sys.executable, "-m", "tests.helpers.stranger",
-                                                             "data-garbage", "127.0.0.1", str(port)],),
-                                kwargs={"capture_output": True, "timeout": 60}) for _ in range(4)]
+    threads = [threading.Thread(target=stranger, args=("data-garbage", "127.0.0.1", str(port))) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    # A member (the serving node's own key) sending broken frames: that connection is dropped, nothing else.
+    assert stranger("data-member", "127.0.0.1", str(port), str(server.home)).startswith("dropped")
     assert complete(server.serve_port) == reference_text
     assert peer_row(server, "w")["data_path"] == "tcp+tls"
-
-
-def test_broken_frames_from_a_member_drop_that_connection_and_nothing_else(start_node, reference_text):
-    worker, server = serving_pair(start_node)
-    port = relay_process(worker)["port"]
-    wait_until(lambda: peer_row(server, "w")["data_path"] == "tcp+tls", PATH_TIMEOUT_S, "the native path to w")
-    result = subprocess.run([sys.executable, "-m", "tests.helpers.stranger", "data-member", "127.0.0.1", str(port),
-                             str(server.home)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout.startswith("dropped"), (result.stdout, result.stderr[-2000:])
-    assert complete(server.serve_port) == reference_text
-
-
-def test_a_kicked_member_loses_its_data_connections_at_once(start_node, tmp_path):
-    worker, server = serving_pair(start_node)
-    data_port = relay_process(worker)["port"]
-    wait_until(lambda: complete(server.serve_port) is not None and relay_connections_to(server, data_port),
-               PATH_TIMEOUT_S, "llama-server connected through the native path")
-    kicked = subprocess.run([sys.executable, "-m", "mesh_sidecar", "--home", str(server.home), "kick", "w"],
+    # A kicked member loses its data connections at once.
+    kicked = subprocess.run([sys.executable, "-m", "mesh_sidecar", "kick", "w", "--home", str(server.home)],
                             capture_output=True, text=True, timeout=60)
     assert kicked.returncode == 0, kicked.stderr
-    wait_until(lambda: not relay_connections_to(server, data_port), 10, "the relay closed its connections to w")
+    wait_until(lambda: not relay_connections_to(server, port), 10, "the relay closed its connections to w")
+
+
+def stranger(*args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.stranger", *args], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
