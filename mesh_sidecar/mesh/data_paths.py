@@ -31,6 +31,7 @@ from ..net.connection import PeerConnection
 from ..net.data_relay import DataRelay
 from ..net.tunnel import OutputChecks, TunnelCounters, TunnelListener
 from ..wire import data_relay as reports
+from ..wire.rpc_framing import EndpointRewritten, EndpointUnresolved
 from ..wire.rpc_outputs import NON_FINITE, OutputRejected, TensorMeasured, non_finite_fault, norm_outlier_fault
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class _Route:
 class _Inbound:
     """A member's connection into our rpc-server through the relay."""
 
+    node_id: bytes
     counters: TunnelCounters
     held_bytes: int = 0
 
@@ -179,11 +181,11 @@ class DataPaths:
             case reports.Inbound(id=conn_id, node_id=node_id):
                 counters = self._counters_of(node_id) or TunnelCounters()
                 counters.inbound_streams += 1
-                self._inbound[conn_id] = _Inbound(counters)
+                self._inbound[conn_id] = _Inbound(node_id, counters)
             case reports.Rejected():
                 self._rejected(report)
-            case reports.Event(id=conn_id, what=what, text=text):
-                log.info("native tunnel %d: %s %s", conn_id, what, text)
+            case reports.Event():
+                self._event(report)
             case reports.Refused(address=address, why=why):
                 log.warning("data port: refused a connection from %s (%s)", address, why)
             case reports.RelayError(text=text):
@@ -211,6 +213,18 @@ class DataPaths:
             counters.inbound_activation_bytes += stats.activation_bytes
             counters.inbound_held_bytes += stats.allocated_bytes
             inbound.held_bytes += stats.allocated_bytes
+
+    def _event(self, event: reports.Event) -> None:
+        """Logged as the QUIC path logs the same event (rpc_framing.py's events), so one grep finds both."""
+        inbound = self._inbound.get(event.id)
+        words = event.text.split(" ")
+        if inbound is not None and event.what == "rewritten" and len(words) == 3:
+            log.info("tunnel from %s: %s", short_id(inbound.node_id),
+                     EndpointRewritten(int(words[0]), "" if words[1] == "-" else words[1], words[2]))
+        elif inbound is not None and event.what == "unresolved" and words[0].isdigit():
+            log.info("tunnel from %s: %s", short_id(inbound.node_id), EndpointUnresolved(int(words[0])))
+        else:
+            log.info("native tunnel %d: %s %s", event.id, event.what, event.text)
 
     def _inbound_closed(self, conn_id: int) -> None:
         inbound = self._inbound.pop(conn_id)

@@ -119,9 +119,6 @@ class DataRelay:
             return False
         return True
 
-    def close_connection(self, conn_id: int) -> None:
-        self._tell(f"close {conn_id}")
-
     def _tell(self, line: str) -> None:
         if self._control is not None:
             try:

@@ -8,6 +8,7 @@ never mix. Built by ``mesh-inference setup`` and, when missing, at a node's star
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -63,7 +64,7 @@ def ensure_data_relay(progress: ProgressCallback) -> Path:
                         if "OpenSSL" in output or "openssl/" in output else "")
                 raise SetupError(f"Building the native data relay failed.{hint}\n{output}")
         binary.parent.mkdir(parents=True, exist_ok=True)
-        partial = binary.with_name(binary.name + ".partial")
+        partial = binary.with_name(f"{binary.name}.{os.getpid()}.partial")  # two nodes may build at once
         shutil.copy2(build / BINARY_NAME, partial)
         partial.replace(binary)
     progress("Building the native data relay", 1, 1)

@@ -32,6 +32,7 @@ from ..llama.estimate import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.model_files import model_files
 from ..llama.weight_cache import WeightCache
+from ..logs import SIDECAR_LOG_NAME
 from ..mesh.exclusion import LLAMA_BUILD_MISMATCH, SAME_BUILD_REMEDY
 from ..mesh.runtime import Mesh
 from ..mesh.saved import SavedMesh
@@ -386,8 +387,10 @@ class Node:
         processes = [{"name": child.name, "pid": child.pid, "running": child.running, "port": port,
                       "log": str(child.log_path)} for child, port in children if child is not None]
         if self.mesh is not None and (relay := self.mesh.data_paths.relay) is not None:
+            # It writes no log of its own: the sidecar logs what it reports.
             processes.append({"name": "mesh-data-relay", "pid": relay.pid, "running": relay.running,
-                              "port": relay.port, "log": None, "restarts": relay.restarts})
+                              "port": relay.port, "log": str(self.options.home.logs / SIDECAR_LOG_NAME),
+                              "restarts": relay.restarts})
         # With model tiers, the one in service (or last planned).
         model = self.serving.model if self.serving is not None else self.options.model
         return {

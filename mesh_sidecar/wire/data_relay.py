@@ -15,11 +15,11 @@ line carries the accepted TCP socket beside it (SCM_RIGHTS)::
     endpoint INDEX HOST:PORT|-                           rejected ID KIND NAME VALUES RMS LOW HIGH COUNT
     tunnel ID NODE HOST PORT CHECK    (+ socket)         event ID WHAT TEXT...
     probe NODE HOST PORT                                 refused ADDRESS WHY
-    close ID                                             error TEXT...
+                                                         error TEXT...
 
 NODE is a node id in hex (64 digits); "-" stands for "none" in optional fields. ``stats`` are
 deltas since the connection's last ``stats`` (every 100 ms while anything moved). Outbound ids
-(tunnels) are the sidecar's, below INBOUND_ID_BASE; inbound ids are the relay's, from it up.
+(tunnels) are the sidecar's, below 2**31; inbound ids are the relay's, from 2**31 up.
 Everything llama.cpp-specific the relay needs is told here, from the one place Python names it:
 the dialect table (rpc_framing.DIALECTS), the commands that answer (rpc_outputs), the guard.
 """
@@ -32,7 +32,6 @@ from ..errors import MalformedMessageError
 from .rpc_framing import DIALECTS, MAX_HELD_BEFORE_REPLY_BYTES, MAX_RPC_FRAME_BYTES, RpcDialect
 from .rpc_outputs import LAST_CMD_MESH_B2B_7, LAST_CMD_UPSTREAM_7, MAX_CHECKED_REPLY_BYTES, NO_REPLY_CMDS_7
 
-INBOUND_ID_BASE = 0x8000_0000
 MAX_REPORT_LINE_BYTES = 1024  # the relay writes no longer line
 # What the output check pairs for each dialect it follows (rpc_outputs.py): its last command, and
 # which commands send no reply. Dialects not named here are not checked (bytes pass unchecked).

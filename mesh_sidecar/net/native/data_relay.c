@@ -853,12 +853,6 @@ static void control_line(char *line) {
         if (p->server.fd < 0) dial_failed(p, "connect-failed");
         return;
     }
-    if (!strcmp(verb, "close") && argc == 2) {
-        uint32_t id = (uint32_t)strtoul(argv[1], NULL, 10);
-        for (struct pipe *p = pipes; p; p = p->next)
-            if (p->id == id) { free_pipe(p, 1, "closed-by-sidecar"); break; }
-        return;
-    }
     report("error unknown control line %s", verb);
 }
 
