@@ -21,7 +21,6 @@ Run: ``.venv/bin/python -m benchmarks.data_path [--round-trips N] [--bulk-mb N] 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import socket
 import statistics
@@ -32,11 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.net.data_relay import DataRelay, bind_data_port
 from mesh_sidecar.net.data_relay_build import ensure_data_relay
-from mesh_sidecar.wire import data_relay as reports
-from mesh_sidecar.wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
+from tests.helpers.relay_pair import RelayPair
 
 PING_BYTES = 64
 WARMUP_ROUND_TRIPS = 500
@@ -65,61 +61,6 @@ def target(port_file: Path) -> None:
     while True:
         conn, _ = server.accept()
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-
-class Relays:
-    """Two relays, A and B, told of each other as two sidecars would; B leads to ``target_port``."""
-
-    def __init__(self, binary: Path, target_port: int) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.a_id, self.b_id = generate_identity(), generate_identity()
-        self.opened = threading.Event()
-        self.probed = threading.Event()
-        self.a = DataRelay(binary, self.a_id, bind_data_port(None), self._on_a, lambda: None,
-                           guard=(HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO))
-        self.b = DataRelay(binary, self.b_id, bind_data_port(None), lambda _r: None, lambda: None,
-                           guard=(HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO))
-        self.b.set_rpc_port(target_port)
-        self.a.member(self.b_id.node_id)
-        self.b.member(self.a_id.node_id)
-        self._tasks = [self.loop.create_task(self.a.run()), self.loop.create_task(self.b.run())]
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.call(lambda: None)
-        deadline = time.monotonic() + 10
-        while not self.probed.is_set() and time.monotonic() < deadline:
-            self.call(lambda: self.a.probe(self.b_id.node_id, "127.0.0.1", self.b.port))
-            self.probed.wait(0.5)
-        if not self.probed.is_set():
-            raise SystemExit("the relays did not answer each other's probe")
-
-    def _on_a(self, report: reports.Report) -> None:
-        if isinstance(report, reports.ProbeResult) and report.ok:
-            self.probed.set()
-        elif isinstance(report, reports.Opened):
-            self.opened.set()
-
-    def call(self, fn) -> None:
-        done = threading.Event()
-        self.loop.call_soon_threadsafe(lambda: (fn(), done.set()))
-        done.wait(10)
-
-    def tunnel(self, conn_id: int) -> socket.socket:
-        """A client socket whose other end the relay carries to the target."""
-        listener = socket.create_server(("127.0.0.1", 0))
-        client = socket.create_connection(listener.getsockname())
-        accepted, _ = listener.accept()
-        listener.close()
-        self.opened.clear()
-        self.call(lambda: self.a.tunnel(conn_id, self.b_id.node_id, "127.0.0.1", self.b.port, False, accepted))
-        accepted.close()
-        if not self.opened.wait(10):
-            raise SystemExit("the tunnel did not open")
-        return client
-
-    def close(self) -> None:
-        for task in self._tasks:
-            self.loop.call_soon_threadsafe(task.cancel)
-        time.sleep(0.5)
 
 
 def round_trips(sock: socket.socket, count: int) -> list[float]:
@@ -177,7 +118,7 @@ def main() -> None:
         while not port_file.exists() or not port_file.read_text():
             time.sleep(0.05)
         target_port = int(port_file.read_text())
-        relays = Relays(ensure_data_relay(lambda *_: None), target_port)
+        relays = RelayPair(ensure_data_relay(lambda *_: None), target_port)
         direct = lambda: socket.create_connection(("127.0.0.1", target_port))  # noqa: E731
         ids = iter(range(1, 1000))
         rt = {"direct": round_trips(direct(), args.round_trips),

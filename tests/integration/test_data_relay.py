@@ -1,0 +1,89 @@
+"""The native relay pair with a real ggml-rpc-server behind it: the tunnel tests' first checks on the
+native path (test_tunnel.py runs them on QUIC), its counters, its refusals and its restart."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from mesh_sidecar.llama.launch import start_rpc_server
+from mesh_sidecar.net.data_relay_build import ensure_data_relay
+from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.wire import data_relay as reports
+from tests.helpers.relay_pair import RelayPair
+from tests.helpers.tunnels import DEVICE_COUNT_CMD, GET_DEVICE_MEMORY_CMD, HELLO_REQUEST, RPC_HEADER, U64
+
+pytestmark = pytest.mark.slow
+
+
+def read_exactly(sock, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, f"closed after {len(data)} of {n} bytes"
+        data += chunk
+    return data
+
+
+@pytest.fixture
+async def rpc_server(binaries, tmp_path):
+    port = free_tcp_port()
+    server = await start_rpc_server(binaries, port, tmp_path)
+    yield port
+    await server.stop()
+
+
+@pytest.fixture
+def pair(rpc_server):
+    relays = RelayPair(ensure_data_relay(lambda *_: None), rpc_server)
+    yield relays
+    relays.close()
+
+
+def test_real_rpc_server_answers_through_the_native_tunnel(pair):
+    sock = pair.tunnel(1, check=True)
+    sock.settimeout(15)
+    sock.sendall(HELLO_REQUEST)
+    reply = read_exactly(sock, 8 + 28)
+    assert U64.unpack_from(reply)[0] == 28 and reply[8:11] == bytes([7, 0, 0]), reply.hex()
+    sock.sendall(RPC_HEADER.pack(DEVICE_COUNT_CMD, 0))
+    size, count = struct.unpack("<QI", read_exactly(sock, 8 + 4))
+    assert size == 4 and count >= 1
+    sock.sendall(RPC_HEADER.pack(GET_DEVICE_MEMORY_CMD, 4) + struct.pack("<I", 0))
+    size, free, total = struct.unpack("<QQQ", read_exactly(sock, 8 + 16))
+    assert size == 16 and total > 0 and free <= total
+    sock.shutdown(1)  # a half-close travels: the rpc-server ends, and so does our side
+    assert sock.recv(16) == b""
+    sock.close()
+    pair.wait_for("a", lambda r: isinstance(r, reports.Closed) and r.id == 1, "the tunnel closed")
+    stats = [r for r in pair.reports["a"] if isinstance(r, reports.Stats) and r.id == 1]
+    assert sum(s.from_client_bytes for s in stats) == len(HELLO_REQUEST) + 9 + 13
+    assert sum(s.from_server_bytes for s in stats) == 36 + 12 + 24
+    # B's side: one member connection into the rpc-server, its commands counted by the watch.
+    inbound = pair.wait_for("b", lambda r: isinstance(r, reports.Inbound), "B's inbound connection")
+    assert inbound.node_id == pair.a_id.node_id
+    pair.wait_for("b", lambda r: isinstance(r, reports.Stats) and r.id == inbound.id and r.frames, "B's counts")
+    assert any(isinstance(r, reports.Event) and r.what == "dialect" and r.text.startswith("upstream-7 7.0")
+               for r in pair.reports["b"])
+
+
+def test_a_forgotten_member_is_refused_and_its_probe_fails(pair):
+    seen_a, seen_b = len(pair.reports["a"]), len(pair.reports["b"])
+    pair.call(lambda: pair.b.forget(pair.a_id.node_id))
+    pair.call(lambda: pair.a.probe(pair.b_id.node_id, "127.0.0.1", pair.b.port))
+    result = pair.wait_for("a", lambda r: isinstance(r, reports.ProbeResult), "the probe's result", seen_a)
+    assert not result.ok
+    refused = pair.wait_for("b", lambda r: isinstance(r, reports.Refused), "B refusing A", seen_b)
+    assert refused.why == "not-a-member"
+
+
+def test_a_killed_relay_comes_back_on_the_same_port(pair):
+    port, seen = pair.a.port, len(pair.reports["a"])
+    pair.a.kill()
+    hello = pair.wait_for("a", lambda r: isinstance(r, reports.Hello), "relay A started again", seen, timeout_s=20)
+    assert hello.port == port == pair.a.port and pair.a.restarts == 1
+    sock = pair.tunnel(2)  # members and routes were told again: it relays at once
+    sock.sendall(HELLO_REQUEST)
+    assert U64.unpack_from(read_exactly(sock, 8 + 28))[0] == 28
+    sock.close()
