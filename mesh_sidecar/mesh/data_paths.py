@@ -79,6 +79,7 @@ class DataPaths:
         self._counters_of = counters_of  # a peer's tunnel counters, for what it sends our rpc-server
         self._routes: dict[bytes, _Route] = {}
         self._tunnels: dict[int, tuple[bytes, TunnelListener]] = {}
+        self._opened: set[int] = set()  # tunnels that reached the peer's relay
         self._inbound: dict[int, _Inbound] = {}
         self._ids = itertools.count(1)
 
@@ -137,6 +138,7 @@ class DataPaths:
         for conn_id, (_, tunnel) in list(self._tunnels.items()):
             tunnel.native_closed(conn_id)
         self._tunnels.clear()
+        self._opened.clear()
         for conn_id in list(self._inbound):
             self._inbound_closed(conn_id)
 
@@ -178,6 +180,11 @@ class DataPaths:
                     entry[1].native_closed(conn_id)
                     if why not in ("ended", "forgotten"):
                         log.warning("tunnel to %s (native) closed: %s", short_id(entry[0]), why)
+                    if conn_id not in self._opened:
+                        self._unreachable(entry[0])
+                    self._opened.discard(conn_id)
+            case reports.Opened(id=conn_id):
+                self._opened.add(conn_id)
             case reports.Inbound(id=conn_id, node_id=node_id):
                 counters = self._counters_of(node_id) or TunnelCounters()
                 counters.inbound_streams += 1
@@ -190,6 +197,25 @@ class DataPaths:
                 log.warning("data port: refused a connection from %s (%s)", address, why)
             case reports.RelayError(text=text):
                 log.error("native data relay: %s", text)
+
+    def take_back(self, handed: reports.HandedBack, sock: socket.socket) -> None:
+        """A tunnel connection the relay could not carry (the peer's relay did not answer), unread: it takes
+        the QUIC path after all, and so do the next until a probe says the peer's relay is back."""
+        entry = self._tunnels.pop(handed.id, None)
+        if entry is None:
+            sock.close()
+            return
+        node_id, tunnel = entry
+        log.warning("tunnel to %s: its relay did not answer (%s); this connection goes over QUIC",
+                    short_id(node_id), handed.why)
+        self._unreachable(node_id)
+        tunnel.native_closed(handed.id)
+        tunnel.take_back(sock)
+
+    def _unreachable(self, node_id: bytes) -> None:
+        if (route := self._routes.get(node_id)) is not None:
+            route.ready = False
+            self._probe_later(node_id, route)
 
     def _probe_later(self, node_id: bytes, route: _Route) -> None:
         def probe() -> None:

@@ -178,7 +178,8 @@ class Mesh:
         if self._data_relay_binary is not None:
             relay = DataRelay(self._data_relay_binary, self.identity, bind_data_port(self.port),
                               self.data_paths.on_report, self.data_paths.relay_exited,
-                              guard=(HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO))
+                              guard=(HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO),
+                              take_back=self.data_paths.take_back)
             relay.set_rpc_port(self._rpc_port)
             self.data_paths.relay = relay
         self._membership.update_self(self._self_info())

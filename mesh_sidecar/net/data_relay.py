@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from cryptography.hazmat.primitives import serialization
 
 from ..errors import MalformedMessageError
 from ..identity import NodeIdentity
-from ..wire.data_relay import MAX_REPORT_LINE_BYTES, Report, configuration_lines, parse_report
+from ..wire.data_relay import MAX_REPORT_LINE_BYTES, HandedBack, Report, configuration_lines, parse_report
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ STEADY_S = 60.0
 HANDSHAKE_TIMEOUT_S = 5.0  # TLS and the preamble, from the TCP accept
 MAX_CONNECTIONS = 256  # relayed connections at once, both ways
 MAX_HANDSHAKES = 16  # inbound connections not yet authenticated: a flood costs nothing more
+READ_BYTES = 64 * 1024
+MAX_FDS_PER_READ = 16
 
 
 def bind_data_port(preferred: int | None) -> socket.socket:
@@ -53,12 +56,14 @@ class DataRelay:
 
     def __init__(self, binary: Path, identity: NodeIdentity, listener: socket.socket,
                  on_report: Callable[[Report], None], on_exit: Callable[[], None], *,
-                 guard: tuple[int, int, float]) -> None:
+                 guard: tuple[int, int, float],
+                 take_back: Callable[[HandedBack, socket.socket], None] = lambda _r, sock: sock.close()) -> None:
         self._binary = binary
         self._identity = identity
         self._listener = listener
         self._on_report = on_report
         self._on_exit = on_exit
+        self._take_back = take_back  # a tunnel connection the relay could not carry, unread
         self._guard = guard  # history, min_history, norm_ratio (serve/output_guard.py)
         self._members: set[bytes] = set()
         self._endpoints: dict[int, str] = {}
@@ -169,17 +174,55 @@ class DataRelay:
             self._tell(f"member {node_id.hex()}")
         for index, endpoint in self._endpoints.items():
             self._tell(f"endpoint {index} {endpoint}")
-        reader, writer = await asyncio.open_unix_connection(sock=ours.dup(), limit=4 * MAX_REPORT_LINE_BYTES)
+        await self._read_reports(ours)
+
+    async def _read_reports(self, control: socket.socket) -> None:
+        """Each report line to on_report, until the relay is gone; a "fallback" line's socket (passed
+        beside it) to take_back. The socket stays blocking for our writes: reads ask not to wait."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+        pending, sockets = bytearray(), deque[socket.socket]()
+
+        def readable() -> None:
+            try:
+                data, fds, _, _ = socket.recv_fds(control, READ_BYTES, MAX_FDS_PER_READ, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, fds = b"", []
+            sockets.extend(socket.socket(fileno=fd) for fd in fds)
+            if not data:
+                if not ended.done():
+                    ended.set_result(None)
+                return
+            pending.extend(data)
+            while (end := pending.find(b"\n")) >= 0:
+                line = bytes(pending[:end])
+                del pending[:end + 1]
+                self._dispatch(line, sockets)
+            if len(pending) > MAX_REPORT_LINE_BYTES:
+                log.warning("the data relay wrote a line over %d bytes; dropped", MAX_REPORT_LINE_BYTES)
+                pending.clear()
+
+        loop.add_reader(control.fileno(), readable)
         try:
-            while raw := await reader.readline():
-                try:
-                    report = parse_report(raw.rstrip(b"\n"))
-                except MalformedMessageError as exc:
-                    log.warning("%s", exc)
-                    continue
-                self._on_report(report)
+            await ended
         finally:
-            writer.close()
+            loop.remove_reader(control.fileno())
+            for sock in sockets:
+                sock.close()
+
+    def _dispatch(self, line: bytes, sockets: deque[socket.socket]) -> None:
+        try:
+            report = parse_report(line)
+        except MalformedMessageError as exc:
+            log.warning("%s", exc)
+            return
+        if isinstance(report, HandedBack):
+            if sockets:
+                self._take_back(report, sockets.popleft())
+            return
+        self._on_report(report)
 
     async def _stop(self) -> None:
         if self._control is not None:

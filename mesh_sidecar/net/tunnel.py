@@ -182,6 +182,7 @@ class TunnelListener:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.native_connections: set[int] = set()  # handed to the native relay, not yet closed
+        self._taken_back: set[asyncio.Task[None]] = set()  # connections the relay gave back, over QUIC
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -215,6 +216,17 @@ class TunnelListener:
             transport.abort()  # only our descriptor closes: the connection lives on in the relay
         return handed
 
+    def take_back(self, sock: socket.socket) -> None:
+        """A connection the native relay gave back unread (the peer's relay did not answer): over QUIC."""
+        self._idle.clear()
+        task = asyncio.get_running_loop().create_task(self._carry_taken_back(sock))
+        self._taken_back.add(task)
+        task.add_done_callback(self._taken_back.discard)
+
+    async def _carry_taken_back(self, sock: socket.socket) -> None:
+        reader, writer = await asyncio.open_connection(sock=sock)
+        await self._handle(reader, writer)
+
     def native_opened(self, conn_id: int) -> None:
         self.native_connections.add(conn_id)
         self._idle.clear()
@@ -241,6 +253,8 @@ class TunnelListener:
             self._server.close()
         for writer in list(self._writers):
             writer.transport.abort()
+        for task in list(self._taken_back):
+            task.cancel()
         if self._server is not None:
             await self._server.wait_closed()
 

@@ -12,6 +12,7 @@ line carries the accepted TCP socket beside it (SCM_RIGHTS)::
             LAST NO_REPLY ASYNC_PUSH                     inbound ID NODE
     rpc-port PORT                                        stats ID FROM_CLIENT FROM_SERVER FRAMES
     member NODE | forget NODE                                  ACTIVATION ALLOCATED OWED_US
+                                                         fallback ID WHY   (+ the tunnel's socket, unread)
     endpoint INDEX HOST:PORT|-                           rejected ID KIND NAME VALUES RMS LOW HIGH COUNT
     tunnel ID NODE HOST PORT CHECK    (+ socket)         event ID WHAT TEXT...
     probe NODE HOST PORT                                 refused ADDRESS WHY
@@ -107,6 +108,15 @@ class Closed:
 
 
 @dataclass(frozen=True, slots=True)
+class HandedBack:
+    """Tunnel ``id`` never reached the member's relay (``why``); its socket comes back unread beside this
+    line, for the QUIC path to carry."""
+
+    id: int
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class Inbound:
     """Member ``node_id``'s relay connected ``id`` to our rpc-server."""
 
@@ -165,7 +175,8 @@ class RelayError:
     text: str
 
 
-Report = Hello | ProbeResult | Opened | Closed | Inbound | Stats | Rejected | Event | Refused | RelayError
+Report = (Hello | ProbeResult | Opened | Closed | HandedBack | Inbound | Stats | Rejected | Event | Refused
+          | RelayError)
 
 
 def _node(word: str) -> bytes:
@@ -193,6 +204,8 @@ def parse_report(line: bytes) -> Report:
                 return Opened(int(args[0]))
             case "closed", n if n >= 2:
                 return Closed(int(args[0]), " ".join(args[1:]))
+            case "fallback", n if n >= 2:
+                return HandedBack(int(args[0]), " ".join(args[1:]))
             case "inbound", 2:
                 return Inbound(int(args[0]), _node(args[1]))
             case "rejected", 8:

@@ -27,11 +27,12 @@ class RelayPair:
     def __init__(self, binary: Path, target_port: int) -> None:
         self.loop = asyncio.new_event_loop()
         self.a_id, self.b_id = generate_identity(), generate_identity()
-        self.reports: dict[str, list[reports.Report]] = {"a": [], "b": []}
+        self.reports: dict[str, list[reports.Report | reports.HandedBack]] = {"a": [], "b": []}
         self._changed = threading.Condition()
         guard = (HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO)
+        self.taken_back: list[tuple[reports.HandedBack, socket.socket]] = []  # A's tunnels it gave back
         self.a = DataRelay(binary, self.a_id, bind_data_port(None), lambda r: self._report("a", r), lambda: None,
-                           guard=guard)
+                           guard=guard, take_back=lambda r, sock: self._report("a", r, sock))
         self.b = DataRelay(binary, self.b_id, bind_data_port(None), lambda r: self._report("b", r), lambda: None,
                            guard=guard)
         self.b.set_rpc_port(target_port)
@@ -52,9 +53,12 @@ class RelayPair:
             time.sleep(0.2)
         raise RuntimeError("the relays did not answer each other's probe")
 
-    def _report(self, relay: str, report: reports.Report) -> None:
+    def _report(self, relay: str, report: reports.Report | reports.HandedBack,
+                sock: socket.socket | None = None) -> None:
         with self._changed:
             self.reports[relay].append(report)
+            if sock is not None:
+                self.taken_back.append((report, sock))
             self._changed.notify_all()
 
     def wait_for(self, relay: str, match, what: str, after: int = 0, timeout_s: float = 10.0):

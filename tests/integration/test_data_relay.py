@@ -3,6 +3,7 @@ native path (test_tunnel.py runs them on QUIC), its counters, its refusals and i
 
 from __future__ import annotations
 
+import socket
 import struct
 
 import pytest
@@ -87,3 +88,22 @@ def test_a_killed_relay_comes_back_on_the_same_port(pair):
     sock.sendall(HELLO_REQUEST)
     assert U64.unpack_from(read_exactly(sock, 8 + 28))[0] == 28
     sock.close()
+
+
+def test_a_tunnel_whose_peer_relay_is_gone_comes_back_unread(pair):
+    """The peer's relay does not answer (here: a closed port): the socket comes back to the sidecar with
+    every byte llama-server sent still unread, for the QUIC path to carry."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+    client.sendall(HELLO_REQUEST)
+    closed_port = free_tcp_port()
+    pair.call(lambda: pair.a.tunnel(7, pair.b_id.node_id, "127.0.0.1", closed_port, True, accepted))
+    accepted.close()
+    handed = pair.wait_for("a", lambda r: isinstance(r, reports.HandedBack), "the tunnel handed back")
+    assert handed.id == 7 and not any(isinstance(r, reports.Closed) and r.id == 7 for r in pair.reports["a"])
+    _, sock = pair.taken_back[-1]
+    sock.settimeout(5)
+    assert read_exactly(sock, len(HELLO_REQUEST)) == HELLO_REQUEST  # nothing was read on its way
+    sock.sendall(b"still open")
+    assert read_exactly(client, 10) == b"still open"

@@ -58,7 +58,8 @@ def test_streaming_arrives_in_many_chunks(start_node):
 def test_stop_leaves_no_child_process(start_node, sig):
     node = start_node("stopper", serve=True)
     children = node.child_pids()
-    assert len(children) == 2 and all(psutil.pid_exists(pid) for pid in children)
+    # rpc-server, llama-server and the native data relay
+    assert len(children) == 3 and all(psutil.pid_exists(pid) for pid in children)
     assert node.stop(sig) == 0
     for pid in children:
         assert not psutil.pid_exists(pid), f"child {pid} survived {sig.name}"
@@ -72,7 +73,7 @@ def test_status_json_shape(start_node):
     assert status["node"]["name"] == "shape"
     assert len(status["node"]["id"]) == 64
     assert isinstance(status["peers"], list)
-    assert [p["name"] for p in status["processes"]] == ["ggml-rpc-server"]
+    assert [p["name"] for p in status["processes"]] == ["ggml-rpc-server", "mesh-data-relay"]
 
 
 def test_logs_command_shows_each_process(start_node):

@@ -214,6 +214,7 @@ struct pipe {
     uint64_t reported_frames, reported_activation, reported_alloc;
     uint64_t owing_since_ns, owed_ns;
     int is_probe;                  /* reports "probe", never "closed" */
+    int handed_back;               /* reported as "fallback", never "closed" */
     int announced;                 /* inbound: reported "inbound", so its end is reported too */
     struct pipe *next;
 };
@@ -280,7 +281,7 @@ static void free_pipe(struct pipe *p, int reset, const char *why) {
     if (p->state == P_RELAY) report_stats(p);
     if (p->state == P_HANDSHAKE || p->state == P_PREAMBLE) n_handshakes -= !p->outbound;
     /* A probe reports its own end; an inbound connection refused before relaying was reported so. */
-    if (!p->is_probe && (p->outbound || p->announced)) report("closed %u %s", p->id, why);
+    if (!p->is_probe && !p->handed_back && (p->outbound || p->announced)) report("closed %u %s", p->id, why);
     close_side(&p->client, reset);
     close_side(&p->server, reset);
     free(p->up.data);
@@ -554,9 +555,29 @@ static void start_dial(struct pipe *p, const char *host, const char *port, int k
     if (fd >= 0) set_events(&p->server, EPOLLOUT);
 }
 
+/* A tunnel whose peer's relay did not take it goes back to the sidecar, unread (the client side is
+ * read only once relaying), so it can carry it over QUIC: "fallback ID WHY" with the socket beside it.
+ * Returns 0 when it could not be sent whole now (the caller then closes the connection). */
+static int hand_back(struct pipe *p, const char *why) {
+    char line[256];
+    int n = snprintf(line, sizeof line, "fallback %u %s\n", p->id, why);
+    flush_control();
+    if (n <= 0 || n >= (int)sizeof line || control_out_len || p->client.fd < 0) return 0;
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {line, (size_t)n};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &p->client.fd, sizeof(int));
+    return sendmsg(control_fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) == n;
+}
+
 static void dial_failed(struct pipe *p, const char *why) {
     if (p->is_probe) report("probe %s fail %s", p->member->hex, why);
-    free_pipe(p, 1, why);
+    else p->handed_back = hand_back(p, why);
+    free_pipe(p, !p->handed_back, why); /* no RST on a socket the sidecar now holds */
 }
 
 static void outbound_ready(struct pipe *p, uint32_t events) {
