@@ -388,7 +388,7 @@ def test_a_serving_node_killed_leaves_the_lists_and_ends_its_streams(two_models,
     assert reference.done and len(reference.events) > LONG["max_tokens"] // 2
     tier_path, tier_body = short(tier, COMPLETIONS, max_tokens=4)
     pids = a.child_pids()
-    assert len(pids) == 2  # rpc-server and llama-server
+    assert len(pids) == 3  # rpc-server, llama-server and the native data relay
 
     # Requests for b's model, in a loop the whole time.
     codes: list[int] = []
