@@ -10,7 +10,8 @@ node's sidecar does), and the client (this process). The target's first byte pic
 watch passes the stream untouched.
 
 - round trip: ``--round-trips`` ping-pongs of 64 bytes on one connection (TCP_NODELAY) after a
-  warm-up; p50 and p99 in microseconds, direct and tunnel, and the tunnel's added time;
+  warm-up; p50 and p99 in microseconds, direct and tunnel, and the tunnel's added time; and the two
+  relays' own CPU per round trip (/proc): the rest of the added time is waiting to be scheduled;
 - bulk: ``--bulk-mb`` MB one way, ``--reps`` times; Gbit/s from the first byte sent to the
   target's count coming back (every byte arrived).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import struct
@@ -61,6 +63,16 @@ def target(port_file: Path) -> None:
     while True:
         conn, _ = server.accept()
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def relays_cpu_s(relays: RelayPair) -> float:
+    """User + system CPU seconds the two relay processes have used (/proc/PID/stat)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for relay in (relays.a, relays.b):
+        fields = Path(f"/proc/{relay.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / ticks
 
 
 def round_trips(sock: socket.socket, count: int) -> list[float]:
@@ -121,8 +133,12 @@ def main() -> None:
         relays = RelayPair(ensure_data_relay(lambda *_: None), target_port)
         direct = lambda: socket.create_connection(("127.0.0.1", target_port))  # noqa: E731
         ids = iter(range(1, 1000))
-        rt = {"direct": round_trips(direct(), args.round_trips),
-              "tunnel": round_trips(relays.tunnel(next(ids)), args.round_trips)}
+        rt = {"direct": round_trips(direct(), args.round_trips)}
+        tunnel = relays.tunnel(next(ids))
+        cpu_before = relays_cpu_s(relays)
+        rt["tunnel"] = round_trips(tunnel, args.round_trips)
+        # The two relays' own CPU per round trip: what remains of the added time is waiting to be scheduled.
+        relay_cpu_us = (relays_cpu_s(relays) - cpu_before) / (args.round_trips + WARMUP_ROUND_TRIPS) * 1e6
         bulk: dict[str, list[float]] = {"direct": [], "tunnel": []}
         for _ in range(args.reps):  # alternating, so the machine's drift hits both
             bulk["direct"].append(bulk_gbit_s(direct(), args.bulk_mb))
@@ -134,6 +150,7 @@ def main() -> None:
     result = {
         "round_trip_us": {path: {"p50": percentile(t, 50), "p99": percentile(t, 99)} for path, t in rt.items()},
         "bulk_gbit_s": {path: statistics.median(v) for path, v in bulk.items()},
+        "relays_cpu_us_per_round_trip": relay_cpu_us,
     }
     rtt = result["round_trip_us"]
     result["added_round_trip_us"] = {q: rtt["tunnel"][q] - rtt["direct"][q] for q in ("p50", "p99")}
@@ -142,7 +159,8 @@ def main() -> None:
         print(f"{path:<8} {rtt[path]['p50']:>11.1f} {rtt[path]['p99']:>11.1f} {result['bulk_gbit_s'][path]:>12.2f}")
     added = result["added_round_trip_us"]
     print(f"added by the native tunnel: p50 {added['p50']:.1f} us, p99 {added['p99']:.1f} us; "
-          f"bulk tunnel/direct {result['bulk_gbit_s']['tunnel'] / result['bulk_gbit_s']['direct']:.2f}")
+          f"bulk tunnel/direct {result['bulk_gbit_s']['tunnel'] / result['bulk_gbit_s']['direct']:.2f}; "
+          f"the two relays' CPU per round trip {relay_cpu_us:.1f} us")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 
