@@ -304,14 +304,16 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
     for name in "abc":
         started.extra_pids += [p["pid"] for p in _status(lab_hosts[name], homes[name])["processes"]]
 
-    def llama_server_running() -> tuple[dict, dict] | None:
+    def llama_server_running() -> tuple[dict, list[bytes]] | None:
         # A replan right after the first load (free memory moved) restarts llama-server: wait for the next.
         status = _status(lab_hosts["c"], homes["c"])
         llama = next((p for p in status["processes"] if p["name"] == "llama-server" and p["running"]), None)
-        return None if llama is None else (status, llama)
+        try:
+            return None if llama is None else (status, Path(f"/proc/{llama['pid']}/cmdline").read_bytes().split(b"\0"))
+        except FileNotFoundError:
+            return None
 
-    status, llama = wait_until(llama_server_running, START_TIMEOUT_S, "c's llama-server running")
-    argv = Path(f"/proc/{llama['pid']}/cmdline").read_bytes().split(b"\0")
+    status, argv = wait_until(llama_server_running, START_TIMEOUT_S, "c's llama-server running")
     rpc_list = argv[argv.index(b"--rpc") + 1].decode().split(",")
     by_port = {p["tunnel_port"]: p["name"] for p in status["peers"]}
     by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"

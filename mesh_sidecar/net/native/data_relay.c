@@ -415,8 +415,10 @@ static int pump(struct pipe *p) {
                     ssize_t got = side_read(from, b->data + b->end, space);
                     if (got == -2) goto reset;
                     if (got == -1) from->eof = 1;
-                    /* Nothing, or a plain socket's short read: drained until epoll says otherwise. */
-                    if (got == 0 || (!from->ssl && (size_t)got < space)) from->readable = 0;
+                    /* Drained until epoll (level-triggered) says otherwise: nothing came, a plain socket
+                     * gave less than asked, or TLS holds nothing more it has read ahead. */
+                    if (got == 0 || (!from->ssl && (size_t)got < space) || (from->ssl && !SSL_has_pending(from->ssl)))
+                        from->readable = 0;
                     if (got > 0) {
                         b->end += (size_t)got;
                         *dirs[i].count += (uint64_t)got;
@@ -502,6 +504,7 @@ static SSL_CTX *make_tls(const uint8_t *cert_der, size_t cert_len, const uint8_t
     SSL_CTX_set_session_cache_mode(ctx, SSL_SESS_CACHE_OFF);
     SSL_CTX_set_num_tickets(ctx, 0);
     SSL_CTX_set_read_ahead(ctx, 1); /* one read() per record, not two (header, then body) */
+    SSL_CTX_set_default_read_buffer_len(ctx, BUF_BYTES); /* ...and many records per read() in bulk */
     const uint8_t *c = cert_der, *k = key_der;
     X509 *cert = d2i_X509(NULL, &c, (long)cert_len);
     EVP_PKEY *key = d2i_AutoPrivateKey(NULL, &k, (long)key_len);
