@@ -3,7 +3,8 @@
 ``pip install .`` (not editable) gets only what the wheel holds: every module of
 ``mesh_sidecar``, and the plain files it reads beside its modules: the native helper's
 C source (``llama/native/tensor_cache.c``), the native data relay's sources
-(``net/native/``), the /mesh dashboard (``serve/dashboard/*``) and the b2b build's patch (``llama/patches/llama.cpp-b2b.patch``). A file missing from
+(``net/native/``), the /mesh dashboard (``serve/dashboard/*``) and the b2b build's patch
+(``llama/patches/llama.cpp-b2b.patch``). A file missing from
 ``[tool.setuptools.package-data]`` works from a checkout and breaks once installed, so
 this builds the wheel and compares it with the source tree. Tests and benchmarks stay out.
 
