@@ -46,6 +46,7 @@ from .gossip_fields import (
     matching,
     node_id,
     node_ids,
+    port,
     rpc_version,
     seconds,
     text,
@@ -86,7 +87,6 @@ MAX_NONCE = 2**64 - 1
 MAX_EPOCH = 2**63 - 1
 MAX_REMOVED_PER_REKEY = MAX_MEMBERS_PER_LIST
 MAX_RUN_ID = 2**63 - 1
-MAX_PORT = 65535
 # A serving node lists the last few members it found returning corrupt output or too slow (about 150
 # and 180 bytes each), at most this many in both lists together: 256 members at every limit still fit one frame.
 MAX_JUDGED_MEMBERS = 4
@@ -254,15 +254,6 @@ class OfferedDevice:
                    integer(items[2], f"{what}[2]", MAX_CAPACITY_VALUE))
 
 
-def _data_port(fields: dict[str, Any], what: str) -> int:
-    if "data_port" not in fields:
-        return 0
-    port = integer(fields["data_port"], f"{what}.data_port", MAX_PORT)
-    if port < 1:
-        raise field_error(f"{what}.data_port", f"a TCP port, 1 to {MAX_PORT}")
-    return port
-
-
 @dataclass(frozen=True)
 class MemberInfo:
     """What a node says about itself. Travels inside MemberList.
@@ -389,7 +380,7 @@ class MemberInfo:
             devices=tuple(
                 OfferedDevice.from_body(d, f"{what}.devices[{i}]") for i, d in
                 enumerate(bounded_list(fields.get("devices", []), f"{what}.devices", MAX_DEVICES_PER_MEMBER))),
-            data_port=_data_port(fields, what),
+            data_port=port(fields["data_port"], f"{what}.data_port") if "data_port" in fields else 0,
         ).judged_within_limit(what)
 
 

@@ -104,3 +104,11 @@ def address(value: Any, what: str, max_chars: int) -> str:
     if match is None or not 1 <= int(match.group(1)) <= MAX_PORT:
         raise field_error(what, f"host:port of at most {max_chars} characters")
     return match.group(0)
+
+
+def port(value: Any, what: str) -> int:
+    """A TCP or UDP port, 1 to 65535."""
+    number = integer(value, what, MAX_PORT)
+    if number < 1:
+        raise field_error(what, f"a port, 1 to {MAX_PORT}")
+    return number

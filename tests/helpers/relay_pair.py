@@ -17,8 +17,6 @@ from mesh_sidecar.net.data_relay import DataRelay, bind_data_port
 from mesh_sidecar.wire import data_relay as reports
 from mesh_sidecar.wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 
-PROBE_PATIENCE_S = 10.0
-
 
 class RelayPair:
     """Two relays, A and B, told of each other as two sidecars would; B leads to ``target_port``.
@@ -43,15 +41,11 @@ class RelayPair:
         self._thread.start()
         self.wait_for("a", lambda r: isinstance(r, reports.Hello), "relay A started")
         self.wait_for("b", lambda r: isinstance(r, reports.Hello), "relay B started")
-        deadline = time.monotonic() + PROBE_PATIENCE_S
-        while time.monotonic() < deadline:
-            seen = len(self.reports["a"])
-            self.call(lambda: self.a.probe(self.b_id.node_id, "127.0.0.1", self.b.port))
-            result = self.wait_for("a", lambda r: isinstance(r, reports.ProbeResult), "a probe's result", after=seen)
-            if result.ok:
-                return
-            time.sleep(0.2)
-        raise RuntimeError("the relays did not answer each other's probe")
+        # Both run and know each other (told before they started): the first probe answers.
+        self.call(lambda: self.a.probe(self.b_id.node_id, "127.0.0.1", self.b.port))
+        result = self.wait_for("a", lambda r: isinstance(r, reports.ProbeResult), "a probe's result")
+        if not result.ok:
+            raise RuntimeError(f"the relays did not answer each other's probe: {result.why}")
 
     def _report(self, relay: str, report: reports.Report | reports.HandedBack,
                 sock: socket.socket | None = None) -> None:

@@ -53,7 +53,6 @@ from mesh_sidecar.wire.gossip import (
     MAX_MODEL_ID_CHARS,
     MAX_NAME_CHARS,
     MAX_NONCE,
-    MAX_PORT,
     MAX_REASON_CHARS,
     MAX_RUN_ID,
     MAX_SERVED_MEMBERS,
@@ -73,6 +72,7 @@ from mesh_sidecar.wire.gossip import (
     decode_message,
     encode_message,
 )
+from mesh_sidecar.wire.gossip_fields import MAX_PORT
 from mesh_sidecar.wire.rpc_hello import RpcVersion
 from tests.helpers.meshes import PINNED_BUILD
 
