@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -178,5 +179,7 @@ def kill_worker(node: NodeProcess) -> None:
     """SIGKILL a worker's sidecar and its rpc-server, as a machine that loses power."""
     rpc_pid = next(p["pid"] for p in node.status()["processes"] if p["name"] == "ggml-rpc-server")
     node.proc.send_signal(signal.SIGKILL)
-    os.kill(rpc_pid, signal.SIGKILL)
+    # The rpc-server may already be gone: it is told of its parent's death (PDEATHSIG).
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(rpc_pid, signal.SIGKILL)
     node.proc.wait()
