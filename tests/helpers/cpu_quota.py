@@ -1,0 +1,58 @@
+"""Slow a process down for real: a cgroup (v1 ``cpu`` controller) with a CFS quota.
+
+``CpuQuota("name")`` makes ``/sys/fs/cgroup/cpu/<name>-<pid>``; ``add(pid)`` moves a process
+(all its threads) in; ``limit(cores)`` lets it use that many cores' worth of CPU time per
+100 ms period (0.25: a quarter of one core); ``close()`` moves the processes still there back
+to the root group and removes the group, by its name only. Used by the speed-planning tests
+and benchmarks to make one member's rpc-server several times slower than the others.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+
+
+def cgroup_cpu_available() -> bool:
+    """Whether this machine lets us make cpu cgroups (v1, writable)."""
+    return (CPU_CGROUP_ROOT / "cgroup.procs").exists() and os.access(CPU_CGROUP_ROOT, os.W_OK)
+
+
+class CpuQuota:
+    """One cpu cgroup of our own, removed on ``close()`` (or leaving a ``with`` block)."""
+
+    def __init__(self, name: str) -> None:
+        self.path = CPU_CGROUP_ROOT / f"{name}-{os.getpid()}"
+        self.path.mkdir()
+        (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` and every thread of it into the group."""
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def limit(self, cores: float | None) -> None:
+        """At most ``cores`` cores' worth of CPU time (None: no limit)."""
+        quota = -1 if cores is None else max(1000, int(cores * PERIOD_US))
+        (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def pids(self) -> list[int]:
+        return [int(line) for line in (self.path / "cgroup.procs").read_text().split()]
+
+    def close(self) -> None:
+        if not self.path.exists():
+            return
+        for pid in self.pids():
+            try:
+                (CPU_CGROUP_ROOT / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass  # it exited meanwhile
+        self.path.rmdir()
+
+    def __enter__(self) -> CpuQuota:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
