@@ -68,27 +68,46 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     model = f"{plan['model']}, " if plan.get("model") else ""
     kv_cache = f", KV cache {plan['kv_cache_type']}" if plan.get("kv_cache_type") else ""
     refused = [f"{node['name']} refused: {node['detail']}." for node in plan.get("refused", [])]
-    headers = ["node", *(["id"] if wide else []), "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB"]
+    # Speeds once measured (every device of a plan by speed, or with --plan-by memory).
+    speeds = any(node.get("decode_bytes_per_s") for node in plan["nodes"])
+    headers = ["node", *(["id"] if wide else []), "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB",
+               *(["speed GB/s", "ms/token"] if speeds else [])]
     table = _table(*headers, title=f"{title}: {model}{plan['n_layers']} layers{kv_cache}",
-                   caption="\n".join(filter(None, [_tiers_caption(plan), *refused])) or None)
+                   caption="\n".join(filter(None, [_speed_caption(plan), _tiers_caption(plan), *refused])) or None)
     _whole(table, 0)
-    for column in table.columns[-4:]:
+    for column in table.columns[-6 if speeds else -4:]:
         column.justify = "right"
 
     def row(node: dict[str, Any], layers: str, *sizes: str) -> None:
         where = f"{node['name']} ({node['device']})" if node.get("device") else node["name"]
-        _add_row(table, where, *([_short(node["id"])] if wide else []), layers, *sizes)
+        speed = node.get("decode_bytes_per_s") or 0
+        cells = [*sizes[:4], *([f"{speed / 1e9:.1f}" if speed else "-", sizes[4]] if speeds else [])]
+        _add_row(table, where, *([_short(node["id"])] if wide else []), layers, *cells)
 
     for node in plan["nodes"]:
         start, end = node["layers"]
         output = " + output" if node.get("output_bytes") else ""
+        token_ms = node.get("token_ms")
         row(node, f"[{start}, {end}){output}", format_gib(node["weights_bytes"]), format_gib(node["kv_bytes"]),
-            format_gib(node["needed_bytes"]), format_gib(node["free_bytes"]))
+            format_gib(node["needed_bytes"]), format_gib(node["free_bytes"]),
+            "-" if token_ms is None else f"{token_ms:.2f}")
+    left_out = "left out (too small, or no faster)" if plan.get("by") == "speed" else "left out (too small)"
     for node in plan.get("left_out", []):
-        row(node, "left out (too small)", "-", "-", "-", format_gib(node["free_bytes"]))
+        row(node, left_out, "-", "-", "-", format_gib(node["free_bytes"]), "-")
     for node in plan.get("refused", []):
-        row(node, f"refused: {node['reason']}", "-", "-", "-", format_gib(node["free_bytes"]))
+        row(node, f"refused: {node['reason']}", "-", "-", "-", format_gib(node["free_bytes"]), "-")
     return table
+
+
+def _speed_caption(plan: dict[str, Any]) -> str | None:
+    """What the plan is expected to decode at, and against the memory plan when planned by speed."""
+    expected = plan.get("expected_tokens_per_s")
+    if not expected:
+        return None
+    if plan.get("by") == "speed":
+        return (f"Planned by speed: expected {expected:g} tok/s "
+                f"(by memory: {plan.get('memory_plan_tokens_per_s') or '?'} tok/s).")
+    return f"Planned by memory: expected {expected:g} tok/s."
 
 
 def assignment_table(plan: dict[str, Any], *, wide: bool = False) -> Table | None:

@@ -13,6 +13,12 @@ rpc-server accepts several clients). The rule:
 3. A worker picked is no longer free for later claims, unless it shares. A serving member is
    never a worker.
 
+By speed (a claim's ``by_speed``, the default, and every offer's speed known): workers are taken
+fastest first instead of largest first (speeds within SPEED_BAND of each other count as equal, so
+measurement noise keeps today's order), and every free worker much faster than the serving node
+itself (FASTER_WORKER) is taken too, even when the model would fit without it: the planner gives
+it layers only where that makes tokens faster (planner.py, "By speed").
+
 The test is conservative (:func:`fits`): each device added pays its own compute margin, and a
 split by whole layers can leave up to about one layer unused where each device's run ends. So
 each worker is counted at its offer less a margin and a layer. Where the split would have been
@@ -26,10 +32,16 @@ of the inputs, so every node computes the same assignment from the same gossip.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..units import format_gib
+
+# Speeds in the same band of this ratio are equal for the order workers are taken in.
+SPEED_BAND = 1.5
+# A free worker this many times faster than the serving node is taken even when not needed for memory.
+FASTER_WORKER = 1.5
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,7 @@ class Offer:
     usable_bytes: int
     shares: bool = False  # its rpc-server accepts several clients (b2b): may be in several assignments
     serving: bool = False  # it serves a model itself: never a worker for another serving node
+    decode_bytes_per_s: float = 0.0  # its devices' measured speed, as gossip says (the fastest); 0: unknown
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class Claim:
     since: float  # when it began serving (announced wall time): earlier claims pick first
     needs: ModelNeeds
     spread: bool = False  # --spread: take every free worker, a split over all members
+    by_speed: bool = True  # take workers fastest first (see the module's docstring); False: --plan-by memory
 
 
 @dataclass(frozen=True)
@@ -121,20 +135,29 @@ def largest_first(offers: Sequence[Offer]) -> tuple[Offer, ...]:
     return tuple(sorted(offers, key=lambda offer: (-offer.usable_bytes, offer.node_id)))
 
 
-def pick_workers(own: Offer, pool: Sequence[Offer], needs: ModelNeeds, spread: bool) -> tuple[Offer, ...]:
+def _speed_band(offer: Offer) -> int:
+    return math.floor(math.log(offer.decode_bytes_per_s, SPEED_BAND))
+
+
+def pick_workers(own: Offer, pool: Sequence[Offer], needs: ModelNeeds, spread: bool,
+                 by_speed: bool = False) -> tuple[Offer, ...]:
     """The fewest of ``pool`` that, with ``own``, hold the model, largest offer first (ties by node id).
 
     None (alone) when ``own`` fits by itself; all of the pool with ``spread``, and when even all
     of it does not fit (the planner then names the shortfall). ``own`` is never its own worker.
     The k largest offers are the best k any pick could have, so the first prefix that fits is
-    the fewest.
+    the fewest. ``by_speed`` with every speed known: fastest first, and the much faster ones always.
     """
     ordered = largest_first([offer for offer in pool if offer.node_id != own.node_id])
     if spread:
         return ordered
+    faster: tuple[Offer, ...] = ()
+    if by_speed and own.decode_bytes_per_s > 0 and all(offer.decode_bytes_per_s > 0 for offer in ordered):
+        ordered = tuple(sorted(ordered, key=lambda offer: -_speed_band(offer)))  # stable: largest first within
+        faster = tuple(o for o in ordered if o.decode_bytes_per_s >= FASTER_WORKER * own.decode_bytes_per_s)
     for k in range(len(ordered) + 1):
         if fits(own.usable_bytes, [offer.usable_bytes for offer in ordered[:k]], needs):
-            return ordered[:k]
+            return tuple(o for i, o in enumerate(ordered) if i < k or o in faster)
     return ordered
 
 
@@ -171,7 +194,7 @@ def _turns(ordered: Sequence[Claim], offered: Mapping[bytes, Offer],
         own = offered.get(claim.node_id)
         if own is None:
             continue  # not connected: it cannot use workers through this mesh
-        picked = pick_workers(own, free, claim.needs, claim.spread)
+        picked = pick_workers(own, free, claim.needs, claim.spread, claim.by_speed)
         picks.append(_Pick(claim, own, picked))
         taken = {offer.node_id for offer in picked if not offer.shares}
         free = tuple(offer for offer in free if offer.node_id not in taken)

@@ -29,6 +29,21 @@ three steps:
 If the caps add up to fewer layers than the model has, :class:`PlanError`
 names the shortfall in GiB and the size of a node that would close it.
 
+**By speed.** Steps 1 to 3 are the memory plan (``PlanBy.MEMORY``, llama.cpp's
+own default). When every participant's device speed is known
+(``decode_bytes_per_s``: measured at start, corrected from traffic) the planner
+also minimizes the time of a token. A token crosses every stage in turn, so
+that time is the sum over stages of ``run weight bytes / device speed`` plus
+each stage's link round trip (``link_s``). For a set of participants the best
+counts fill the fastest devices up to their caps, slower ones only with what is
+left (each keeps one layer); every subset of the candidates before the output
+holder is tried (the greedy order beyond MAX_SUBSET_SEARCH of them), so a member
+takes part only when the model needs its memory or it makes tokens faster. With
+``spread`` every candidate takes part and the counts go by D'Hondt on speed, so
+the stages take about the same time. The speed plan replaces the memory plan
+only when it is expected to be SPEED_PLAN_MIN_GAIN faster: members of about the
+same speed keep today's plan.
+
 ``Plan.tensor_split`` turns the counts into llama.cpp's ``--tensor-split``
 weights; its docstring shows why they reproduce the runs exactly.
 
@@ -40,7 +55,9 @@ it raise, with the smallest tier's shortfall (the nearest to fitting).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import enum
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -56,6 +73,20 @@ if TYPE_CHECKING:
     from ..llama.estimate import ModelEstimate
     from ..mesh.exclusion import Exclusion
 
+# A speed plan is used only when expected to beat the memory plan by this share: measured speeds
+# move by a few percent, and members of about the same speed keep the plan they would get today.
+SPEED_PLAN_MIN_GAIN = 0.10
+# With more candidates than this before the output holder, they join fastest first instead of every
+# subset being tried (2^10 placements of a few dozen layers is still instant).
+MAX_SUBSET_SEARCH = 10
+
+
+class PlanBy(enum.Enum):
+    """What ``plan_layers`` weighs."""
+
+    SPEED = "speed"  # the time of a token, within memory; MEMORY when a participant's speed is unknown
+    MEMORY = "memory"  # layers in proportion to the memory offered (llama.cpp's own default)
+
 
 @dataclass(frozen=True)
 class NodeCapacity:
@@ -65,6 +96,9 @@ class NodeCapacity:
     name: str
     usable_bytes: int  # already capped by that node's --max-memory
     device: str = ""  # ggml's name of the device (CPU, Vulkan0); "" when the member did not say
+    # Weight bytes a token passes through per second on this device (measured, see PlanBy); 0: unknown.
+    decode_bytes_per_s: float = 0.0
+    link_s: float = 0.0  # what a stage on this member adds to a token besides compute: its link's round trip
 
 
 @dataclass(frozen=True)
@@ -81,6 +115,8 @@ class PlannedNode:
     needed_bytes: int  # weights + KV + compute margin + output
     usable_bytes: int
     device: str = ""  # the device of that member's rpc-server holding them (NodeCapacity.device)
+    decode_bytes_per_s: float = 0.0  # NodeCapacity's; 0: unknown
+    token_s: float | None = None  # this stage's share of a token's time (compute and link); None: speed unknown
 
     @property
     def n_layers(self) -> int:
@@ -116,6 +152,14 @@ class Plan:
     # Every device offered to the planner, (node id, device) in --rpc order: a node taking part has all of
     # its devices in llama-server's list, those without layers too (weight 0 in tensor_split).
     offered: tuple[tuple[bytes, str], ...] = ()
+    by: PlanBy = PlanBy.MEMORY  # the rule the layer counts follow
+    memory_token_s: float | None = None  # the memory plan's expected token time, for comparison (None: unknown)
+
+    @property
+    def token_s(self) -> float | None:
+        """The expected time of one token (every stage in turn); None when a stage's speed is unknown."""
+        stages = [node.token_s for node in self.nodes]
+        return None if any(s is None for s in stages) else sum(s for s in stages if s is not None)
 
     @property
     def alone(self) -> bool:
@@ -162,12 +206,14 @@ class Plan:
                     "output_bytes": node.output_bytes,
                     "needed_bytes": node.needed_bytes,
                     "free_bytes": node.usable_bytes,
+                    "decode_bytes_per_s": node.decode_bytes_per_s,
+                    "token_ms": None if node.token_s is None else round(node.token_s * 1000, 3),
                 }
                 for node in self.nodes
             ],
             "left_out": [
                 {"id": member.node_id.hex(), "name": member.name, "device": member.device,
-                 "free_bytes": member.usable_bytes}
+                 "free_bytes": member.usable_bytes, "decode_bytes_per_s": member.decode_bytes_per_s}
                 for member in self.left_out
             ],
             "refused": [
@@ -177,6 +223,9 @@ class Plan:
             ],
             "n_layers": self.n_layers,
             "tensor_split": list(self.tensor_split()),
+            "by": self.by.value,
+            "expected_tokens_per_s": _per_s(self.token_s),
+            "memory_plan_tokens_per_s": _per_s(self.memory_token_s),
             "model": self.model,
             "kv_cache_type": self.kv_cache_type,
             "tiers": [tier.to_json() for tier in self.tiers],
@@ -186,31 +235,96 @@ class Plan:
         }
 
 
-def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate) -> Plan:
+def _per_s(token_s: float | None) -> float | None:
+    return None if token_s is None or token_s <= 0 else round(1 / token_s, 2)
+
+
+def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate, *,
+                by: PlanBy = PlanBy.MEMORY, spread: bool = False) -> Plan:
     """Spread ``estimate``'s layers over ``members``, given in preferred device order.
 
-    Raises PlanError when the members cannot hold the model.
+    ``by``: the rule (see the module's docstring); ``spread``: by speed, every member that can
+    hold a layer takes part. Raises PlanError when the members cannot hold the model.
     """
     largest_first = _largest_layers_prefix_sums(estimate)
     indices, caps = _participants(members, estimate, largest_first)
     participants = [members[i] for i in indices]
-    left_out = tuple(member for i, member in enumerate(members) if i not in indices)
     if sum(caps) < estimate.n_layers:
+        left_out = tuple(member for i, member in enumerate(members) if i not in indices)
         raise _shortfall(participants, caps, left_out, estimate, largest_first)
-    counts = _dhondt(participants, caps, estimate.n_layers)
-    return Plan(_place(participants, counts, estimate), left_out, estimate.n_layers,
-                kv_cache_type=str(estimate.kv_cache), offered=tuple((m.node_id, m.device) for m in members))
+
+    def plan_of(taking_part: Sequence[NodeCapacity], counts: Sequence[int], rule: PlanBy) -> Plan:
+        left_out = tuple(m for m in members if not any(m is p for p in taking_part))
+        return Plan(_place(taking_part, counts, estimate), left_out, estimate.n_layers,
+                    kv_cache_type=str(estimate.kv_cache), offered=tuple((m.node_id, m.device) for m in members),
+                    by=rule)
+
+    memory = plan_of(participants, _dhondt(caps, estimate.n_layers, lambda i: participants[i].usable_bytes),
+                     PlanBy.MEMORY)
+    memory_s = memory.token_s
+    if by is PlanBy.MEMORY or memory_s is None:
+        return dataclasses.replace(memory, memory_token_s=memory_s)
+    if spread:
+        fast = plan_of(participants, _dhondt(caps, estimate.n_layers, lambda i: participants[i].decode_bytes_per_s),
+                       PlanBy.SPEED)
+    else:
+        indices, caps = _participants(members, estimate, largest_first, prune=False)
+        candidates = [members[i] for i in indices]
+        if any(c.decode_bytes_per_s <= 0 for c in candidates):
+            return dataclasses.replace(memory, memory_token_s=memory_s)
+        fast = min((plan_of([candidates[i] for i in chosen], counts, PlanBy.SPEED)
+                    for chosen, counts in _speed_candidates(candidates, caps, estimate.n_layers)),
+                   key=lambda plan: (plan.token_s or 0.0, len(plan.nodes)))
+    fast_s = fast.token_s
+    assert fast_s is not None  # every candidate's speed is known
+    chosen_plan = fast if fast_s <= (1 - SPEED_PLAN_MIN_GAIN) * memory_s else memory
+    return dataclasses.replace(chosen_plan, memory_token_s=memory_s)
 
 
-def device_shares(node_id: bytes, name: str, usable_bytes: int,
-                  devices: Sequence[OfferedDevice]) -> list[NodeCapacity]:
+def _speed_candidates(participants: Sequence[NodeCapacity], caps: Sequence[int],
+                      n_layers: int) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Each set of participants worth a try (the output holder always in), with its best counts:
+    one layer each, the rest to the fastest first, up to their caps."""
+    *others, last = range(len(participants))
+
+    def speed(i: int) -> float:
+        return participants[i].decode_bytes_per_s
+
+    if len(others) <= MAX_SUBSET_SEARCH:
+        subsets = [combo for k in range(len(others) + 1) for combo in itertools.combinations(others, k)]
+    else:
+        by_speed = sorted(others, key=lambda i: (-speed(i), i))
+        subsets = [tuple(sorted(by_speed[:k])) for k in range(len(others) + 1)]
+    candidates = []
+    for subset in subsets:
+        chosen = (*subset, last)
+        if sum(caps[i] for i in chosen) < n_layers or len(chosen) > n_layers:
+            continue
+        counts = [1] * len(chosen)
+        left = n_layers - len(chosen)
+        for j in sorted(range(len(chosen)), key=lambda j: (-speed(chosen[j]), j)):
+            extra = min(caps[chosen[j]] - 1, left)
+            counts[j] += extra
+            left -= extra
+        candidates.append((chosen, counts))
+    return candidates
+
+
+def device_shares(node_id: bytes, name: str, usable_bytes: int, devices: Sequence[OfferedDevice], *,
+                  link_s: float = 0.0, slowdown: float = 1.0) -> list[NodeCapacity]:
     """A member's offer as the planner takes it: one entry per device its rpc-server offers (in its order,
-    llama-server's), its usable bytes (capped by its --max-memory) shared out by each device's free memory."""
-    if len(devices) <= 1:
-        return [NodeCapacity(node_id, name, usable_bytes, devices[0].name if devices else "")]
+    llama-server's), its usable bytes (capped by its --max-memory) shared out by each device's free memory.
+
+    Each device's speed is the one the member announced, divided by ``slowdown`` (the traffic's correction,
+    speeds.py); ``link_s``: the member's round trip, what each of its stages adds to a token.
+    """
+    if not devices:
+        return [NodeCapacity(node_id, name, usable_bytes, "", link_s=link_s)]
     free = [device.free_bytes for device in devices]
     total = sum(free) or len(devices)
-    return [NodeCapacity(node_id, name, usable_bytes * (share if sum(free) else 1) // total, device.name)
+    return [NodeCapacity(node_id, name,
+                         usable_bytes if len(devices) == 1 else usable_bytes * (share if sum(free) else 1) // total,
+                         device.name, decode_bytes_per_s=device.decode_bytes_per_s / slowdown, link_s=link_s)
             for device, share in zip(devices, free, strict=True)]
 
 
@@ -235,8 +349,9 @@ class TierAssessment:
     errors: dict[int, PlanError]  # why each other tier does not fit
 
 
-def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[NodeCapacity]) -> TierAssessment:
-    """Plan every tier over ``members``.
+def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[NodeCapacity], *,
+                 by: PlanBy = PlanBy.MEMORY, spread: bool = False) -> TierAssessment:
+    """Plan every tier over ``members`` (``by`` and ``spread``: see plan_layers).
 
     ``tiers`` are (file name, estimate) pairs in any order; ``members`` end with
     the serving host, whose ``usable_bytes`` still include what each model's
@@ -252,7 +367,7 @@ def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[N
         name, estimate = tiers[i]
         own = dataclasses.replace(host, usable_bytes=max(0, host.usable_bytes - estimate.host_bytes))
         try:
-            plans[i] = dataclasses.replace(plan_layers([*peers, own], estimate), model=name)
+            plans[i] = dataclasses.replace(plan_layers([*peers, own], estimate, by=by, spread=spread), model=name)
         except PlanError as exc:
             errors[i] = exc
     fits = tuple(TierFit(tiers[i][0], tier_needs_bytes(tiers[i][1]), i in plans, str(errors.get(i, "")))
@@ -261,16 +376,17 @@ def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[N
 
 
 def choose_tier(
-    tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[NodeCapacity], *, at_most_bytes: int | None = None
+    tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[NodeCapacity], *, at_most_bytes: int | None = None,
+    by: PlanBy = PlanBy.MEMORY, spread: bool = False,
 ) -> tuple[int, Plan]:
     """The index in ``tiers`` of the largest model ``members`` can hold, and its plan.
 
-    See ``assess_tiers`` for the arguments. ``at_most_bytes``: prefer tiers that
+    See ``assess_tiers`` for the other arguments. ``at_most_bytes``: prefer tiers that
     need no more than this (a step up not allowed yet); a bigger one is chosen
     only when none of those fits. Raises the smallest tier's PlanError when no
     tier fits.
     """
-    assessed = assess_tiers(tiers, members)
+    assessed = assess_tiers(tiers, members, by=by, spread=spread)
     fitting = [i for i in assessed.order if i in assessed.plans]
     if not fitting:
         smallest = assessed.order[-1]
@@ -299,9 +415,13 @@ def _cap(usable_bytes: int, fixed_bytes: int, largest_first: list[int]) -> int:
 
 
 def _participants(
-    members: Sequence[NodeCapacity], estimate: ModelEstimate, largest_first: list[int]
+    members: Sequence[NodeCapacity], estimate: ModelEstimate, largest_first: list[int], *, prune: bool = True
 ) -> tuple[list[int], list[int]]:
-    """The indices of the members that take part, in order, and each one's layer cap."""
+    """The indices of the members that take part, in order, and each one's layer cap.
+
+    ``prune``: leave out the smallest when more could take part than there are layers (the
+    speed plan instead tries sets of them).
+    """
     margin = estimate.compute_margin_bytes
     chosen: list[tuple[int, int]] = []
     for index in reversed(range(len(members))):
@@ -310,7 +430,7 @@ def _participants(
         if cap >= 1:
             chosen.append((index, cap))
     chosen.reverse()
-    if len(chosen) > estimate.n_layers:
+    if prune and len(chosen) > estimate.n_layers:
         # Not every participant could get a layer: keep the output holder and
         # the largest others (earlier first on ties), so more memory never
         # costs a node its place.
@@ -320,25 +440,27 @@ def _participants(
     return [index for index, _ in chosen], [cap for _, cap in chosen]
 
 
-def _dhondt(participants: list[NodeCapacity], caps: list[int], n_layers: int) -> list[int]:
-    """Layer counts: one each, then D'Hondt by usable bytes within the caps."""
-    counts = [1] * len(participants)
-    for _ in range(n_layers - len(participants)):
-        open_ = [i for i in range(len(participants)) if counts[i] < caps[i]]
-        # max() keeps the first of equal quotients: ties go to the earlier node.
-        best = max(open_, key=lambda i: Fraction(participants[i].usable_bytes, counts[i] + 1))
+def _dhondt(caps: Sequence[int], n_layers: int, weight: Callable[[int], float]) -> list[int]:
+    """Layer counts: one each, then D'Hondt by ``weight(i)`` (usable bytes, or speed) within the caps."""
+    counts = [1] * len(caps)
+    for _ in range(n_layers - len(caps)):
+        open_ = [i for i in range(len(caps)) if counts[i] < caps[i]]
+        # max() keeps the first of equal quotients: ties go to the earlier node. Integer weights stay exact.
+        best = max(open_, key=lambda i: Fraction(weight(i)) / (counts[i] + 1))
         counts[best] += 1
     return counts
 
 
 def _place(
-    participants: list[NodeCapacity], counts: list[int], estimate: ModelEstimate
+    participants: Sequence[NodeCapacity], counts: Sequence[int], estimate: ModelEstimate
 ) -> tuple[PlannedNode, ...]:
     nodes = []
     start = 0
     for i, (member, count) in enumerate(zip(participants, counts, strict=True)):
         end = start + count
         is_last = i == len(participants) - 1
+        computed_bytes = sum(estimate.layer_weight_bytes[start:end]) + (estimate.output_bytes if is_last else 0)
+        speed = member.decode_bytes_per_s
         nodes.append(
             PlannedNode(
                 node_id=member.node_id,
@@ -351,6 +473,8 @@ def _place(
                 needed_bytes=estimate.range_bytes(start, end, with_output=is_last),
                 usable_bytes=member.usable_bytes,
                 device=member.device,
+                decode_bytes_per_s=speed,
+                token_s=computed_bytes / speed + member.link_s if speed > 0 else None,
             )
         )
         start = end

@@ -138,6 +138,8 @@ class ServingHooks:
     # (the serving loop replans without it), False to go on waiting.
     on_slow: Callable[[Slow], bool] = lambda slow: False
     links_rtt_s: Callable[[], float] = lambda: 0.0  # the plan's workers' round trips, summed
+    # A request's decode ended now: its tokens and llama-server's decode seconds (the workers' speeds, speeds.py).
+    on_decoded: Callable[[int, float], None] = lambda tokens, decode_s: None
     # Whether llama-server's layers are on other members, whose loss fails its requests over. Only then
     # are a stream's token ids asked for, to continue it: they cost llama-server time on every token.
     split: Callable[[], bool] = lambda: True
@@ -611,10 +613,14 @@ class ApiProxy:
         if text.startswith(b"data: "):
             text = text[len(b"data: "):]
         try:
-            speed = json.loads(text)["timings"]["predicted_per_second"]
-        except (ValueError, KeyError, TypeError):
+            timings = json.loads(text)["timings"]
+            speed, tokens, decode_ms = (timings.get(key) for key in ("predicted_per_second", "predicted_n",
+                                                                      "predicted_ms"))
+        except (ValueError, KeyError, TypeError, AttributeError):
             return
         if isinstance(speed, (int, float)) and speed > 0:
             self.metrics.tokens_per_second.observe(speed)
             self.token_rate.finished(speed)
             self._stalls.token_pace.finished(speed)
+        if isinstance(tokens, int) and isinstance(decode_ms, (int, float)) and tokens > 0 and decode_ms > 0:
+            self._hooks.on_decoded(tokens, decode_ms / 1000)

@@ -8,6 +8,12 @@ The serving loop (supervisor.py) reads the live mesh and the loop clock into a
     blame_slow(slow, waits_s, snapshot, left_out)
                                          which worker held a slow stream up, and what to do
 
+A plan in service stays while its participants are the same and it still fits
+their offers (a GPU's free memory moves whenever another program allocates): a
+new layout alone is no reason to restart llama-server. Within the same
+participants only speed is: a plan expected SPEED_REPLAN_GAIN faster (a worker
+became slower, or recovered), at most once per SPEED_REPLAN_INTERVAL_S.
+
 A bigger tier replaces the one in service only once the step-up gate allows
 (tiers.py); each decision that looks at the gate returns a :class:`StepUp`
 with the gate as it is after the look, which the loop keeps. Nothing here reads
@@ -26,12 +32,17 @@ from typing import TYPE_CHECKING
 from ..errors import PlanError
 from ..identity import short_id
 from .pace import SLOW_BLAME_SHARE, Slow
-from .planner import NodeCapacity, Plan, choose_tier, tier_needs_bytes
+from .planner import NodeCapacity, Plan, PlanBy, choose_tier, tier_needs_bytes
 from .tiers import StepUpGate
 
 if TYPE_CHECKING:
     from ..llama.estimate import ModelEstimate
     from ..mesh.exclusion import Exclusion
+
+# A plan over the same participants replaces the one in service only when expected this much faster,
+# and at most once in this long: each restart costs a reload, and a speed measured from traffic moves.
+SPEED_REPLAN_GAIN = 0.15
+SPEED_REPLAN_INTERVAL_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,9 @@ class ServingSnapshot:
     tiers: tuple[Tier, ...]  # every --model, in the order given
     in_service: int | None  # the tier llama-server was last started on (an index into tiers)
     plan: Plan | None  # the plan in service; None while the API refuses
+    by: PlanBy = PlanBy.MEMORY  # --plan-by
+    spread: bool = False  # --spread: every free member takes part
+    speed_replanned_at: float | None = None  # when the last replan for speed happened (the loop's clock)
 
     @property
     def own_id(self) -> bytes:
@@ -73,18 +87,20 @@ class ServingSnapshot:
 
 def plan_largest(tiers: Sequence[Tier], members: Sequence[NodeCapacity],
                  refused: tuple[tuple[NodeCapacity, Exclusion], ...] = (), *,
-                 at_most_bytes: int | None = None) -> tuple[int, Plan]:
+                 at_most_bytes: int | None = None, by: PlanBy = PlanBy.MEMORY,
+                 spread: bool = False) -> tuple[int, Plan]:
     """The index of the largest tier ``members`` can hold and its plan, noting ``refused``; PlanError if none.
 
-    ``at_most_bytes``: see choose_tier.
+    ``at_most_bytes``, ``by``, ``spread``: see choose_tier.
     """
     index, plan = choose_tier([(tier.path.name, tier.estimate) for tier in tiers], members,
-                              at_most_bytes=at_most_bytes)
+                              at_most_bytes=at_most_bytes, by=by, spread=spread)
     return index, dataclasses.replace(plan, refused=refused)
 
 
 def _plan(snapshot: ServingSnapshot, at_most_bytes: int | None = None) -> tuple[int, Plan]:
-    return plan_largest(snapshot.tiers, snapshot.members, snapshot.refused, at_most_bytes=at_most_bytes)
+    return plan_largest(snapshot.tiers, snapshot.members, snapshot.refused, at_most_bytes=at_most_bytes,
+                        by=snapshot.by, spread=snapshot.spread)
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,7 @@ class Replan:
 
     reason: str
     failover: bool
+    for_speed: bool = False  # a faster plan over the same members (SPEED_REPLAN_INTERVAL_S applies)
 
 
 def replan_reason(snapshot: ServingSnapshot, gate: StepUpGate) -> tuple[Replan | None, StepUp | None]:
@@ -165,9 +182,50 @@ def replan_reason(snapshot: ServingSnapshot, gate: StepUpGate) -> tuple[Replan |
                           False), look
         return Replan(f"Members changed and {planned.path.name} is the largest model that fits now", False), look
     # Nothing bigger fits (the look said so to the gate): a later step up waits afresh.
-    if layout(candidate) != layout(snapshot.plan):
-        return Replan("Members changed and the layers can be spread better", False), look
-    return None, look
+    if layout(candidate) == layout(snapshot.plan):
+        return None, look
+    if (short := short_of_memory(snapshot.plan, snapshot.members)) is not None:
+        return Replan(f"{short} no longer has the memory its layers need", False), look
+    if snapshot.spread and participants(candidate) != participants(snapshot.plan):
+        return Replan("Members changed and --spread uses every free one", False), look
+    now_s, candidate_s = token_s_now(snapshot.plan, snapshot.members), candidate.token_s
+    if now_s is None or candidate_s is None:
+        # Speeds unknown (planned by memory): a new member the model needs joins; nothing else restarts.
+        if participants(candidate) != participants(snapshot.plan):
+            return Replan("Members changed and the layers can be spread better", False), look
+        return None, look
+    if candidate_s > (1 - SPEED_REPLAN_GAIN) * now_s:
+        return None, look
+    if snapshot.speed_replanned_at is not None and snapshot.now < snapshot.speed_replanned_at + SPEED_REPLAN_INTERVAL_S:
+        return None, look
+    return Replan(f"Speeds changed: a new plan is expected at {1 / candidate_s:.1f} tok/s against "
+                  f"{1 / now_s:.1f} now", False, for_speed=True), look
+
+
+def participants(plan: Plan) -> frozenset[tuple[bytes, str]]:
+    """The devices holding layers."""
+    return frozenset((n.node_id, n.device) for n in plan.nodes)
+
+
+def short_of_memory(plan: Plan, members: Sequence[NodeCapacity]) -> str | None:
+    """The first participant of ``plan`` whose offer no longer holds its share (its name), or None."""
+    offers = {(m.node_id, m.device): m.usable_bytes for m in members}
+    for node in plan.nodes:
+        if offers.get((node.node_id, node.device), 0) < node.needed_bytes:
+            return f"{node.name} ({short_id(node.node_id)})"
+    return None
+
+
+def token_s_now(plan: Plan, members: Sequence[NodeCapacity]) -> float | None:
+    """``plan``'s expected token time at the speeds ``members`` have now; None when one is unknown."""
+    now = {(m.node_id, m.device): m for m in members}
+    total = 0.0
+    for node in plan.nodes:
+        member = now.get((node.node_id, node.device))
+        if member is None or member.decode_bytes_per_s <= 0:
+            return None
+        total += (node.weights_bytes + node.output_bytes) / member.decode_bytes_per_s + member.link_s
+    return total
 
 
 def layout(plan: Plan) -> list[tuple[bytes, int, int]]:

@@ -266,3 +266,28 @@ def test_no_smaller_set_of_workers_fits(own_halves, pool_halves, need_halves):
         assert len(picked) == len(pool)
         assert not any(fits(own.usable_bytes, list(some), needs)
                        for k in range(len(usable) + 1) for some in itertools.combinations(usable, k))
+
+
+# --- by speed -------------------------------------------------------------------------------
+
+
+def speedy(index: int, usable: int, speed: float) -> Offer:
+    return Offer(bytes([index]) * 32, f"m{index}", usable, decode_bytes_per_s=speed)
+
+
+def test_by_speed_workers_are_taken_fastest_first_and_much_faster_ones_always():
+    needs = ModelNeeds("m", alone_bytes=1000, margin_bytes=10, layer_bytes=10)
+    own = speedy(9, 600, 1000.0)
+    slow_big, fast_small, same = speedy(1, 900, 250.0), speedy(2, 500, 1000.0), speedy(3, 450, 1100.0)
+    pool = [slow_big, fast_small, same]
+    # By memory: the largest, the slow one.
+    assert pick_workers(own, pool, needs, spread=False) == (slow_big,)
+    # By speed: the fast one (the same band as this node's own speed), then by size.
+    assert pick_workers(own, pool, needs, spread=False, by_speed=True) == (fast_small,)
+    # A worker much faster than this node is taken even when the model fits without it.
+    gpu = speedy(4, 300, 8000.0)
+    assert pick_workers(own, [*pool, gpu], needs, spread=False, by_speed=True) == (gpu, fast_small)
+    fits_alone = speedy(9, 5000, 1000.0)
+    assert pick_workers(fits_alone, [*pool, gpu], needs, spread=False, by_speed=True) == (gpu,)
+    # One speed unknown: by memory, as before.
+    assert pick_workers(own, [*pool, speedy(5, 100, 0.0)], needs, spread=False, by_speed=True) == (slow_big,)

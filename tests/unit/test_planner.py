@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 from mesh_sidecar.errors import PlanError, SetupError
 from mesh_sidecar.llama.estimate import ModelEstimate, assign_layers
 from mesh_sidecar.mesh.exclusion import Exclusion
-from mesh_sidecar.serve.planner import NodeCapacity, Plan, device_shares, plan_layers
+from mesh_sidecar.serve.planner import (
+    SPEED_PLAN_MIN_GAIN,
+    NodeCapacity,
+    Plan,
+    PlanBy,
+    device_shares,
+    plan_layers,
+)
 from mesh_sidecar.units import GIB
 from mesh_sidecar.wire.gossip import OfferedDevice
 
@@ -342,15 +349,21 @@ def test_to_json():
     assert plan.to_json() == {
         "nodes": [
             {"id": members[0].node_id.hex(), "name": "host0", "device": "", "layers": [0, 2], "weights_bytes": 200,
-             "kv_bytes": 40, "output_bytes": 0, "needed_bytes": 250, "free_bytes": 2000},
+             "kv_bytes": 40, "output_bytes": 0, "needed_bytes": 250, "free_bytes": 2000,
+             "decode_bytes_per_s": 0.0, "token_ms": None},
             {"id": members[1].node_id.hex(), "name": "host1", "device": "", "layers": [2, 3], "weights_bytes": 100,
-             "kv_bytes": 20, "output_bytes": 5, "needed_bytes": 135, "free_bytes": 1000},
+             "kv_bytes": 20, "output_bytes": 5, "needed_bytes": 135, "free_bytes": 1000,
+             "decode_bytes_per_s": 0.0, "token_ms": None},
         ],
-        "left_out": [{"id": (bytes([9]) * 32).hex(), "name": "host9", "device": "", "free_bytes": 1}],
+        "left_out": [{"id": (bytes([9]) * 32).hex(), "name": "host9", "device": "", "free_bytes": 1,
+                      "decode_bytes_per_s": 0.0}],
         "refused": [{"id": (bytes([7]) * 32).hex(), "name": "host7", "free_bytes": 50,
                      "reason": "weights_mismatch", "detail": "host7 holds another file"}],
         "n_layers": 3,
         "tensor_split": [2, 2],
+        "by": "memory",
+        "expected_tokens_per_s": None,
+        "memory_plan_tokens_per_s": None,
         "model": "",
         "kv_cache_type": "f16/f16",
         "tiers": [],
@@ -378,3 +391,111 @@ def test_a_member_with_two_devices_is_planned_as_two_and_the_split_follows_llama
     assert [(n.name, n.device) for n in plan.nodes] == [("w", "Vulkan0"), ("w", "CPU"), ("s", "")]
     assert llama_cpp_devices(plan.tensor_split(), 10) == [
         d for d, n in enumerate(plan.nodes) for _ in range(n.start, n.end)] + [2]
+
+
+# --- plans by speed -------------------------------------------------------------------------
+
+
+def fast_and_slow(usable: int, speed: float, link_s: float = 0.0, index: int = 0) -> NodeCapacity:
+    return NodeCapacity(bytes([index]) * 32, f"host{index}", usable, decode_bytes_per_s=speed, link_s=link_s)
+
+
+def brute_force_best_s(members: list[NodeCapacity], model: ModelEstimate) -> float:
+    """The least token time over every split of the layers into contiguous runs that fits (output last)."""
+    best = float("inf")
+    n = model.n_layers
+    for cuts in itertools.product(range(n + 1), repeat=len(members) - 1):
+        bounds = [0, *cuts, n]
+        if any(a > b for a, b in itertools.pairwise(bounds)) or bounds[-2] == n:
+            continue  # runs must be in order, and the output holder holds a layer
+        total = 0.0
+        fits = True
+        for i, member in enumerate(members):
+            start, end = bounds[i], bounds[i + 1]
+            if start == end:
+                continue
+            last = i == len(members) - 1
+            if model.range_bytes(start, end, with_output=last) > member.usable_bytes:
+                fits = False
+                break
+            total += (sum(model.layer_weight_bytes[start:end]) + (model.output_bytes if last else 0)) \
+                / member.decode_bytes_per_s + member.link_s
+        if fits:
+            best = min(best, total)
+    return best
+
+
+def test_a_fast_device_takes_what_it_can_hold_and_the_slow_one_the_rest():
+    # A GPU box with 24 units before a laptop (serving, the output holder) with 64: by memory the
+    # laptop gets most layers; by speed the GPU box fills up first.
+    gpu = fast_and_slow(2400, 8000.0, link_s=0.001, index=1)
+    laptop = fast_and_slow(6400, 1000.0, index=2)
+    model = estimate(30, 100, margin=10, output=5)
+    memory = plan_layers([gpu, laptop], model)
+    speed = plan_layers([gpu, laptop], model, by=PlanBy.SPEED)
+    assert counts(memory) == [8, 22] and memory.by is PlanBy.MEMORY
+    assert speed.by is PlanBy.SPEED and counts(speed) == [23, 7]  # the GPU box's cap: 23 layers and its margin
+    assert speed.token_s is not None and memory.token_s is not None and speed.token_s < 0.5 * memory.token_s
+    assert speed.memory_token_s == memory.token_s
+    assert speed.to_json()["expected_tokens_per_s"] > speed.to_json()["memory_plan_tokens_per_s"]
+    assert llama_cpp_devices(speed.tensor_split(), 30) == [0] * 23 + [1] * 8
+
+
+def test_a_member_joins_only_when_it_makes_tokens_faster_or_the_model_needs_it():
+    model = estimate(10, 100, margin=10, output=5)
+    slow_worker = fast_and_slow(5000, 500.0, link_s=0.01, index=1)
+    serving = fast_and_slow(5000, 1000.0, index=2)
+    plan = plan_layers([slow_worker, serving], model, by=PlanBy.SPEED)
+    assert [n.name for n in plan.nodes] == ["host2"] and [m.name for m in plan.left_out] == ["host1"]
+    # The serving node cannot hold it all: the slow worker takes only what is left.
+    small = fast_and_slow(700, 1000.0, index=2)
+    plan = plan_layers([slow_worker, small], model, by=PlanBy.SPEED)
+    assert counts(plan) == [4, 6]
+
+
+def test_equal_speeds_keep_the_memory_plan():
+    members = [fast_and_slow(u, 1000.0, index=i) for i, u in enumerate((3000, 2000, 1500))]
+    model = estimate(20, 100, margin=10, output=5)
+    assert layouts(plan_layers(members, model, by=PlanBy.SPEED)) == layouts(plan_layers(members, model))
+    # Within the gain that makes a speed plan worth it, too: measured speeds move a little.
+    near = [replace(m, decode_bytes_per_s=1000.0 * (1 + 0.05 * i)) for i, m in enumerate(members)]
+    assert plan_layers(near, model, by=PlanBy.SPEED).by is PlanBy.MEMORY
+
+
+def test_an_unknown_speed_plans_by_memory():
+    members = [fast_and_slow(3000, 1000.0, index=0), fast_and_slow(2000, 0.0, index=1)]
+    plan = plan_layers(members, estimate(20, 100, margin=10), by=PlanBy.SPEED)
+    assert plan.by is PlanBy.MEMORY and plan.token_s is None
+
+
+def test_spread_by_speed_balances_the_stages():
+    members = [fast_and_slow(5000, s, index=i) for i, s in enumerate((4000.0, 1000.0, 3000.0))]
+    plan = plan_layers(members, estimate(16, 100, margin=10), by=PlanBy.SPEED, spread=True)
+    assert counts(plan) == [8, 2, 6]
+    assert plan.by is PlanBy.SPEED
+
+
+def layouts(plan: Plan) -> list[tuple[str, int, int]]:
+    return [(n.name, n.start, n.end) for n in plan.nodes]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(100, 2000), st.sampled_from([250.0, 1000.0, 4000.0]),
+                          st.sampled_from([0.0, 0.01])), min_size=1, max_size=3),
+       st.integers(1, 8))
+def test_the_speed_plan_is_never_slower_than_memory_and_near_the_best_split(specs, n_layers):
+    members = [fast_and_slow(u, s, link_s=link, index=i) for i, (u, s, link) in enumerate(specs)]
+    model = estimate(n_layers, 100, margin=10, output=5)
+    try:
+        memory = plan_layers(members, model)
+    except PlanError:
+        return
+    speed = plan_layers(members, model, by=PlanBy.SPEED)
+    assert speed.token_s is not None and memory.token_s is not None
+    assert speed.token_s <= memory.token_s * (1 + 1e-9)
+    if speed.by is PlanBy.SPEED:
+        assert speed.token_s <= (1 - SPEED_PLAN_MIN_GAIN) * memory.token_s * (1 + 1e-9)
+    # Uniform layers and conservative caps: the speed plan's choice is the brute force's best, or
+    # within the gain it needs to replace the memory plan.
+    best = brute_force_best_s(members, model)
+    assert speed.token_s <= best / (1 - SPEED_PLAN_MIN_GAIN) * (1 + 1e-9)
