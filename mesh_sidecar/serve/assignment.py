@@ -13,11 +13,12 @@ rpc-server accepts several clients). The rule:
 3. A worker picked is no longer free for later claims, unless it shares. A serving member is
    never a worker.
 
-By speed (a claim's ``by_speed``, the default, and every offer's speed known): workers are taken
-fastest first instead of largest first (speeds within SPEED_BAND of each other count as equal, so
-measurement noise keeps today's order), and every free worker much faster than the serving node
-itself (FASTER_WORKER) is taken too, even when the model would fit without it: the planner gives
-it layers only where that makes tokens faster (planner.py, "By speed").
+By speed (a claim's ``by_speed``, the default, every offer's speed known, and the speeds not all
+about the same: planner.speeds_differ): workers are taken fastest first instead of largest first
+(speeds within SPEED_BAND of each other count as equal, largest first among them), and every free
+worker much faster than the serving node itself (FASTER_WORKER) is taken too, even when the model
+would fit without it: the planner gives it layers only where that makes tokens faster
+(planner.py, "By speed").
 
 The test is conservative (:func:`fits`): each device added pays its own compute margin, and a
 split by whole layers can leave up to about one layer unused where each device's run ends. So
@@ -37,11 +38,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..units import format_gib
+from .speeds import speeds_differ
 
 # Speeds in the same band of this ratio are equal for the order workers are taken in.
 SPEED_BAND = 1.5
 # A free worker this many times faster than the serving node is taken even when not needed for memory.
-FASTER_WORKER = 1.5
+FASTER_WORKER = 2.0
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ def pick_workers(own: Offer, pool: Sequence[Offer], needs: ModelNeeds, spread: b
     if spread:
         return ordered
     faster: tuple[Offer, ...] = ()
-    if by_speed and own.decode_bytes_per_s > 0 and all(offer.decode_bytes_per_s > 0 for offer in ordered):
+    if by_speed and speeds_differ([own.decode_bytes_per_s, *(offer.decode_bytes_per_s for offer in ordered)]):
         ordered = tuple(sorted(ordered, key=lambda offer: -_speed_band(offer)))  # stable: largest first within
         faster = tuple(o for o in ordered if o.decode_bytes_per_s >= FASTER_WORKER * own.decode_bytes_per_s)
     for k in range(len(ordered) + 1):

@@ -41,8 +41,10 @@ holder is tried (the greedy order beyond MAX_SUBSET_SEARCH of them), so a member
 takes part only when the model needs its memory or it makes tokens faster. With
 ``spread`` every candidate takes part and the counts go by D'Hondt on speed, so
 the stages take about the same time. The speed plan replaces the memory plan
-only when it is expected to be SPEED_PLAN_MIN_GAIN faster: members of about the
-same speed keep today's plan.
+only when it is expected to be SPEED_PLAN_MIN_GAIN faster, and only when the
+candidates' speeds differ by more than SAME_SPEED_RATIO: members of about the
+same speed (a measurement on a busy machine moves by tens of percent) keep
+today's plan.
 
 ``Plan.tensor_split`` turns the counts into llama.cpp's ``--tensor-split``
 weights; its docstring shows why they reproduce the runs exactly.
@@ -67,6 +69,7 @@ from ..identity import short_id
 from ..units import format_gib
 from ..wire.gossip import OfferedDevice
 from .assignment import ModelNeeds, Role
+from .speeds import speeds_differ
 
 if TYPE_CHECKING:
     # Only its interface is used here, so planning needs no GGUF reading.
@@ -262,18 +265,17 @@ def plan_layers(members: Sequence[NodeCapacity], estimate: ModelEstimate, *,
     memory = plan_of(participants, _dhondt(caps, estimate.n_layers, lambda i: participants[i].usable_bytes),
                      PlanBy.MEMORY)
     memory_s = memory.token_s
-    if by is PlanBy.MEMORY or memory_s is None:
+    # Every member that could hold a layer: the speed plan may take a fast one the memory plan left out.
+    indices, caps_all = _participants(members, estimate, largest_first, prune=False)
+    candidates = [members[i] for i in indices]
+    if by is PlanBy.MEMORY or memory_s is None or not speeds_differ([c.decode_bytes_per_s for c in candidates]):
         return dataclasses.replace(memory, memory_token_s=memory_s)
     if spread:
         fast = plan_of(participants, _dhondt(caps, estimate.n_layers, lambda i: participants[i].decode_bytes_per_s),
                        PlanBy.SPEED)
     else:
-        indices, caps = _participants(members, estimate, largest_first, prune=False)
-        candidates = [members[i] for i in indices]
-        if any(c.decode_bytes_per_s <= 0 for c in candidates):
-            return dataclasses.replace(memory, memory_token_s=memory_s)
         fast = min((plan_of([candidates[i] for i in chosen], counts, PlanBy.SPEED)
-                    for chosen, counts in _speed_candidates(candidates, caps, estimate.n_layers)),
+                    for chosen, counts in _speed_candidates(candidates, caps_all, estimate.n_layers)),
                    key=lambda plan: (plan.token_s or 0.0, len(plan.nodes)))
     fast_s = fast.token_s
     assert fast_s is not None  # every candidate's speed is known

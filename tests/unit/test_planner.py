@@ -24,6 +24,7 @@ from mesh_sidecar.serve.planner import (
     device_shares,
     plan_layers,
 )
+from mesh_sidecar.serve.speeds import speeds_differ
 from mesh_sidecar.units import GIB
 from mesh_sidecar.wire.gossip import OfferedDevice
 
@@ -492,6 +493,9 @@ def test_the_speed_plan_is_never_slower_than_memory_and_near_the_best_split(spec
         return
     speed = plan_layers(members, model, by=PlanBy.SPEED)
     assert speed.token_s is not None and memory.token_s is not None
+    if not speeds_differ([m.decode_bytes_per_s for m in members]):
+        assert speed == memory  # about the same speed: today's plan
+        return
     assert speed.token_s <= memory.token_s * (1 + 1e-9)
     if speed.by is PlanBy.SPEED:
         assert speed.token_s <= (1 - SPEED_PLAN_MIN_GAIN) * memory.token_s * (1 + 1e-9)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import PurePath
 
 from hypothesis import given
@@ -10,8 +11,9 @@ from hypothesis import strategies as st
 from mesh_sidecar.llama.estimate import ModelEstimate
 from mesh_sidecar.mesh.exclusion import CORRUPT_OUTPUT, Exclusion
 from mesh_sidecar.serve.pace import SLOW_BLAME_SHARE, Slow
-from mesh_sidecar.serve.planner import NodeCapacity, Plan
+from mesh_sidecar.serve.planner import NodeCapacity, Plan, PlanBy
 from mesh_sidecar.serve.replan import (
+    SPEED_REPLAN_INTERVAL_S,
     Blame,
     ServingSnapshot,
     Tier,
@@ -210,3 +212,47 @@ def test_only_the_plans_worker_owing_longest_is_ever_named(waits):
         return
     assert verdict.node_id in workers and verdict.owed_s == max(workers.values())
     assert (verdict.blame is Blame.NOT_ENOUGH) == (verdict.owed_s < SLOW_BLAME_SHARE * SLOW.window_s)
+
+
+# --- a plan in service stays; speed replans ----------------------------------------------------
+
+def fast(member: NodeCapacity, speed: float) -> NodeCapacity:
+    return dataclasses.replace(member, decode_bytes_per_s=speed)
+
+
+def speed_snapshot(*peers: NodeCapacity, host: NodeCapacity, plan: Plan | None, now: float = 100.0,
+                   replanned_at: float | None = None, spread: bool = True) -> ServingSnapshot:
+    return ServingSnapshot(now, (*peers, host), (), (BIG,), 0 if plan else None, plan, by=PlanBy.SPEED,
+                           spread=spread, speed_replanned_at=replanned_at)
+
+
+def test_free_memory_moving_keeps_the_plan_while_it_fits_and_replans_when_it_does_not():
+    a, b = NodeCapacity(b"a" * 32, "a", 600), NodeCapacity(b"b" * 32, "b", 600)
+    host = NodeCapacity(b"h" * 32, "host", 600)
+    _, plan = plan_largest([BIG], [a, b, host])
+    moved = dataclasses.replace(a, usable_bytes=560)  # a layer's worth less, its share still fits
+    replan, _ = replan_reason(ServingSnapshot(100.0, (moved, b, host), (), (BIG,), 0, plan), StepUpGate(RULES))
+    assert replan is None
+    shrunk = dataclasses.replace(a, usable_bytes=100)
+    replan, _ = replan_reason(ServingSnapshot(100.0, (shrunk, b, host), (), (BIG,), 0, plan), StepUpGate(RULES))
+    assert replan is not None and "no longer has the memory" in replan.reason and not replan.failover
+
+
+def test_a_worker_that_became_slow_is_replanned_for_speed_once_per_interval():
+    a, b = fast(NodeCapacity(b"a" * 32, "a", 900), 1000.0), fast(NodeCapacity(b"b" * 32, "b", 900), 1000.0)
+    host = fast(NodeCapacity(b"h" * 32, "host", 900), 1000.0)
+    _, plan = plan_largest([BIG], [a, b, host], by=PlanBy.SPEED, spread=True)
+    assert plan.by is PlanBy.MEMORY  # the same speeds: the memory plan
+    # Nothing changed: no replan.
+    assert replan_reason(speed_snapshot(a, b, host=host, plan=plan), StepUpGate(RULES))[0] is None
+    slow_a = dataclasses.replace(a, decode_bytes_per_s=250.0)
+    replan, _ = replan_reason(speed_snapshot(slow_a, b, host=host, plan=plan), StepUpGate(RULES))
+    assert replan is not None and replan.for_speed and "tok/s" in replan.reason
+    # Right after a speed replan, the next one waits for the interval.
+    waits = speed_snapshot(slow_a, b, host=host, plan=plan, now=150.0, replanned_at=100.0)
+    assert replan_reason(waits, StepUpGate(RULES))[0] is None
+    later = speed_snapshot(slow_a, b, host=host, plan=plan, now=100.0 + SPEED_REPLAN_INTERVAL_S, replanned_at=100.0)
+    assert replan_reason(later, StepUpGate(RULES))[0] is not None
+    # A small change is no reason.
+    bit_slower = dataclasses.replace(a, decode_bytes_per_s=900.0)
+    assert replan_reason(speed_snapshot(bit_slower, b, host=host, plan=plan), StepUpGate(RULES))[0] is None

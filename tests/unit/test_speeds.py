@@ -1,0 +1,47 @@
+"""Device speeds: when they differ enough to plan by, and the slowdown the traffic shows."""
+
+from __future__ import annotations
+
+from mesh_sidecar.llama.estimate import ModelEstimate
+from mesh_sidecar.serve.planner import NodeCapacity, plan_layers
+from mesh_sidecar.serve.speeds import MIN_TOKENS_OBSERVED, ObservedSpeeds, speeds_differ
+
+WORKER, HOST = b"w" * 32, b"h" * 32
+MODEL = ModelEstimate(10, (1000,) * 10, 0, 0, 0, 4096, 0)
+PLAN = plan_layers([NodeCapacity(WORKER, "w", 10**6), NodeCapacity(HOST, "h", 10**6)], MODEL)
+WORKER_BYTES = sum(n.weights_bytes for n in PLAN.nodes if n.node_id == WORKER)
+
+
+def owed_for(per_byte_s: float, tokens: int, link_s: float = 0.0) -> dict[bytes, float]:
+    return {WORKER: (per_byte_s * WORKER_BYTES + link_s) * tokens}
+
+
+def test_speeds_differ_only_beyond_the_same_speed_ratio_and_when_all_are_known():
+    assert not speeds_differ([1000.0, 1300.0, 1500.0])
+    assert speeds_differ([1000.0, 4000.0])
+    assert not speeds_differ([1000.0, 0.0, 4000.0]) and not speeds_differ([])
+
+
+def test_a_worker_that_becomes_slower_shows_its_slowdown_and_noise_does_not():
+    speeds = ObservedSpeeds()
+    assert speeds.slowdown(WORKER) == 1.0  # never seen
+    for per_byte_s in (1e-6, 1.1e-6, 0.95e-6, 1.2e-6):  # noise
+        speeds.observe(PLAN, HOST, 32, owed_for(per_byte_s, 32, link_s=0.002), {WORKER: 0.002})
+    assert speeds.slowdown(WORKER) == 1.0
+    for _ in range(4):  # four times slower from now on
+        speeds.observe(PLAN, HOST, 32, owed_for(4e-6, 32, link_s=0.002), {WORKER: 0.002})
+    assert 3.0 < speeds.slowdown(WORKER) <= 4.5
+    assert speeds.to_json() == {WORKER.hex(): round(speeds.slowdown(WORKER), 2)}
+    # It recovers: back to as measured.
+    for _ in range(6):
+        speeds.observe(PLAN, HOST, 32, owed_for(1e-6, 32), {})
+    assert speeds.slowdown(WORKER) == 1.0
+    speeds.forget(WORKER)
+    assert speeds.to_json() == {}
+
+
+def test_short_requests_and_workers_outside_the_plan_teach_nothing():
+    speeds = ObservedSpeeds()
+    speeds.observe(PLAN, HOST, MIN_TOKENS_OBSERVED - 1, owed_for(1e-6, 4), {})
+    speeds.observe(PLAN, HOST, 32, {b"x" * 32: 1.0}, {})
+    assert speeds.to_json() == {}
