@@ -27,7 +27,8 @@ from ..identity import NodeIdentity
 from ..llama import weight_cache
 from ..llama.announced_build import local_build
 from ..llama.build import LlamaBinaries
-from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, backend_of, measure, parse_device_listing
+from ..llama.calibration import DeviceSpeed, calibrate_devices
+from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, Device, backend_of, measure, parse_device_listing
 from ..llama.estimate import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.model_files import model_files
@@ -63,6 +64,8 @@ DEFAULT_API_PORT = 8080
 SECRET_BYTES = 32  # the forwarded requests' token, and llama-server's key
 MODEL_FETCH_POLL_S = 2.0
 MODEL_FETCH_RETRY_S = 10.0
+# After a calibration that left a device unmeasured: how long an rpc-server that aborted on it takes to be seen gone.
+CALIBRATION_EXIT_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class Node:
         self.rpc_server: ChildProcess | None = None
         self.rpc_port: int | None = None
         self.build: LlamaBuild | None = None  # asked of our rpc-server before anyone else connects
+        self._devices: tuple[Device, ...] = ()  # what our rpc-server offers, as it listed them
+        self._speeds: tuple[DeviceSpeed | None, ...] = ()  # each of them measured (None: not), in the same order
         self.mesh: Mesh | None = None
         self.serving: ServingSupervisor | None = None
         self.metrics = Metrics(self.peer_views, lambda: self.mesh.mesh_view() if self.mesh else None)
@@ -196,6 +201,7 @@ class Node:
     async def _start_rpc_server(self) -> None:
         # The free port is picked before rpc-server binds it; if another program
         # takes it in between, rpc-server exits and we try another.
+        calibrate = True
         for attempt in range(RPC_SERVER_START_ATTEMPTS):
             port = free_tcp_port()
             try:
@@ -214,12 +220,41 @@ class Node:
             self.rpc_port = port
             self._devices = parse_device_listing(self.rpc_server.log_path.read_text(errors="replace"))
             self.build = await local_build(self.options.binaries, port)
+            self._speeds = (None,) * len(self._devices)
+            if calibrate and self.build.rpc is not None:
+                self._speeds = await calibrate_devices(port, len(self._devices))
+                if None in self._speeds and await self._rpc_server_exited():
+                    # A backend that cannot run the calibration's graph aborts rpc-server: start it again, unmeasured.
+                    self._say(f"rpc-server stopped while measuring its devices' speed (its log: "
+                              f"{self.rpc_server.log_path}); starting it again without measuring: the planner "
+                              "takes its devices as of unknown speed.")
+                    if attempt + 1 == RPC_SERVER_START_ATTEMPTS:
+                        raise self.rpc_server.exited_error()
+                    calibrate = False
+                    continue
             self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only; {self.build}); offering "
                       f"{format_gib(self.capacity().usable_bytes)} GiB")
+            for device, speed in zip(self._devices, self._speeds, strict=True):
+                if speed is not None:
+                    self._say(f"Measured {device.name}: {format_gib(speed.decode_bytes_per_s)} GiB/s of weights "
+                              f"per token (decode), {format_gib(speed.prefill_bytes_per_s)} GiB/s per prompt token "
+                              "(prefill)")
+                elif calibrate:
+                    self._say(f"Could not measure {device.name}'s speed ({SIDECAR_LOG_NAME} says why): the planner "
+                              "takes it as of unknown speed.")
             if self.build.rpc is None:
                 self._say(f"{self.options.binaries.rpc_server} answered no RPC HELLO this release reads, so a "
                           f"serving node will leave this node out ({LLAMA_BUILD_MISMATCH}). {SAME_BUILD_REMEDY}")
             return
+
+    async def _rpc_server_exited(self) -> bool:
+        """Whether our rpc-server exits within CALIBRATION_EXIT_GRACE_S (it has, if it aborted)."""
+        assert self.rpc_server is not None
+        try:
+            await asyncio.wait_for(self.rpc_server.wait(), CALIBRATION_EXIT_GRACE_S)
+        except TimeoutError:
+            return False
+        return True
 
     def capacity(self) -> Capacity:
         """What this node offers the mesh now."""
@@ -236,7 +271,10 @@ class Node:
                          serving=self.options.serving is not None, model_sha256=self.options.model_sha256,
                          model_file=self.options.model if self.options.model_sha256 else None,
                          lan=self.options.mdns, local_api=self._local_api, forward_token=self._forward_token,
-                         devices=tuple(OfferedDevice(d.name, d.total_bytes, d.free_bytes) for d in self._devices),
+                         devices=tuple(OfferedDevice(d.name, d.total_bytes, d.free_bytes,
+                                                     speed.decode_bytes_per_s if speed else 0,
+                                                     speed.prefill_bytes_per_s if speed else 0)
+                                       for d, speed in zip(self._devices, self._speeds, strict=True)),
                          data_relay=self.options.data_relay)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
@@ -405,7 +443,11 @@ class Node:
                 "capacity": self.capacity().__dict__ if self.rpc_server else None,
                 "backend": backend_of(self._devices) if self._devices else None,
                 "devices": [{"name": d.name, "description": d.description, "total_bytes": d.total_bytes,
-                             "free_bytes": d.free_bytes} for d in self._devices],
+                             "free_bytes": d.free_bytes,
+                             # null: not measured (llama/calibration.py)
+                             "decode_bytes_per_s": speed.decode_bytes_per_s if speed else None,
+                             "prefill_bytes_per_s": speed.prefill_bytes_per_s if speed else None}
+                            for d, speed in zip(self._devices, self._speeds, strict=True)],
             },
             "model": {"path": str(model), "bytes": _model_bytes(model),
                       "ctx_size": self.options.ctx_size},

@@ -53,6 +53,8 @@ from .gossip_fields import (
 )
 from .rpc_hello import RpcVersion
 
+# 8: each of MemberInfo.devices gains its measured speeds (decode and prefill bytes per second, 0: not
+# measured): [name, total, free, decode, prefill].
 # 7: MemberInfo.data_port (the TCP port of the member's native data relay, optional: absent means none).
 # 6: MemberInfo.devices (the devices a member's rpc-server offers: name, total and free memory); at most
 # 190 members a list (was 200), to make room for them.
@@ -64,7 +66,7 @@ from .rpc_hello import RpcVersion
 # keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
-GOSSIP_WIRE_VERSION = 7
+GOSSIP_WIRE_VERSION = 8
 MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
@@ -76,11 +78,14 @@ MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
 # The largest mesh gossip can describe: 190 members at every field's limit take about
-# 1020 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
+# 1046 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
 MAX_MEMBERS_PER_LIST = 190
 # An rpc-server lists its GPUs (or its CPU): a few a machine. Names as ggml gives them: CPU, Vulkan0, CUDA1.
 MAX_DEVICES_PER_MEMBER = 4
 MAX_DEVICE_NAME_CHARS = 16
+# A device's measured speed: 10 PB/s, far above any device's weight rate per prompt token; at most 16 digits, so
+# the largest member list still fits one frame.
+MAX_BYTES_PER_S = 10**16 - 1
 MAX_RPC_ORDER_ENTRIES = 256
 MAX_REASON_CHARS = 256
 MAX_NONCE = 2**64 - 1
@@ -234,24 +239,31 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class OfferedDevice:
-    """One device a member's rpc-server offers, as its startup listing said."""
+    """One device a member's rpc-server offers, as its startup listing said, and how fast it measured it."""
 
     name: str  # ggml's: CPU, Vulkan0, CUDA1, ...
     total_bytes: int
     free_bytes: int  # at the rpc-server's start
+    # Bytes of quantized weights per second through one token's matrix-vector products (llama/calibration.py);
+    # 0: not measured.
+    decode_bytes_per_s: int = 0
+    # The same per prompt token, in a batch of prompt tokens; 0: not measured.
+    prefill_bytes_per_s: int = 0
 
     def to_body(self) -> list[Any]:
-        return [self.name, self.total_bytes, self.free_bytes]
+        return [self.name, self.total_bytes, self.free_bytes, self.decode_bytes_per_s, self.prefill_bytes_per_s]
 
     @classmethod
     def from_body(cls, body: Any, what: str) -> OfferedDevice:
-        items = bounded_list(body, what, 3)
-        if len(items) != 3:
-            raise field_error(what, "[name, total bytes, free bytes]")
+        items = bounded_list(body, what, 5)
+        if len(items) != 5:
+            raise field_error(what, "[name, total bytes, free bytes, decode bytes/s, prefill bytes/s]")
         return cls(matching(items[0], f"{what}[0]", DEVICE_NAME_RE,
                             f"1 to {MAX_DEVICE_NAME_CHARS} letters, digits, '_', '.' or '-'"),
                    integer(items[1], f"{what}[1]", MAX_CAPACITY_VALUE),
-                   integer(items[2], f"{what}[2]", MAX_CAPACITY_VALUE))
+                   integer(items[2], f"{what}[2]", MAX_CAPACITY_VALUE),
+                   integer(items[3], f"{what}[3]", MAX_BYTES_PER_S),
+                   integer(items[4], f"{what}[4]", MAX_BYTES_PER_S))
 
 
 @dataclass(frozen=True)

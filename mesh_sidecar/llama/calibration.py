@@ -1,0 +1,184 @@
+"""How fast each device of this node's rpc-server is: measured once, right after it starts.
+
+The planner gives layers to fast devices first, so every member announces, per device, the rate at
+which it reads quantized weights for one token (decode) and per token of a prompt batch (prefill).
+The node asks its own rpc-server before anyone else connects (it serves one client at a time);
+wire/rpc_calibration.py draws the buffer, the graph and the commands.
+
+Per device, on one connection (a failure there closes it: rpc-server then frees the buffer): HELLO,
+GET_ALIGNMENT, ALLOC_BUFFER, BUFFER_GET_BASE, BUFFER_CLEAR; then for decode and for prefill:
+
+1. GRAPH_COMPUTE of one pass (warms the device up), then one timed GRAPH_RECOMPUTE (:func:`passes_for`
+   sizes the graph from it, so that a sample lasts about SAMPLE_TARGET_S whatever the device);
+2. GRAPH_COMPUTE of that many passes, then timed GRAPH_RECOMPUTEs until :func:`settled`;
+3. the rate: every sample's bytes over every sample's time (a mean, not the best sample: a CPU under a
+   CFS quota runs at full speed in bursts, and only time spanning several periods shows its pace).
+
+A device takes 0.6 to 1 s on 2 CPU cores, 1.6 s at a quarter core; the samples take at most
+MAX_MEASURE_S per kind (and one sample more), everything at most DEVICE_TIMEOUT_S. Any failure
+(timeout, a closed connection, an answer we cannot read) is logged and leaves that device
+unmeasured (None): never an error of the node's. If rpc-server aborts on the graph (a backend that
+cannot run it), the node starts it again, unmeasured (node/lifecycle.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import ProtocolVersionError, WireError
+from ..ports import LOOPBACK
+from ..wire.gossip import MAX_BYTES_PER_S
+from ..wire.rpc_calibration import (
+    ALIGNMENT_REPLY_BYTES,
+    ALLOC_BUFFER_REPLY_BYTES,
+    BUFFER_BASE_REPLY_BYTES,
+    CALIBRATION_RPC_MAJOR,
+    DECODE_COLUMNS,
+    MAX_PASSES,
+    PREFILL_COLUMNS,
+    WEIGHT_BYTES,
+    BufferLayout,
+    RemoteBuffer,
+    alloc_buffer_request,
+    buffer_clear_request,
+    buffer_get_base_request,
+    decode_alignment,
+    decode_alloc_buffer,
+    decode_buffer_base,
+    free_buffer_request,
+    get_alignment_request,
+    graph_compute_request,
+    graph_recompute_request,
+    reply_size,
+)
+from ..wire.rpc_framing import REPLY_SIZE_BYTES
+from ..wire.rpc_hello import HELLO_REQUEST, decode_hello_reply, hello_reply_size
+
+log = logging.getLogger(__name__)
+
+SAMPLE_TARGET_S = 0.02  # one timed sample: long against a loopback round trip (tens of microseconds)
+MIN_SAMPLES = 3
+MIN_MEASURE_S = 0.2  # per kind: two CFS periods (100 ms) at least
+MAX_MEASURE_S = 0.6  # per kind: then the samples so far decide
+STABLE_SPREAD = 0.1  # settled once the median sample is within this share of the mean
+DEVICE_TIMEOUT_S = 4.0  # everything on one device, connecting included
+TOTAL_TIMEOUT_S = 10.0  # every device; those not reached by then are unmeasured
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpeed:
+    """How fast a device reads quantized weights, as the calibration measured it."""
+
+    decode_bytes_per_s: int
+    """Weight bytes per second through one token's matrix-vector products."""
+    prefill_bytes_per_s: int
+    """Weight bytes per second per prompt token, in a batch of PREFILL_COLUMNS tokens."""
+
+
+def passes_for(probe_s: float) -> int:
+    """Passes in one graph, so that a sample lasts about SAMPLE_TARGET_S, from one pass's round trip."""
+    return max(1, min(MAX_PASSES, math.ceil(SAMPLE_TARGET_S / max(probe_s, 1e-9))))
+
+
+def settled(sample_times_s: Sequence[float]) -> bool:
+    """Whether the samples so far are enough: MAX_MEASURE_S spent, or MIN_MEASURE_S and MIN_SAMPLES steady ones."""
+    spent_s = sum(sample_times_s)
+    if spent_s >= MAX_MEASURE_S:
+        return True
+    if spent_s < MIN_MEASURE_S or len(sample_times_s) < MIN_SAMPLES:
+        return False
+    mean_s = spent_s / len(sample_times_s)
+    return abs(statistics.median(sample_times_s) - mean_s) <= STABLE_SPREAD * mean_s
+
+
+def rate(bytes_per_sample: int, sample_times_s: Sequence[float]) -> int:
+    """Bytes per second over every sample (at most what gossip carries)."""
+    return min(MAX_BYTES_PER_S, round(bytes_per_sample * len(sample_times_s) / max(sum(sample_times_s), 1e-9)))
+
+
+async def calibrate_devices(port: int, device_count: int, *, device_timeout_s: float = DEVICE_TIMEOUT_S,
+                            total_timeout_s: float = TOTAL_TIMEOUT_S) -> tuple[DeviceSpeed | None, ...]:
+    """Each of the first ``device_count`` devices of the rpc-server on 127.0.0.1:``port`` measured, in order.
+
+    None for a device that could not be measured (logged why). Call it while no other client is connected.
+    """
+    speeds: list[DeviceSpeed | None] = []
+    deadline = time.monotonic() + total_timeout_s
+    for device in range(device_count):
+        speed = None
+        try:
+            async with asyncio.timeout(min(device_timeout_s, deadline - time.monotonic())):
+                speed = await _calibrate(port, device)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, WireError) as exc:
+            log.warning("could not measure device %d of the rpc-server on port %d: %r", device, port, exc)
+        speeds.append(speed)
+    return tuple(speeds)
+
+
+async def _calibrate(port: int, device: int) -> DeviceSpeed | None:
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    try:
+        client = _Client(reader, writer)
+        writer.write(HELLO_REQUEST)
+        hello = decode_hello_reply(await reader.readexactly(hello_reply_size(
+            await reader.readexactly(REPLY_SIZE_BYTES))))
+        if hello.version.major != CALIBRATION_RPC_MAJOR:
+            raise ProtocolVersionError(f"rpc-server speaks RPC {hello.version}; the calibration speaks "
+                                       f"{CALIBRATION_RPC_MAJOR}.x")
+        layout = BufferLayout(decode_alignment(await client.ask(get_alignment_request(device),
+                                                                ALIGNMENT_REPLY_BYTES, "GET_ALIGNMENT")))
+        buffer = decode_alloc_buffer(await client.ask(alloc_buffer_request(device, layout.size_bytes),
+                                                      ALLOC_BUFFER_REPLY_BYTES, "ALLOC_BUFFER"))
+        if not buffer.remote_ptr:
+            log.warning("could not measure device %d of the rpc-server on port %d: no room for %d bytes",
+                        device, port, layout.size_bytes)
+            return None
+        buffer = dataclasses.replace(buffer, base=decode_buffer_base(await client.ask(
+            buffer_get_base_request(buffer.remote_ptr), BUFFER_BASE_REPLY_BYTES, "BUFFER_GET_BASE")))
+        writer.write(buffer_clear_request(buffer.remote_ptr))
+        decode = await client.measure(device, buffer, layout, DECODE_COLUMNS)
+        prefill = await client.measure(device, buffer, layout, PREFILL_COLUMNS)
+        await client.ask(free_buffer_request(buffer.remote_ptr) + get_alignment_request(device),
+                         ALIGNMENT_REPLY_BYTES, "GET_ALIGNMENT")
+        return DeviceSpeed(decode, prefill)
+    finally:
+        writer.close()
+
+
+class _Client:
+    """One calibration connection: a command and its reply, and the timed graph runs."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    async def ask(self, requests: bytes, reply_bytes: int, what: str) -> bytes:
+        """Send ``requests`` (only the last of them answers) and read that answer's payload."""
+        self._writer.write(requests)
+        size = reply_size(await self._reader.readexactly(REPLY_SIZE_BYTES), reply_bytes, what)
+        return await self._reader.readexactly(size)
+
+    async def _timed(self, requests: bytes, device: int) -> float:
+        """Seconds until the sync point behind ``requests`` answers."""
+        start = time.perf_counter()
+        await self.ask(requests + get_alignment_request(device), ALIGNMENT_REPLY_BYTES, "GET_ALIGNMENT")
+        return time.perf_counter() - start
+
+    async def measure(self, device: int, buffer: RemoteBuffer, layout: BufferLayout, columns: int) -> int:
+        """Weight bytes per second per column (token) over graphs of ``columns`` columns."""
+        await self._timed(graph_compute_request(device, buffer, layout, columns, 1), device)
+        passes = passes_for(await self._timed(graph_recompute_request(device), device))
+        await self._timed(graph_compute_request(device, buffer, layout, columns, passes), device)
+        samples: list[float] = []
+        while not settled(samples):
+            samples.append(await self._timed(graph_recompute_request(device), device))
+        log.info("device %d, %d column(s): %d samples of %d passes, %.3f s", device, columns, len(samples),
+                 passes, sum(samples))
+        return rate(passes * columns * WEIGHT_BYTES, samples)
