@@ -38,8 +38,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..units import format_gib
-from .speeds import speeds_differ
 
+# Speeds within this ratio of each other (the fastest over the slowest) are the same speed: a calibration
+# on a busy machine moves by tens of percent, and members of about the same speed keep the memory plan.
+SAME_SPEED_RATIO = 1.6
 # Speeds in the same band of this ratio are equal for the order workers are taken in.
 SPEED_BAND = 1.5
 # A free worker this many times faster than the serving node is taken even when not needed for memory.
@@ -130,6 +132,12 @@ def fits(own_bytes: int, worker_bytes: Sequence[int], needs: ModelNeeds) -> bool
     ``own + sum(workers) >= alone_bytes + k * (margin_bytes + layer_bytes)``.
     """
     return own_bytes + sum(worker_bytes) >= needed_bytes(len(worker_bytes), needs)
+
+
+def speeds_differ(speeds: Sequence[float]) -> bool:
+    """Whether every speed is known and the fastest is more than SAME_SPEED_RATIO times the slowest
+    (the planner's rule too)."""
+    return bool(speeds) and min(speeds) > 0 and max(speeds) > SAME_SPEED_RATIO * min(speeds)
 
 
 def largest_first(offers: Sequence[Offer]) -> tuple[Offer, ...]:

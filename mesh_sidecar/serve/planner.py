@@ -68,8 +68,7 @@ from ..errors import PlanError
 from ..identity import short_id
 from ..units import format_gib
 from ..wire.gossip import OfferedDevice
-from .assignment import ModelNeeds, Role
-from .speeds import speeds_differ
+from .assignment import ModelNeeds, Role, speeds_differ
 
 if TYPE_CHECKING:
     # Only its interface is used here, so planning needs no GGUF reading.

@@ -1,4 +1,4 @@
-"""Device speeds: when they differ enough to plan by, and the traffic's correction to them.
+"""How much slower each worker runs now than when it was measured: the traffic's correction to the speeds.
 
 Pure, over figures the serving loop passes in. Each member measures its devices once, when its
 rpc-server starts (llama/calibration.py), and announces the speed in gossip; that ranks the
@@ -14,7 +14,7 @@ by it. Under SLOWDOWN_FLOOR it counts as 1 (noise), so only a real change moves 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,14 +25,6 @@ if TYPE_CHECKING:
 MIN_TOKENS_OBSERVED = 8
 NEWEST_WEIGHT = 0.5  # of the newest request, in each worker's moving average
 SLOWDOWN_FLOOR = 1.5  # slower than its baseline by less than this: as measured
-# Speeds within this ratio of each other (the fastest over the slowest) are the same speed: a calibration
-# on a busy machine moves by tens of percent, and members of about the same speed keep the memory plan.
-SAME_SPEED_RATIO = 1.6
-
-
-def speeds_differ(speeds: Sequence[float]) -> bool:
-    """Whether every speed is known and the fastest is more than SAME_SPEED_RATIO times the slowest."""
-    return bool(speeds) and min(speeds) > 0 and max(speeds) > SAME_SPEED_RATIO * min(speeds)
 
 
 @dataclass

@@ -5,12 +5,16 @@
 100 ms period (0.25: a quarter of one core); ``close()`` moves the processes still there back
 to the root group and removes the group, by its name only. Used by the speed-planning tests
 and benchmarks to make one member's rpc-server several times slower than the others.
+``quota_rpc_build`` makes a --llama-bin directory whose rpc-server enters a group as it starts,
+so a node's own calibration already sees it slowed.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from mesh_sidecar.llama.build import LLAMA_SERVER_BINARY, RPC_SERVER_BINARY, LlamaBinaries
 
 CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
@@ -56,3 +60,13 @@ class CpuQuota:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def quota_rpc_build(binaries: LlamaBinaries, directory: Path, group: CpuQuota) -> Path:
+    """A --llama-bin ``directory``: the real llama-server, and an rpc-server that joins ``group`` and runs."""
+    directory.mkdir()
+    (directory / LLAMA_SERVER_BINARY).symlink_to(binaries.llama_server)
+    wrapper = directory / RPC_SERVER_BINARY
+    wrapper.write_text(f'#!/bin/sh\necho $$ > "{group.path}/cgroup.procs"\nexec "{binaries.rpc_server}" "$@"\n')
+    wrapper.chmod(0o755)
+    return directory

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from mesh_sidecar.errors import PlanError, SetupError
 from mesh_sidecar.llama.estimate import ModelEstimate, assign_layers
 from mesh_sidecar.mesh.exclusion import Exclusion
+from mesh_sidecar.serve.assignment import speeds_differ
 from mesh_sidecar.serve.planner import (
     SPEED_PLAN_MIN_GAIN,
     NodeCapacity,
@@ -24,7 +25,6 @@ from mesh_sidecar.serve.planner import (
     device_shares,
     plan_layers,
 )
-from mesh_sidecar.serve.speeds import speeds_differ
 from mesh_sidecar.units import GIB
 from mesh_sidecar.wire.gossip import OfferedDevice
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from mesh_sidecar.llama.estimate import ModelEstimate
+from mesh_sidecar.serve.assignment import speeds_differ
 from mesh_sidecar.serve.planner import NodeCapacity, plan_layers
-from mesh_sidecar.serve.speeds import MIN_TOKENS_OBSERVED, ObservedSpeeds, speeds_differ
+from mesh_sidecar.serve.speeds import MIN_TOKENS_OBSERVED, ObservedSpeeds
 
 WORKER, HOST = b"w" * 32, b"h" * 32
 MODEL = ModelEstimate(10, (1000,) * 10, 0, 0, 0, 4096, 0)
