@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..mesh.status import devices_line
-from ..units import MIB, format_gib
+from ..units import GIB, MIB, format_gib
 
 NAME_CHARS = 12  # a node name this long always shows whole in 80 columns
 STATE_STYLES = {"ready": "green", "loading": "yellow", "unavailable": "red", "connected": "green",
@@ -71,7 +71,7 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     # Speeds once measured (every device of a plan by speed, or with --plan-by memory).
     speeds = any(node.get("decode_bytes_per_s") for node in plan["nodes"])
     headers = ["node", *(["id"] if wide else []), "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB",
-               *(["speed GB/s", "ms/token"] if speeds else [])]
+               *(["speed GiB/s", "ms/token"] if speeds else [])]
     table = _table(*headers, title=f"{title}: {model}{plan['n_layers']} layers{kv_cache}",
                    caption="\n".join(filter(None, [_speed_caption(plan), _tiers_caption(plan), *refused])) or None)
     _whole(table, 0)
@@ -81,7 +81,7 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     def row(node: dict[str, Any], layers: str, *sizes: str) -> None:
         where = f"{node['name']} ({node['device']})" if node.get("device") else node["name"]
         speed = node.get("decode_bytes_per_s") or 0
-        cells = [*sizes[:4], *([f"{speed / 1e9:.1f}" if speed else "-", sizes[4]] if speeds else [])]
+        cells = [*sizes[:4], *([f"{speed / GIB:.1f}" if speed else "-", sizes[4]] if speeds else [])]
         _add_row(table, where, *([_short(node["id"])] if wide else []), layers, *cells)
 
     for node in plan["nodes"]:

@@ -22,7 +22,7 @@ from ..net.discovery import LanRecord, lan_record_json, mesh_id
 from ..net.relay import RelayCounters
 from ..net.transport import MeshTransport
 from ..net.tunnel import TunnelCounters
-from ..units import format_gib
+from ..units import GIB, format_gib
 from ..wire.gossip import OfferedDevice
 from ..wire.ticket import PeerAddress
 from .exclusion import Exclusion, exclusion_between
@@ -106,12 +106,16 @@ class MeshView:
 
 def devices_json(devices: Sequence[OfferedDevice]) -> list[dict[str, Any]]:
     """Devices as `status --json` shows them (a member's from gossip, or this node's own)."""
-    return [{"name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes} for d in devices]
+    return [{"name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
+             "decode_bytes_per_s": d.decode_bytes_per_s or None, "prefill_bytes_per_s": d.prefill_bytes_per_s or None}
+            for d in devices]
 
 
 def devices_line(devices: Sequence[dict[str, Any]]) -> str:
-    """Devices (as :func:`devices_json` gives them) for people: ``Vulkan0 2.0 of 2.0 GiB free, CPU ...``."""
+    """Devices (as :func:`devices_json` gives them) for people: ``Vulkan0 2.0 of 2.0 GiB free, 21.0 GiB/s, CPU ...``
+    (the speed: weight bytes a token passes through per second, when measured)."""
     return ", ".join(f"{d['name']} {format_gib(d['free_bytes'])} of {format_gib(d['total_bytes'])} GiB free"
+                     + (f", {d['decode_bytes_per_s'] / GIB:.1f} GiB/s" if d.get("decode_bytes_per_s") else "")
                      for d in devices)
 
 
