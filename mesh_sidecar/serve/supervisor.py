@@ -56,7 +56,7 @@ from ..progress import ProgressCallback
 from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
 from ..wire.rpc_outputs import OutputRejected
 from . import receipt
-from .assignment import Assignment, Claim, ModelNeeds, Offer, Role, assign, fits, pick_workers, pool_for
+from .assignment import Assignment, Claim, ModelNeeds, Offer, Role, assign, pool_for
 from .catalog import LOADING, READY, UNAVAILABLE
 from .generation import Generation
 from .metrics import Metrics
@@ -77,7 +77,7 @@ from .replan import (
     tier_index,
 )
 from .speculation import Speculation, choose
-from .tiers import StepUpGate, StepUpRules, TierView, model_id, tier_views
+from .tiers import StepUpGate, StepUpRules, TierView, model_id, tier_claim, tier_views
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +165,13 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
     """The members to plan ``tiers`` over, and those refused with the reason.
 
     Every serving member claims workers in gossip (``MemberInfo.serves``); this node takes, from the
-    workers the claims before its own leave free, the fewest that hold the largest tier that can fit
-    (all of them with ``spread``). ``since``: when this node began serving (infinite: it does not
-    serve, as `plan` on a worker shows). Peers come first (by id) and this node last: llama.cpp puts
-    the output layer on the last device, so the logits (vocabulary x 4 bytes a token) stay on
-    loopback instead of crossing the network.
+    workers the claims before its own leave free (its pool), the fewest that hold the largest tier the
+    whole pool can hold (all of them with ``spread``): each tier is weighed over the pool, not over the
+    workers of the tier in service, so a bigger tier is seen to fit and the step-up rules apply
+    (tiers.tier_claim). ``since``: when this node began serving (infinite: it does not serve, as `plan`
+    on a worker shows). Peers come first (by id) and this node last: llama.cpp puts the output layer
+    on the last device, so the logits (vocabulary x 4 bytes a token) stay on loopback instead of
+    crossing the network.
     """
     me = identity.node_id
     offers, refused, claims = [], [], []
@@ -190,20 +192,20 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
     # The tier planning takes each tier's input embeddings off this node's share.
     own_offer = Offer(me, name, max(0, own.usable_bytes - mesh.held_for_peers_bytes()), serving=True)
     offers.append(own_offer)
-    largest_first = sorted(tiers, key=lambda tier: tier.needs_bytes, reverse=True)
-    needs = [model_needs(model_id(tier.path.name), tier.estimate) for tier in largest_first]
-    pool = pool_for(me, [*claims, Claim(me, since, needs[0], spread)], offers)
-    chosen, picked = needs[-1], tuple(pool)
-    for tier_needs in needs:
-        workers = pick_workers(own_offer, pool, tier_needs, spread)
-        if fits(own_offer.usable_bytes, [w.usable_bytes for w in workers], tier_needs):
-            chosen, picked = tier_needs, workers
-            break
-    members = [entry for w in sorted(picked, key=lambda w: w.node_id)
-               for entry in device_shares(w.node_id, w.name, w.usable_bytes, devices[w.node_id])]
-    members += device_shares(me, name, own_offer.usable_bytes, devices[me])
-    assignment = assign([*claims, Claim(me, since, chosen, spread)], offers)
-    return MeshRound(tuple(members), tuple(refused), chosen, assignment)
+    needs = [model_needs(model_id(tier.path.name), tier.estimate) for tier in tiers]
+    # Only the claims before this node's decide its pool; its own claim's needs do not.
+    mine = Claim(me, since, needs[0], spread)
+    pool = pool_for(me, [*claims, mine], offers)
+
+    def members_with(workers: Sequence[Offer]) -> list[NodeCapacity]:
+        members = [entry for w in sorted(workers, key=lambda w: w.node_id)
+                   for entry in device_shares(w.node_id, w.name, w.usable_bytes, devices[w.node_id])]
+        return members + device_shares(me, name, own_offer.usable_bytes, devices[me])
+
+    index, picked = tier_claim([(tier.path.name, tier.estimate) for tier in tiers], own_offer, pool, members_with,
+                               spread=mine.spread, by_speed=mine.by_speed)
+    mine = dataclasses.replace(mine, needs=needs[index])
+    return MeshRound(tuple(members_with(picked)), tuple(refused), mine.needs, assign([*claims, mine], offers))
 
 
 def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,

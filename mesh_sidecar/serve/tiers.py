@@ -7,6 +7,11 @@ for ``after_s`` without a break, and comes at most once per ``interval_s``
 after any switch: a member that joins and leaves every few seconds never
 moves the API off the tier it can rely on.
 
+Which tier a serving node claims workers for (:func:`tier_claim`) is weighed
+over every worker the assignment could give it, not over the workers of the
+tier in service: those are the fewest for that tier, and a bigger one never
+fits them, so it could never be seen to fit long enough to step up.
+
 Clients name models by their file's stem (what llama-server's ``--alias``
 makes it answer with). A request naming a tier that is not in service gets an
 error saying which one is and why the other is not.
@@ -15,13 +20,17 @@ error saying which one is and why the other is not.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..llama.model_files import model_stem
 from ..units import format_gib
-from .planner import TierFit
+from .assignment import Offer, pick_workers
+from .planner import NodeCapacity, TierFit, assess_tiers, model_needs, tier_needs_bytes
+
+if TYPE_CHECKING:
+    from ..llama.estimate import ModelEstimate
 
 STEP_UP_AFTER_S = 20.0
 STEP_UP_INTERVAL_S = 60.0
@@ -67,6 +76,29 @@ class StepUpGate:
     def switched(self, now: float) -> StepUpGate:
         """A switch happened, either way."""
         return dataclasses.replace(self, fits_since=None, last_switch=now)
+
+
+def tier_claim(tiers: Sequence[tuple[str, ModelEstimate]], own: Offer, pool: Sequence[Offer],
+               members_of: Callable[[Sequence[Offer]], Sequence[NodeCapacity]], *,
+               spread: bool = False, by_speed: bool = False) -> tuple[int, tuple[Offer, ...]]:
+    """The tier a serving node claims workers for (an index into ``tiers``), and those workers.
+
+    ``tiers``: (file name, estimate) pairs; ``own``: the serving node's offer; ``pool``: every worker
+    the assignment leaves free for it (assignment.pool_for); ``members_of``: what the planner plans
+    over with some of them (workers first, the serving node last); ``spread``, ``by_speed``: its claim's.
+    Largest first, each tier gets the workers its claim would be given (pick_workers: the fewest by the
+    assignment's conservative count, all of the pool where that count falls short), and the first the
+    planner holds over them is claimed. So a tier only the whole pool holds is claimed with the whole
+    pool, whichever tier is in service. None fits: the smallest, with the whole pool (the planner then
+    names the shortfall).
+    """
+    order = sorted(range(len(tiers)), key=lambda i: tier_needs_bytes(tiers[i][1]), reverse=True)
+    for index in order:
+        name, estimate = tiers[index]
+        workers = pick_workers(own, pool, model_needs(model_id(name), estimate), spread, by_speed)
+        if assess_tiers([tiers[index]], members_of(workers)).plans:
+            return index, workers
+    return order[-1], tuple(pool)
 
 
 def model_id(file_name: str) -> str:

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from benchmarks.synthetic_model import CACHE_TEST, TIER_TEST, ensure_synthetic_model
+from benchmarks.synthetic_model import CACHE_TEST, TIER_TEST, SyntheticSpec, ensure_synthetic_model
 from mesh_sidecar.llama.model import file_sha256
 from tests.helpers.llama import api_healthy
 from tests.helpers.nodes import cli, kill_worker, metrics
@@ -194,3 +194,27 @@ def test_a_flapping_member_moves_the_api_no_more_than_the_rules_allow(start_node
     assert cycles >= 3
     assert switches(c.serve_port, "down") == 1 and switches(c.serve_port, "up") == 0
     assert c.status()["serving"]["llama_server_restarts"] == restarts
+
+
+# About 0.50 GiB at the default context: three members offering POOL_CAP each hold it by the planner's
+# count, though not by the assignment's conservative one (each worker charged a margin and a layer).
+POOL_TEST = SyntheticSpec(name="pool-test", n_layers=32, n_embd=576, n_ff=2048, n_head=9, n_head_kv=3,
+                          attn_dtype="F16", ffn_dtype="F16", embd_dtype="F16")
+POOL_CAP = "200M"
+
+
+@pytest.mark.slow
+def test_three_capped_members_step_up_to_the_tier_their_whole_pool_holds(start_node, model_path):
+    big = ensure_synthetic_model(POOL_TEST)
+    a = start_node("a", "--max-memory", POOL_CAP)
+    c = start_node("c", "--model", str(model_path), "--model", str(big), "--max-memory", POOL_CAP,
+                   "--join", a.ticket(), "--min-peers", "1", "--step-up-after-s", "2", "--step-up-interval-s", "0",
+                   serve=True, spread=False)
+    # Two members hold only SmolLM2-135M (0.24 GiB).
+    assert c.status()["serving"]["plan"]["model"] == model_path.name
+    start_node("b", "--max-memory", POOL_CAP, "--join", a.ticket())
+    wait_until(lambda: (c.status()["serving"]["plan"] or {}).get("model") == big.name and api_healthy(c.serve_port),
+               60, f"the step up to {big.name}")
+    plan = c.status()["serving"]["plan"]
+    assert sorted(node["name"] for node in plan["nodes"]) == ["a", "b", "c"], plan
+    assert switches(c.serve_port, "up") == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import Callable, Sequence
+from pathlib import PurePath
 
 import httpx
 import pytest
@@ -15,10 +17,21 @@ from hypothesis import strategies as st
 from mesh_sidecar.errors import PlanError
 from mesh_sidecar.llama.estimate import ModelEstimate
 from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.serve.assignment import Claim, Offer, assign, pick_workers
+from mesh_sidecar.serve.assignment import fits as assignment_fits
 from mesh_sidecar.serve.metrics import Metrics
-from mesh_sidecar.serve.planner import NodeCapacity, TierFit, choose_tier, plan_layers, tier_needs_bytes
+from mesh_sidecar.serve.planner import (
+    NodeCapacity,
+    Plan,
+    TierFit,
+    choose_tier,
+    model_needs,
+    plan_layers,
+    tier_needs_bytes,
+)
 from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions, ServingHooks
-from mesh_sidecar.serve.tiers import StepUpGate, StepUpRules, models_list, tier_views, why_not_served
+from mesh_sidecar.serve.replan import ServingSnapshot, Tier, choose_plan, replan_reason
+from mesh_sidecar.serve.tiers import StepUpGate, StepUpRules, models_list, tier_claim, tier_views, why_not_served
 from tests.helpers.stand_ins import start_stand_in, stream_events
 from tests.helpers.waiting import wait_until_async
 
@@ -275,3 +288,95 @@ async def test_a_stream_cut_by_a_step_down_ends_with_an_error_a_plain_request_is
         switcher.cancel()
         await big.cleanup()
         await small.cleanup()
+
+
+# --- which tier a serving node claims workers for ------------------------------------------------
+
+def margined(n_layers: int, layer: int, margin: int) -> ModelEstimate:
+    return ModelEstimate(n_layers, (layer,) * n_layers, 0, 0, 0, N_CTX, margin)
+
+
+# Members offering 40 each: every participant holds 3 layers of 10 beside its margin of 10, so BIG
+# (9 layers) takes all three by the planner's count, though the assignment's conservative count
+# (a margin and a layer more per worker) says the three fall short; SMALL takes the node and one worker.
+POOL_SMALL = ("small.gguf", margined(4, 10, 10))
+POOL_BIG = ("big.gguf", margined(9, 10, 10))
+POOL_TIERS = [POOL_SMALL, POOL_BIG]
+
+
+def offer(index: int, usable: int, *, serving: bool = False) -> Offer:
+    return Offer(bytes([index]) * 32, f"m{index}", usable, serving=serving)
+
+
+def over(own: Offer) -> Callable[[Sequence[Offer]], list[NodeCapacity]]:
+    """What the planner plans over with some workers: them by id, ``own`` last (as planning_members)."""
+    def members_of(workers: Sequence[Offer]) -> list[NodeCapacity]:
+        ordered = [*sorted(workers, key=lambda o: o.node_id), own]
+        return [NodeCapacity(o.node_id, o.name, o.usable_bytes) for o in ordered]
+
+    return members_of
+
+
+def test_a_tier_only_the_whole_pool_holds_is_claimed_with_the_whole_pool():
+    own, pool = offer(9, 40, serving=True), (offer(1, 40), offer(2, 40))
+    big_needs = model_needs("big", POOL_BIG[1])
+    assert not assignment_fits(own.usable_bytes, [o.usable_bytes for o in pool], big_needs)
+    index, workers = tier_claim(POOL_TIERS, own, pool, over(own))
+    assert POOL_TIERS[index] is POOL_BIG and workers == pool
+    assert choose_tier(POOL_TIERS, over(own)(workers))[1].model == "big.gguf"
+    # The cause of issue 41 (6): over the workers of the small tier alone, the big one never fits.
+    small_workers = pick_workers(own, pool, model_needs("small", POOL_SMALL[1]), False)
+    assert len(small_workers) == 1
+    assert choose_tier(POOL_TIERS, over(own)(small_workers))[1].model == "small.gguf"
+
+
+def test_the_claim_takes_the_workers_the_assignment_gives_it_the_fewest_when_they_suffice():
+    own, pool = offer(9, 40, serving=True), tuple(offer(i, 40) for i in range(1, 5))
+    index, workers = tier_claim(POOL_TIERS, own, pool, over(own), by_speed=True)
+    assert POOL_TIERS[index] is POOL_BIG and len(workers) == 3
+    claims = [Claim(own.node_id, 0.0, model_needs("big", POOL_BIG[1]))]
+    assert assign(claims, [*pool, own]).workers_of(own.node_id) == tuple(o.node_id for o in workers)
+    # --spread: every free worker.
+    assert tier_claim(POOL_TIERS, own, pool, over(own), spread=True) == (index, pool)
+
+
+def test_with_no_tier_fitting_the_smallest_is_claimed_over_the_whole_pool():
+    own, pool = offer(9, 20, serving=True), (offer(1, 20),)
+    assert tier_claim(POOL_TIERS, own, pool, over(own)) == (0, pool)
+
+
+def test_the_step_up_rules_apply_once_the_pool_holds_the_bigger_tier():
+    own, a, b = offer(9, 40, serving=True), offer(1, 40), offer(2, 40)
+    tiers = tuple(Tier(PurePath(f"/models/{name}"), estimate_) for name, estimate_ in POOL_TIERS)
+
+    def snapshot(pool: tuple[Offer, ...], now: float, plan: Plan | None, in_service: int | None) -> ServingSnapshot:
+        members_ = over(own)(tier_claim(POOL_TIERS, own, pool, over(own))[1])
+        return ServingSnapshot(now, tuple(members_), (), tiers, in_service, plan)
+
+    rules = StepUpRules(after_s=2, interval_s=0)
+    choice = choose_plan(snapshot((a,), 0.0, None, None), StepUpGate(rules))
+    assert choice.tier == 0 and len(choice.plan.nodes) == 2  # the node and one worker hold only the small tier
+    replan, look = replan_reason(snapshot((a, b), 10.0, choice.plan, 0), choice.step_up.gate)
+    assert replan is None and look is not None and look.waiting == "big.gguf"  # b joined: the wait starts
+    assert look.ready_at == 12.0
+    replan, look = replan_reason(snapshot((a, b), 12.0, choice.plan, 0), look.gate)
+    assert replan is not None and "stepping up" in replan.reason and look is not None
+    after = choose_plan(snapshot((a, b), 12.0, choice.plan, 0), look.gate)
+    assert after.tier == 1 and after.switch == "up" and len(after.plan.nodes) == 3
+
+
+@given(st.lists(st.integers(0, 80), min_size=0, max_size=5), st.integers(0, 80), st.booleans())
+def test_the_claim_is_the_largest_tier_the_planner_holds_over_the_claims_own_workers(usable, own_usable, spread):
+    own = offer(99, own_usable, serving=True)
+    pool = tuple(offer(i, u) for i, u in enumerate(usable))
+    index, workers = tier_claim(POOL_TIERS, own, pool, over(own), spread=spread)
+    name, estimate_ = POOL_TIERS[index]
+    if fits(estimate_, over(own)(workers)):
+        # The workers are the ones the assignment gives that claim, so no other serving node takes them.
+        assert workers == pick_workers(own, pool, model_needs(name, estimate_), spread)
+    else:
+        assert index == 0 and workers == pool
+    # No bigger tier is held over the workers its own claim would get.
+    for other_name, other in POOL_TIERS:
+        if tier_needs_bytes(other) > tier_needs_bytes(estimate_):
+            assert not fits(other, over(own)(pick_workers(own, pool, model_needs(other_name, other), spread)))
