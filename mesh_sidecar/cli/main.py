@@ -46,6 +46,7 @@ from ..node.lifecycle import DEFAULT_API_PORT, DEFAULT_CTX_SIZE, ApiOptions, Nod
 from ..ports import LOOPBACK, check_tcp_port_free
 from ..serve import receipt as receipts
 from ..serve.access import ApiAccess
+from ..serve.planner import PlanBy
 from ..serve.supervisor import PlanAnnouncement, ServeOptions
 from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
 from ..units import parse_size
@@ -194,6 +195,10 @@ def run_node(
     spread: Annotated[bool, typer.Option(
         "--spread", metavar=FLAG, rich_help_panel=SERVING_PANEL,
         help="With --serve: split the model over every free member, even when it fits on fewer.")] = False,
+    plan_by: Annotated[str, typer.Option(
+        "--plan-by", metavar="speed|memory", rich_help_panel=SERVING_PANEL,
+        help="With --serve: give the fast devices the layers they can hold, slower ones the rest ('speed', "
+             "the default), or layers in proportion to the memory each member offers ('memory').")] = "speed",
     name: Annotated[str | None, typer.Option(
         "--name", metavar="NAME", rich_help_panel=MESH_PANEL,
         help="This node's name in the mesh (default: the host name).")] = None,
@@ -288,6 +293,8 @@ def run_node(
     api = _api_options(serve, api_port, no_api, ApiAccess(api_key, cors_origin))
     if spread and serve is None:
         raise UsageError("--spread works on a serving node only: add --serve PORT.")
+    if plan_by not in (rule.value for rule in PlanBy):
+        raise UsageError(f"--plan-by takes 'speed' or 'memory', not {plan_by!r}.")
     kv_cache = KvCacheTypes(cache_type_k, cache_type_v)  # UsageError naming the allowed types
     if kv_cache != DEFAULT_KV_CACHE and serve is None:
         raise UsageError("--cache-type-k and --cache-type-v work on the serving node only: add --serve PORT.")
@@ -316,7 +323,7 @@ def run_node(
     data_relay = prepare_data_relay(_say) if data_path == "auto" else None
     serving = ServeOptions(models=((model_path, sha256), *more_models), ctx_size=ctx_size,
                            min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
-                           spread=spread, draft_model=draft_path,
+                           spread=spread, plan_by=PlanBy(plan_by), draft_model=draft_path,
                            receipts=receipt.expanduser().resolve() if receipt else None,
                            speculate=speculation_mode == "auto", kv_cache=kv_cache) if serve is not None else None
     options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,

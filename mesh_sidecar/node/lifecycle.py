@@ -46,7 +46,7 @@ from ..serve.access import OPEN_ACCESS, ApiAccess
 from ..serve.activity import RecentEvents
 from ..serve.catalog import MeshCatalog, mesh_catalog
 from ..serve.metrics import Metrics
-from ..serve.planner import Plan
+from ..serve.planner import Plan, PlanBy
 from ..serve.proxy import ApiProxy, ProxyOptions
 from ..serve.replan import Tier
 from ..serve.routing import MeshRoutes
@@ -395,7 +395,9 @@ class Node:
         # On a serving node, its own claim's place and --spread; elsewhere, as if it began serving now.
         since = self.serving.since if self.serving is not None else time.time()
         return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), tiers, since=since,
-                              spread=serving.spread if serving else False)
+                              spread=serving.spread if serving else False,
+                              by=serving.plan_by if serving else PlanBy.SPEED,
+                              slowdowns=self.serving.slowdowns() if self.serving is not None else None)
 
     def ticket(self) -> str:
         assert self.mesh is not None

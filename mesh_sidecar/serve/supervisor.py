@@ -34,7 +34,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,7 @@ from .generation import Generation
 from .metrics import Metrics
 from .output_guard import OutputGuard
 from .pace import Slow
-from .planner import NodeCapacity, Plan, assess_tiers, device_shares, model_needs
+from .planner import NodeCapacity, Plan, PlanBy, assess_tiers, device_shares, model_needs
 from .proxy import ApiProxy, ServingHooks
 from .replan import (
     Blame,
@@ -77,6 +77,7 @@ from .replan import (
     tier_index,
 )
 from .speculation import Speculation, choose
+from .speeds import ObservedSpeeds
 from .tiers import StepUpGate, StepUpRules, TierView, model_id, tier_claim, tier_views
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class ServeOptions:
     min_peers: int = 0  # wait for this many peers before loading the model
     step_up: StepUpRules = StepUpRules()  # with several tiers: when a bigger one may replace the one in service
     spread: bool = False  # --spread: split over every free worker, even when the model fits on fewer
+    plan_by: PlanBy = PlanBy.SPEED  # --plan-by: what the layer counts follow
     draft_model: Path | None = None  # a draft model (same tokenizer) for speculative decoding on this node's CPU
     receipts: Path | None = None  # write a signed run receipt per generation request here
     speculate: bool = True  # let the node choose speculative decoding (False: never)
@@ -161,7 +163,8 @@ class MeshRound:
 
 
 def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
-                     since: float = math.inf, spread: bool = False) -> MeshRound:
+                     since: float = math.inf, spread: bool = False, by: PlanBy = PlanBy.SPEED,
+                     slowdowns: Mapping[bytes, float] | None = None) -> MeshRound:
     """The members to plan ``tiers`` over, and those refused with the reason.
 
     Every serving member claims workers in gossip (``MemberInfo.serves``); this node takes, from the
@@ -171,35 +174,48 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
     (tiers.tier_claim). ``since``: when this node began serving (infinite: it does not serve, as `plan`
     on a worker shows). Peers come first (by id) and this node last: llama.cpp puts the output layer
     on the last device, so the logits (vocabulary x 4 bytes a token) stay on loopback instead of
-    crossing the network.
+    crossing the network. ``by``: this node's --plan-by; ``slowdowns``: how much slower than announced
+    each worker has been running (speeds.py), dividing its devices' speeds.
     """
     me = identity.node_id
     offers, refused, claims = [], [], []
     devices = {me: mesh.devices}
+    slowdowns = slowdowns or {}
+    links_s = {view.node_id: view.rtt_typical_s or 0.0 for view in mesh.peer_views()}
+
+    def speed_of(node_id: bytes) -> float:
+        """The member's fastest device, as announced and corrected."""
+        fastest = max((device.decode_bytes_per_s for device in devices[node_id]), default=0)
+        return fastest / slowdowns.get(node_id, 1.0)
+
     for info in mesh.connected_members():
         devices[info.node_id] = info.devices
         # Less what the member's rpc-server holds for other serving nodes (they run their own models).
         usable = Capacity.from_gossip(dict(info.capacity)).usable_for(me)
         if (served := info.serves) is not None:
             claims.append(Claim(info.node_id, served.since, ModelNeeds(
-                served.model, served.alone_bytes, served.margin_bytes, served.layer_bytes), served.spread))
+                served.model, served.alone_bytes, served.margin_bytes, served.layer_bytes), served.spread,
+                served.by_speed))
         # As if this node served, so `plan` on any node shows what serving there would leave out.
         if (why := exclusion_of(info, mesh.self_info)) is not None:
             refused.append((NodeCapacity(info.node_id, info.name, usable), why))
             continue
         offers.append(Offer(info.node_id, info.name, usable, shares=info.llama_build.b2b,
-                            serving=info.serving or served is not None))
+                            serving=info.serving or served is not None, decode_bytes_per_s=speed_of(info.node_id)))
     # The tier planning takes each tier's input embeddings off this node's share.
-    own_offer = Offer(me, name, max(0, own.usable_bytes - mesh.held_for_peers_bytes()), serving=True)
+    own_offer = Offer(me, name, max(0, own.usable_bytes - mesh.held_for_peers_bytes()), serving=True,
+                      decode_bytes_per_s=speed_of(me))
     offers.append(own_offer)
     needs = [model_needs(model_id(tier.path.name), tier.estimate) for tier in tiers]
     # Only the claims before this node's decide its pool; its own claim's needs do not.
-    mine = Claim(me, since, needs[0], spread)
+    mine = Claim(me, since, needs[0], spread, by is PlanBy.SPEED)
     pool = pool_for(me, [*claims, mine], offers)
 
     def members_with(workers: Sequence[Offer]) -> list[NodeCapacity]:
         members = [entry for w in sorted(workers, key=lambda w: w.node_id)
-                   for entry in device_shares(w.node_id, w.name, w.usable_bytes, devices[w.node_id])]
+                   for entry in device_shares(w.node_id, w.name, w.usable_bytes, devices[w.node_id],
+                                              link_s=links_s.get(w.node_id, 0.0),
+                                              slowdown=slowdowns.get(w.node_id, 1.0))]
         return members + device_shares(me, name, own_offer.usable_bytes, devices[me])
 
     index, picked = tier_claim([(tier.path.name, tier.estimate) for tier in tiers], own_offer, pool, members_with,
@@ -209,10 +225,12 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
 
 
 def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
-                   since: float = math.inf, spread: bool = False) -> Plan:
+                   since: float = math.inf, spread: bool = False, by: PlanBy = PlanBy.SPEED,
+                   slowdowns: Mapping[bytes, float] | None = None) -> Plan:
     """The plan of the largest of ``tiers`` this node's share of the mesh can hold now; PlanError if none."""
-    round_ = planning_members(mesh, identity, name, own, tiers, since=since, spread=spread)
-    plan = plan_largest(tiers, round_.members, round_.refused)[1]
+    round_ = planning_members(mesh, identity, name, own, tiers, since=since, spread=spread, by=by,
+                              slowdowns=slowdowns)
+    plan = plan_largest(tiers, round_.members, round_.refused, by=by, spread=spread)[1]
     return dataclasses.replace(plan, roles=round_.roles(identity.node_id))
 
 
@@ -242,6 +260,7 @@ class ServingSupervisor:
         self._proxy: ApiProxy = host.proxy
         self._proxy.attach(ServingHooks(on_stall=self.request_restart, on_slow=self._on_slow,
                                         links_rtt_s=self._links_rtt_s, catalog=self.tier_views,
+                                        on_decoded=self._on_decoded,
                                         split=lambda: self.plan is not None and not self.plan.alone,
                                         on_generation=None if options.receipts is None else self._write_receipt),
                            host.upstream_key)
@@ -250,6 +269,8 @@ class ServingSupervisor:
         self._round: MeshRound | None = None  # the last planning round's share of the mesh
         self._restart_reason: str | None = None
         self._slow_kept: set[bytes] = set()  # slow workers kept because the model needs them (said once)
+        self.speeds = ObservedSpeeds()  # how much slower each worker runs than it announced
+        self._speed_replanned_at: float | None = None  # loop time of the last replan for speed
         self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
         self.llama_port: int | None = None
@@ -265,9 +286,27 @@ class ServingSupervisor:
         tiers = tuple(Tier(path, cached_estimate(path, self._options.ctx_size, kv_cache=self._options.kv_cache))
                       for path, _ in self._options.models)
         self._round = planning_members(self._mesh, self._identity, self._host.name, self._own_for_planning(), tiers,
-                                       since=self.since, spread=self._options.spread)
+                                       since=self.since, spread=self._options.spread, by=self._options.plan_by,
+                                       slowdowns=self.slowdowns())
         return ServingSnapshot(asyncio.get_running_loop().time(), self._round.members, self._round.refused, tiers,
-                               tier_index(tiers, self._in_service), self.plan)
+                               tier_index(tiers, self._in_service), self.plan, by=self._options.plan_by,
+                               spread=self._options.spread, speed_replanned_at=self._speed_replanned_at)
+
+    def slowdowns(self) -> dict[bytes, float]:
+        """Each connected member's slowdown as the traffic showed it (1.0: as it announced)."""
+        return {info.node_id: self.speeds.slowdown(info.node_id) for info in self._mesh.connected_members()}
+
+    def _on_decoded(self, tokens: int, decode_s: float) -> None:
+        """A request's decode just ended: what each worker of the plan owed over it is a measurement."""
+        if self.plan is None or self._proxy.in_flight > 1:
+            return  # another request's tokens were in the same window
+        since = time.monotonic() - decode_s
+        links_s = {view.node_id: view.rtt_typical_s or 0.0 for view in self._mesh.peer_views()}
+        before = self.slowdowns()
+        self.speeds.observe(self.plan, self._identity.node_id, tokens, self._mesh.verdicts.reply_waits_s(since),
+                            links_s)
+        if self.slowdowns() != before:
+            self._wakeup.set()  # the plan may be worth changing (replan.py decides)
 
     def served(self) -> ServedModel:
         """What this node says in gossip of the model it serves (read at each announcement)."""
@@ -276,7 +315,8 @@ class ServingSupervisor:
             model=model_id(self.model.name), state=self._state, since=self.since, in_flight=self._proxy.in_flight,
             alone_bytes=needs.alone_bytes if needs else 0, margin_bytes=needs.margin_bytes if needs else 0,
             layer_bytes=needs.layer_bytes if needs else 0, spread=self._options.spread,
-            members=self.plan.rpc_nodes()[:MAX_SERVED_MEMBERS] if self.plan else ())
+            members=self.plan.rpc_nodes()[:MAX_SERVED_MEMBERS] if self.plan else (),
+            by_speed=self._options.plan_by is PlanBy.SPEED)
 
     def _set_state(self, state: str) -> None:
         if state != self._state:
@@ -330,6 +370,8 @@ class ServingSupervisor:
             await self._apply_plan()
             replan = await self._trouble()
             self._say(f"{replan.reason}; replanning...")
+            if replan.for_speed:
+                self._speed_replanned_at = asyncio.get_running_loop().time()
             if replan.failover:
                 self._metrics.failovers.inc()
             await self._proxy.drain(0.0 if self._plan_unreachable() else DRAIN_TIMEOUT_S)

@@ -77,9 +77,9 @@ MAX_ADDRESS_CHARS = 259  # a 253-char DNS name, ":" and a 5-digit port
 MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
-# The largest mesh gossip can describe: 190 members at every field's limit take about
+# The largest mesh gossip can describe: 189 members at every field's limit take about
 # 1046 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
-MAX_MEMBERS_PER_LIST = 190
+MAX_MEMBERS_PER_LIST = 189
 # An rpc-server lists its GPUs (or its CPU): a few a machine. Names as ggml gives them: CPU, Vulkan0, CUDA1.
 MAX_DEVICES_PER_MEMBER = 4
 MAX_DEVICE_NAME_CHARS = 16
@@ -212,17 +212,18 @@ class ServedModel:
     layer_bytes: int  # the largest layer
     spread: bool = False  # --spread: it takes every free worker
     members: tuple[bytes, ...] = ()  # its plan's members in --rpc order (the first MAX_SERVED_MEMBERS)
+    by_speed: bool = True  # --plan-by speed: it takes workers fastest first (False: --plan-by memory)
 
     def to_body(self) -> dict[str, Any]:
         return {"model": self.model, "state": self.state, "since": self.since, "in_flight": self.in_flight,
                 "alone_bytes": self.alone_bytes, "margin_bytes": self.margin_bytes,
                 "layer_bytes": self.layer_bytes, "spread": self.spread,
-                "members": [node_id.hex() for node_id in self.members]}
+                "members": [node_id.hex() for node_id in self.members], "by_speed": self.by_speed}
 
     @classmethod
     def from_body(cls, body: Any, what: str) -> ServedModel:
         keys = ("model", "state", "since", "in_flight", "alone_bytes", "margin_bytes", "layer_bytes", "spread",
-                "members")
+                "members", "by_speed")
         fields = json_object(body, what, keys)
         state = fields["state"]
         if state not in SERVED_STATES:
@@ -234,7 +235,8 @@ class ServedModel:
             **{key: integer(fields[key], f"{what}.{key}", MAX_CAPACITY_VALUE)
                for key in ("alone_bytes", "margin_bytes", "layer_bytes")},
             spread=boolean(fields["spread"], f"{what}.spread"),
-            members=node_ids(fields["members"], f"{what}.members", MAX_SERVED_MEMBERS))
+            members=node_ids(fields["members"], f"{what}.members", MAX_SERVED_MEMBERS),
+            by_speed=boolean(fields["by_speed"], f"{what}.by_speed"))
 
 
 @dataclass(frozen=True)
