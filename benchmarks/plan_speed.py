@@ -59,7 +59,6 @@ BRUTE_FORCE_MAX_LAYERS = 12
 LLAMA_SERVER_THREADS = 1  # every layer is on the rpc-servers: llama-server itself only feeds them
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
-MIN_QUOTA_US = 1000  # the smallest cpu.cfs_quota_us (and cfs_period_us) the kernel accepts
 GOAL_OVER_MEMORY = 1.3
 GOAL_OF_BEST = 0.9
 
@@ -162,22 +161,10 @@ def start_rpc_server(started: Started, binaries, name: str, port: int, workdir: 
 
 def slow_down(quota, cores: float, period_ms: float | None) -> float:
     """At most ``cores`` of a core per period: ``period_ms``, by default the shortest the kernel takes
-    for that share (its quota at the 1 ms floor: 4 ms for 0.25). Returns the period in ms.
-
-    A quota caps a share of each period, not the pace: a process busy for less than its quota in a
-    period runs at full speed. With tests/helpers/cpu_quota.py's 100 ms period a stage of a few ms a
-    token is not slowed at all until it is busy more than ``cores`` of the time (here: a with a third
-    of the layers decoded as fast as with one); the shorter the period, the nearer a device slow
-    throughout. ``--quota-period-ms 100`` gives the helper's."""
-    from tests.helpers.cpu_quota import PERIOD_US
-
-    period_us = round(period_ms * 1000) if period_ms else max(1000, round(MIN_QUOTA_US / cores))
-    if period_us == PERIOD_US:
-        quota.limit(cores)
-    else:
-        (quota.path / "cpu.cfs_quota_us").write_text("-1")  # a period below the quota in force is refused
-        (quota.path / "cpu.cfs_period_us").write_text(str(period_us))
-        (quota.path / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US, round(cores * period_us))))
+    for that share (4 ms for 0.25), so the device is slow throughout (see CpuQuota.limit: with its
+    100 ms period, a with a third of the layers decoded as fast as with one). Returns the period in ms."""
+    period_us = round(period_ms * 1000) if period_ms else quota.shortest_period_us(cores)
+    quota.limit(cores, period_us=period_us)
     return period_us / 1000
 
 

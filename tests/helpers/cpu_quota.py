@@ -18,6 +18,7 @@ from mesh_sidecar.llama.build import LLAMA_SERVER_BINARY, RPC_SERVER_BINARY, Lla
 
 CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
+MIN_QUOTA_US = 1000  # the smallest cpu.cfs_quota_us (and cfs_period_us) the kernel accepts
 
 
 def cgroup_cpu_available() -> bool:
@@ -37,10 +38,22 @@ class CpuQuota:
         """Move process ``pid`` and every thread of it into the group."""
         (self.path / "cgroup.procs").write_text(str(pid))
 
-    def limit(self, cores: float | None) -> None:
-        """At most ``cores`` cores' worth of CPU time (None: no limit)."""
-        quota = -1 if cores is None else max(1000, int(cores * PERIOD_US))
-        (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+    def limit(self, cores: float | None, *, period_us: int = PERIOD_US) -> None:
+        """At most ``cores`` cores' worth of CPU time per ``period_us`` (None: no limit).
+
+        A quota caps a share of each period, not the pace: a process busy for less than its quota in a
+        period runs at full speed. A stage of a few ms a token is hardly slowed by a 100 ms period until
+        it is busy more than ``cores`` of the time; ``shortest_period_us(cores)`` makes a device slow
+        throughout (benchmarks/plan_speed.py)."""
+        (self.path / "cpu.cfs_quota_us").write_text("-1")  # a period below the quota in force is refused
+        (self.path / "cpu.cfs_period_us").write_text(str(period_us))
+        if cores is not None:
+            (self.path / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US, round(cores * period_us))))
+
+    @staticmethod
+    def shortest_period_us(cores: float) -> int:
+        """The shortest period the kernel takes for a share of ``cores`` (its quota at the 1 ms floor)."""
+        return max(MIN_QUOTA_US, round(MIN_QUOTA_US / cores))
 
     def pids(self) -> list[int]:
         return [int(line) for line in (self.path / "cgroup.procs").read_text().split()]
