@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mesh_sidecar.llama.build import LLAMA_SERVER_BINARY, RPC_SERVER_BINARY, LlamaBinaries
+from mesh_sidecar.llama.build import LlamaBinaries
+from tests.helpers.llama import wrapped_rpc_build
 
 CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
@@ -77,9 +78,5 @@ class CpuQuota:
 
 def quota_rpc_build(binaries: LlamaBinaries, directory: Path, group: CpuQuota) -> Path:
     """A --llama-bin ``directory``: the real llama-server, and an rpc-server that joins ``group`` and runs."""
-    directory.mkdir()
-    (directory / LLAMA_SERVER_BINARY).symlink_to(binaries.llama_server)
-    wrapper = directory / RPC_SERVER_BINARY
-    wrapper.write_text(f'#!/bin/sh\necho $$ > "{group.path}/cgroup.procs"\nexec "{binaries.rpc_server}" "$@"\n')
-    wrapper.chmod(0o755)
-    return directory
+    return wrapped_rpc_build(binaries, directory,
+                             f'echo $$ > "{group.path}/cgroup.procs"\nexec "{binaries.rpc_server}" "$@"')

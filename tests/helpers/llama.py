@@ -87,12 +87,19 @@ def plain_llama_server_answer(binaries: LlamaBinaries, model: Path, log_dir: Pat
         proc.wait(10)
 
 
-def faulty_rpc_build(binaries: LlamaBinaries, directory: Path, trigger: Path, *fault_args: str) -> None:
-    """Make ``directory`` a --llama-bin directory whose rpc-server sits behind the fault proxy
-    (fault_proxy.py; NaNs, or with ``"--delay-s", "S"`` late replies), armed once ``trigger`` exists."""
+def wrapped_rpc_build(binaries: LlamaBinaries, directory: Path, script: str) -> Path:
+    """Make ``directory`` a --llama-bin directory: the real llama-server, and as its rpc-server a shell
+    ``script`` (its body after ``#!/bin/sh``; ``"$@"`` are rpc-server's arguments)."""
     directory.mkdir()
     (directory / LLAMA_SERVER_BINARY).symlink_to(binaries.llama_server)
     wrapper = directory / RPC_SERVER_BINARY
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAULT_PROXY}" --real "{binaries.rpc_server}" '
-                       f'--trigger "{trigger}" {" ".join(fault_args)} "$@"\n')
+    wrapper.write_text(f"#!/bin/sh\n{script}\n")
     wrapper.chmod(0o755)
+    return directory
+
+
+def faulty_rpc_build(binaries: LlamaBinaries, directory: Path, trigger: Path, *fault_args: str) -> None:
+    """Make ``directory`` a --llama-bin directory whose rpc-server sits behind the fault proxy
+    (fault_proxy.py; NaNs, or with ``"--delay-s", "S"`` late replies), armed once ``trigger`` exists."""
+    wrapped_rpc_build(binaries, directory, f'exec "{sys.executable}" "{FAULT_PROXY}" --real "{binaries.rpc_server}" '
+                                           f'--trigger "{trigger}" {" ".join(fault_args)} "$@"')

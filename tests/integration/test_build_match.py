@@ -10,9 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mesh_sidecar.llama.build import LLAMA_SERVER_BINARY, RPC_SERVER_BINARY
 from mesh_sidecar.mesh.exclusion import LLAMA_BUILD_MISMATCH
-from tests.helpers.llama import complete
+from tests.helpers.llama import complete, wrapped_rpc_build
 from tests.helpers.nodes import TICKET_LINE, cli
 from tests.helpers.waiting import wait_until
 
@@ -25,13 +24,7 @@ FAKE_RPC_SERVER = Path(__file__).resolve().parents[1] / "helpers" / "fake_rpc_se
 @pytest.fixture
 def other_rpc_build(tmp_path, binaries) -> Path:
     """A --llama-bin directory: the real llama-server beside an rpc-server that speaks RPC 6.0.0."""
-    directory = tmp_path / "other-build"
-    directory.mkdir()
-    (directory / LLAMA_SERVER_BINARY).symlink_to(binaries.llama_server)
-    fake = directory / RPC_SERVER_BINARY
-    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_RPC_SERVER}" "$@"\n')
-    fake.chmod(0o755)
-    return directory
+    return wrapped_rpc_build(binaries, tmp_path / "other-build", f'exec "{sys.executable}" "{FAKE_RPC_SERVER}" "$@"')
 
 
 def rpc_endpoints(node) -> list[str]:
