@@ -2,7 +2,8 @@
 
 The slow worker's rpc-server runs in a cgroup of its own (tests/helpers/cpu_quota.py) from its
 start, so its node's calibration measures it slowed; or it is slowed mid-serving, and only the
-traffic shows it.
+traffic shows it. The serving nodes split with --spread (start_node's default): every member
+takes part, with layers by speed.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_a_slow_worker_is_measured_slow_and_given_fewer_layers(start_node, binar
         group.limit(SLOW_CORES)
         slow = start_node("slow", "--llama-bin", str(quota_rpc_build(binaries, tmp_path / "slow-build", group)))
         start_node("quick", "--join", slow.ticket())
-        server = start_node("server", "--join", slow.ticket(), "--min-peers", "2", "--spread", serve=True)
+        server = start_node("server", "--join", slow.ticket(), "--min-peers", "2", serve=True)
         nodes = wait_until(lambda: (n := plan_nodes(server)) and len(n) == 3 and n, 120, "a plan over all three")
         # The calibration ranks the devices right, and the plan follows it.
         assert nodes["slow"]["decode_bytes_per_s"] * 2 < nodes["quick"]["decode_bytes_per_s"]
@@ -72,7 +73,7 @@ def test_a_worker_that_becomes_slow_while_serving_is_replanned_once(start_node, 
         a = start_node("a")
         start_node("b", "--join", a.ticket(), "--llama-bin",
                        str(quota_rpc_build(binaries, tmp_path / "b-build", group)))
-        c = start_node("c", "--join", a.ticket(), "--min-peers", "2", "--spread", serve=True)
+        c = start_node("c", "--join", a.ticket(), "--min-peers", "2", serve=True)
         wait_until(lambda: len(plan_nodes(c)) == 3, 120, "a plan over all three")
         before = plan_nodes(c)
         assert c.status()["serving"]["plan"]["by"] == "memory"  # the same speeds: the memory plan
