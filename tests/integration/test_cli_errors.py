@@ -43,6 +43,11 @@ def test_llama_bin_from_environment(tmp_path: Path) -> None:
     assert_clean_error(result, "ggml-rpc-server or llama-server")
 
 
+def test_plan_by_takes_speed_or_memory(tmp_path: Path) -> None:
+    result = cli("--home", str(tmp_path), "--serve", "0", "--plan-by", "fast")
+    assert_clean_error(result, "--plan-by takes 'speed' or 'memory'", "'fast'")
+
+
 def test_serve_port_taken(tmp_path: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
