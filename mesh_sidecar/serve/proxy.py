@@ -59,6 +59,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -138,7 +139,8 @@ class ServingHooks:
     # (the serving loop replans without it), False to go on waiting.
     on_slow: Callable[[Slow], bool] = lambda slow: False
     links_rtt_s: Callable[[], float] = lambda: 0.0  # the plan's workers' round trips, summed
-    # A request's decode ended now: its tokens and llama-server's decode seconds (the workers' speeds, speeds.py).
+    # A request that ran alone ended its decode now: its tokens and llama-server's decode seconds
+    # (the workers' speeds, speeds.py).
     on_decoded: Callable[[int, float], None] = lambda tokens, decode_s: None
     # Whether llama-server's layers are on other members, whose loss fails its requests over. Only then
     # are a stream's token ids asked for, to continue it: they cost llama-server time on every token.
@@ -206,6 +208,7 @@ class ApiProxy:
         # Set on every serve/refuse, then replaced: any number of waiters see each change.
         self._changed = asyncio.Event()
         self._in_flight = 0
+        self._shared_until = -math.inf  # when two requests or more were last in flight here (monotonic)
         self._idle = asyncio.Event()
         self._idle.set()
         self.token_rate = TokenRate()
@@ -464,6 +467,8 @@ class ApiProxy:
         try:
             yield
         finally:
+            if self._in_flight > 1:
+                self._shared_until = time.monotonic()
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
@@ -623,4 +628,6 @@ class ApiProxy:
             self.token_rate.finished(speed)
             self._stalls.token_pace.finished(speed)
         if isinstance(tokens, int) and isinstance(decode_ms, (int, float)) and tokens > 0 and decode_ms > 0:
-            self._hooks.on_decoded(tokens, decode_ms / 1000)
+            began = time.monotonic() - decode_ms / 1000
+            if self._in_flight <= 1 and self._shared_until < began:
+                self._hooks.on_decoded(tokens, decode_ms / 1000)  # alone: its window is its own

@@ -298,8 +298,8 @@ class ServingSupervisor:
 
     def _on_decoded(self, tokens: int, decode_s: float) -> None:
         """A request's decode just ended: what each worker of the plan owed over it is a measurement."""
-        if self.plan is None or self._proxy.in_flight > 1:
-            return  # another request's tokens were in the same window
+        if self.plan is None:
+            return
         since = time.monotonic() - decode_s
         links_s = {view.node_id: view.rtt_typical_s or 0.0 for view in self._mesh.peer_views()}
         before = self.slowdowns()
@@ -587,6 +587,7 @@ class ServingSupervisor:
             "refusal": self.outage,
             "speculation": self.speculation.to_json() if self.speculation else None,
             "llama_server_restarts": self.restarts,
+            "slowdowns": self.speeds.to_json(),  # each worker measured: how much slower than it announced
             "live": self._proxy.token_rate.to_json(time.monotonic()),
         }
 

@@ -75,7 +75,8 @@ def test_a_vulkan_member_announces_its_device_in_gossip(start_node, vulkan_binar
     wait_until(lambda: any(p["name"] == "b" and p["devices"] for p in cpu_node.status()["peers"]), 30,
                "a hears b's devices")
     (seen,) = [p["devices"] for p in cpu_node.status()["peers"] if p["name"] == "b"]
-    assert seen == [{k: d[k] for k in ("name", "total_bytes", "free_bytes")} for d in own["devices"]]
+    fields = ("name", "total_bytes", "free_bytes", "decode_bytes_per_s", "prefill_bytes_per_s")
+    assert seen == [{k: d[k] for k in fields} for d in own["devices"]]
     assert "Vulkan0" in cli("status", "--home", str(cpu_node.home), "--wide", env={"COLUMNS": "300"}).stdout
 
 
