@@ -1,10 +1,13 @@
 """The native relay pair with a real ggml-rpc-server behind it: the tunnel tests' first checks on the
-native path (test_tunnel.py runs them on QUIC), its counters, its refusals and its restart."""
+native path (test_tunnel.py runs them on QUIC), its counters, its refusals and its restart; and with a
+stand-in one that times its bytes as a real one does only by chance."""
 
 from __future__ import annotations
 
 import socket
 import struct
+import threading
+import time
 
 import pytest
 
@@ -12,6 +15,7 @@ from mesh_sidecar.llama.launch import start_rpc_server
 from mesh_sidecar.net.data_relay_build import ensure_data_relay
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.wire import data_relay as reports
+from mesh_sidecar.wire.rpc_framing import GET_TENSOR_CMD, RPC_TENSOR_BYTES, RPC_TENSOR_NAME_OFFSET
 from tests.helpers.relay_pair import RelayPair
 from tests.helpers.tunnels import DEVICE_COUNT_CMD, GET_DEVICE_MEMORY_CMD, HELLO_REQUEST, RPC_HEADER, U64
 
@@ -107,3 +111,50 @@ def test_a_tunnel_whose_peer_relay_is_gone_comes_back_unread(pair):
     assert read_exactly(sock, len(HELLO_REQUEST)) == HELLO_REQUEST  # nothing was read on its way
     sock.sendall(b"still open")
     assert read_exactly(client, 10) == b"still open"
+
+
+def _serve_one_get_tensor(listener: socket.socket, reply: bytes, first: int, pause_s: float) -> None:
+    """A stand-in rpc-server for one client: it answers HELLO, then one GET_TENSOR with ``reply``, its
+    first ``first`` bytes at once and the rest after ``pause_s`` (so the TLS records the relays carry
+    end exactly there, with nothing after them for a while)."""
+    conn, _ = listener.accept()
+    with conn:
+        read_exactly(conn, len(HELLO_REQUEST))
+        conn.sendall(U64.pack(28) + bytes([7, 0, 0, 0]) + bytes(24))
+        _, size = RPC_HEADER.unpack(read_exactly(conn, RPC_HEADER.size))
+        read_exactly(conn, size)
+        conn.sendall(reply[:first])
+        time.sleep(pause_s)
+        conn.sendall(reply[first:])
+        conn.recv(1)  # until the client leaves
+
+
+@pytest.mark.parametrize("first", [256 * 1024, 512 * 1024])  # the buffer as it starts, and grown once
+def test_a_checked_reply_that_fills_the_buffer_to_a_record_boundary_goes_on(first):
+    """A checked (F32) GET_TENSOR reply is held whole, its buffer grown as it fills. A TLS read that
+    filled the buffer exactly, with nothing more read ahead, once left the connection watching no
+    event (a full buffer is not read from) while the rest of the reply waited in the socket: the
+    serving node's llama-server then waited for ever (test_b2b's 1.2 MB activations, once in a while)."""
+    values = 256 * 1024  # 1 MiB of F32: the 256 KiB buffer fills and grows on the way
+    data = struct.pack("<f", 1.0) * values
+    reply = U64.pack(len(data)) + data
+    head = bytearray(RPC_TENSOR_BYTES)
+    struct.pack_into("<QI", head, 0, 1, 0)  # id, GGML_TYPE_F32
+    head[RPC_TENSOR_NAME_OFFSET:RPC_TENSOR_NAME_OFFSET + 7] = b"l_out-3"
+    get_tensor = bytes(head) + U64.pack(0) + U64.pack(len(data))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = threading.Thread(target=_serve_one_get_tensor, daemon=True,
+                                  args=(listener, reply, first, 0.5))
+        server.start()
+        relays = RelayPair(ensure_data_relay(lambda *_: None), listener.getsockname()[1])
+        try:
+            sock = relays.tunnel(1, check=True)
+            sock.settimeout(10)
+            sock.sendall(HELLO_REQUEST)
+            read_exactly(sock, 8 + 28)
+            sock.sendall(RPC_HEADER.pack(GET_TENSOR_CMD, len(get_tensor)) + get_tensor)
+            assert read_exactly(sock, len(reply)) == reply
+            sock.close()
+        finally:
+            relays.close()
+        server.join(10)

@@ -457,7 +457,10 @@ static int pump(struct pipe *p) {
         struct side *s = i ? &p->server : &p->client;
         struct buf *in = i ? &p->down : &p->up, *out = i ? &p->up : &p->down;
         uint32_t ev = 0;
-        if (!s->eof && in->end < in->cap) ev |= EPOLLIN;
+        /* Watched whenever a read could take bytes, room() making it (compacting, or growing a held
+         * reply): a read that filled the buffer leaves `readable` cleared when TLS had nothing more read
+         * ahead, and the rest of a held reply may wait in the socket; only epoll can say so then. */
+        if (!s->eof && room(in, i ? limit : BUF_BYTES)) ev |= EPOLLIN;
         if (out->ok > out->start || s->retry_len) ev |= EPOLLOUT;
         set_events(s, ev);
     }
