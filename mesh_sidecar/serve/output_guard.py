@@ -48,3 +48,8 @@ class OutputGuard:
                 return norm_outlier_fault(tensor, low, high, len(history))
         history.append(rms)
         return None
+
+    def new_session(self) -> None:
+        """llama-server starts again: its warm-up's outputs are far from a running session's (a first
+        token's), so the histories begin anew, as the native relay's do with each new connection."""
+        self._history.clear()

@@ -270,6 +270,7 @@ class ServingSupervisor:
         self._restart_reason: str | None = None
         self._slow_kept: set[bytes] = set()  # slow workers kept because the model needs them (said once)
         self.speeds = ObservedSpeeds()  # how much slower each worker runs than it announced
+        self._guard = OutputGuard()  # judges the workers' layer outputs (output_guard.py)
         self._speed_replanned_at: float | None = None  # loop time of the last replan for speed
         self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
@@ -386,7 +387,7 @@ class ServingSupervisor:
     async def _open(self) -> None:
         """Before the first plan: llama-server's key file, the output check, requests held, the claim announced."""
         write_private_file(self._upstream_key_file, self._host.upstream_key + "\n")
-        self._mesh.install_serving(OutputGuard().judge if output_check() else None, self._on_corrupt_output)
+        self._mesh.install_serving(self._guard.judge if output_check() else None, self._on_corrupt_output)
         self._proxy.hold()
         self._snapshot()  # the claim's figures, before the first announcement
         self._mesh.announce_serving(self.served)
@@ -506,6 +507,7 @@ class ServingSupervisor:
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(self.plan.rpc_nodes())
         load_progress = self._host.load_progress
+        self._guard.new_session()
         try:
             self.llama_server = await start_llama_server(
                 argv, self.llama_port, self._host.logs, load_progress() if load_progress else None)

@@ -4,6 +4,7 @@ stand-in one that times its bytes as a real one does only by chance."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -16,6 +17,7 @@ from mesh_sidecar.net.data_relay_build import ensure_data_relay
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.wire import data_relay as reports
 from mesh_sidecar.wire.rpc_framing import GET_TENSOR_CMD, RPC_TENSOR_BYTES, RPC_TENSOR_NAME_OFFSET
+from mesh_sidecar.wire.rpc_outputs import MIN_HISTORY_SAMPLES
 from tests.helpers.relay_pair import RelayPair
 from tests.helpers.tunnels import DEVICE_COUNT_CMD, GET_DEVICE_MEMORY_CMD, HELLO_REQUEST, RPC_HEADER, U64
 
@@ -155,6 +157,64 @@ def test_a_checked_reply_that_fills_the_buffer_to_a_record_boundary_goes_on(firs
             sock.sendall(RPC_HEADER.pack(GET_TENSOR_CMD, len(get_tensor)) + get_tensor)
             assert read_exactly(sock, len(reply)) == reply
             sock.close()
+        finally:
+            relays.close()
+        server.join(10)
+
+
+def _get_tensor_of(values: int) -> bytes:
+    head = bytearray(RPC_TENSOR_BYTES)
+    struct.pack_into("<QI", head, 0, 1, 0)  # id, GGML_TYPE_F32
+    head[RPC_TENSOR_NAME_OFFSET:RPC_TENSOR_NAME_OFFSET + 8] = b"l_out-14"
+    body = bytes(head) + U64.pack(0) + U64.pack(4 * values)
+    return RPC_HEADER.pack(GET_TENSOR_CMD, len(body)) + body
+
+
+def _serve_outputs(listener: socket.socket, sessions: list[list[float]], values: int) -> None:
+    """A stand-in rpc-server for one client per session: HELLO, then a GET_TENSOR answered with ``values``
+    F32 values of each RMS listed, in turn."""
+    for session in sessions:
+        conn, _ = listener.accept()
+        with conn:
+            read_exactly(conn, len(HELLO_REQUEST))
+            conn.sendall(U64.pack(28) + bytes([7, 0, 0, 0]) + bytes(24))
+            for rms in session:
+                _, size = RPC_HEADER.unpack(read_exactly(conn, RPC_HEADER.size))
+                read_exactly(conn, size)
+                conn.sendall(U64.pack(4 * values) + struct.pack("<f", rms) * values)
+            with contextlib.suppress(OSError):  # a rejected reply's connection is reset
+                conn.recv(1)
+
+
+def test_each_connection_is_judged_against_its_own_outputs():
+    """A llama-server session is one connection: a restarted one's warm-up (a first token, far from a
+    running session's outputs: RMS 882 where 5-8 ran) is not judged against the last session's, while
+    within a session the same value is an outlier (the connection is reset)."""
+    values, running, warm_up = 64, [5.5, 8.4] * MIN_HISTORY_SAMPLES, 882.0
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = threading.Thread(target=_serve_outputs, daemon=True,
+                                  args=(listener, [[*running, warm_up], [warm_up]], values))
+        server.start()
+        relays = RelayPair(ensure_data_relay(lambda *_: None), listener.getsockname()[1])
+        try:
+            first = relays.tunnel(1, check=True)
+            first.settimeout(10)
+            first.sendall(HELLO_REQUEST)
+            read_exactly(first, 8 + 28)
+            for _ in running:
+                first.sendall(_get_tensor_of(values))
+                read_exactly(first, 8 + 4 * values)
+            first.sendall(_get_tensor_of(values))
+            with pytest.raises((ConnectionError, AssertionError, TimeoutError)):
+                read_exactly(first, 8 + 4 * values)  # held back, the connection reset
+            first.close()
+            second = relays.tunnel(2, check=True)
+            second.settimeout(10)
+            second.sendall(HELLO_REQUEST)
+            read_exactly(second, 8 + 28)
+            second.sendall(_get_tensor_of(values))
+            assert read_exactly(second, 8 + 4 * values)[8:12] == struct.pack("<f", warm_up)
+            second.close()
         finally:
             relays.close()
         server.join(10)

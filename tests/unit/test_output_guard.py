@@ -40,6 +40,16 @@ def test_a_norm_far_outside_the_workers_own_range_is_a_fault_once_there_is_a_his
     assert guard.judge(WORKER, tensor(1e6, "l_out-20")) is None
 
 
+def test_a_new_llama_server_session_starts_unjudged() -> None:
+    """A restarted llama-server's warm-up (a first token: an RMS of 882 where 5-8 ran) is no fault."""
+    guard = OutputGuard()
+    for rms in (5.5, 8.4) * MIN_HISTORY_SAMPLES:
+        assert guard.judge(WORKER, tensor(rms)) is None
+    assert guard.judge(WORKER, tensor(882.0)) is not None
+    guard.new_session()
+    assert guard.judge(WORKER, tensor(882.0)) is None
+
+
 def test_both_sides_name_corrupt_output_until_the_member_restarts() -> None:
     worker = info(WORKER, "b", run_id=7)
     serving = info(SERVING, "c", serving=True, corrupt_outputs=(CorruptOutput(WORKER, 7, NON_FINITE),))

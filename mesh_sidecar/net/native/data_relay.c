@@ -104,12 +104,17 @@ struct history {                   /* recent healthy RMS of one tensor name (ser
     int count, next;
 };
 
+/* One connection's histories: a llama-server session's own, so a new one (its warm-up's outputs are
+ * far from a running session's) starts unjudged, as the sidecar's guard does at each start. */
+struct judged {
+    struct history *items;
+    size_t n;
+};
+
 struct member {
     int used;
     uint8_t id[NODE_ID_BYTES];
     char hex[2 * NODE_ID_BYTES + 1];
-    struct history *histories;
-    size_t n_histories;
 };
 
 static struct member members[MAX_MEMBERS];
@@ -143,19 +148,25 @@ static struct member *find_member(const uint8_t *id) {
 
 struct verdict { const char *kind; double low, high; int count; };
 
-static int judge_tensor(struct member *m, const struct rw_measured *t, struct verdict *v) {
+static void forget_judged(struct judged *j) {
+    for (size_t i = 0; i < j->n; i++) free(j->items[i].rms);
+    free(j->items);
+    memset(j, 0, sizeof *j);
+}
+
+static int judge_tensor(struct judged *j, const struct rw_measured *t, struct verdict *v) {
     if (!t->finite) {
         *v = (struct verdict){"non_finite", 0, 0, 0};
         return 1;
     }
     struct history *h = NULL;
-    for (size_t i = 0; i < m->n_histories; i++)
-        if (!strcmp(m->histories[i].name, t->name)) h = &m->histories[i];
+    for (size_t i = 0; i < j->n; i++)
+        if (!strcmp(j->items[i].name, t->name)) h = &j->items[i];
     if (!h) {
-        struct history *grown = realloc(m->histories, (m->n_histories + 1) * sizeof *grown);
+        struct history *grown = realloc(j->items, (j->n + 1) * sizeof *grown);
         if (!grown) abort();
-        m->histories = grown;
-        h = &m->histories[m->n_histories++];
+        j->items = grown;
+        h = &j->items[j->n++];
         memset(h, 0, sizeof *h);
         snprintf(h->name, sizeof h->name, "%s", t->name);
         h->rms = calloc((size_t)guard_history, sizeof *h->rms);
@@ -207,6 +218,7 @@ struct pipe {
     struct side client, server;    /* who sends commands, who answers them */
     struct buf up, down;           /* client -> server, server -> client */
     struct rpc_watch watch;
+    struct judged judged;          /* the outputs this connection's replies carried (judge_tensor) */
     uint64_t deadline_ns, started_ns;
     uint8_t preamble[PREAMBLE_BYTES];
     size_t preamble_len;
@@ -286,6 +298,7 @@ static void free_pipe(struct pipe *p, int reset, const char *why) {
     close_side(&p->server, reset);
     free(p->up.data);
     free(p->down.data);
+    forget_judged(&p->judged);
     for (struct pipe **q = &pipes; *q; q = &(*q)->next)
         if (*q == p) {
             *q = p->next;
@@ -473,7 +486,7 @@ reset:
 static int judge_for_pipe(void *ctx, const struct rw_measured *t) {
     struct pipe *p = ctx;
     struct verdict v;
-    if (!p->member || !judge_tensor(p->member, t, &v)) return 0;
+    if (!p->member || !judge_tensor(&p->judged, t, &v)) return 0;
     report("rejected %u %s %s %llu %.6g %.6g %.6g %d", p->id, v.kind, t->name[0] ? t->name : "-",
            (unsigned long long)t->values, t->finite ? t->rms : 0.0, v.low, v.high, v.count);
     return 1;
@@ -836,8 +849,6 @@ static void control_line(char *line) {
         if (!strcmp(verb, "forget")) {
             if (!m) return;
             close_member_pipes(m, "forgotten");
-            for (size_t i = 0; i < m->n_histories; i++) free(m->histories[i].rms);
-            free(m->histories);
             memset(m, 0, sizeof *m);
             return;
         }
