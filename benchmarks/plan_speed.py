@@ -161,7 +161,7 @@ def start_rpc_server(started: Started, binaries, name: str, port: int, workdir: 
 
 def slow_down(quota, cores: float, period_ms: float | None) -> float:
     """At most ``cores`` of a core per period: ``period_ms``, by default the shortest the kernel takes
-    for that share (4 ms for 0.25), so the device is slow throughout (see CpuQuota.limit: with its
+    for that share (4 ms for 0.25), so the device is slow throughout (see CpuQuota.limit: with a
     100 ms period, a with a third of the layers decoded as fast as with one). Returns the period in ms."""
     period_us = round(period_ms * 1000) if period_ms else quota.shortest_period_us(cores)
     quota.limit(cores, period_us=period_us)

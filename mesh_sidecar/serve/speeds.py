@@ -7,17 +7,21 @@ a CPU quota), and only the traffic shows it: after each request the serving node
 llama-server decoded and how many tokens it made, and how long each worker owed it replies over
 that window (net/reply_waits.py). A worker's time per token, less its link's round trip, over
 the weight bytes its layers hold is its time per byte. Only a request that ran alone counts
-(batched requests share the workers' time) and only within one plan: a time per byte depends
-on the model and on each stage's fixed costs, so each plan has its own baseline, the least of
-the worker's moving average on it. The average now over that baseline is the slowdown, and the
-planner divides the announced speed by it. A new plan starts from the slowdown its worker had
-(its first measurement is taken as that much slower than the baseline), so a worker planned
-slower stays planned slower until it measures faster. Under SLOWDOWN_FLOOR the slowdown counts
+(batched requests share the workers' time), and each model has its own figures (a time per
+byte depends on the weights' type). The least time per byte a worker ever took is its
+baseline; the median of its last RECENT_REQUESTS is its time now (from MIN_REQUESTS on: one
+request slowed by something passing moves nothing). Now over the baseline is its slowdown,
+and the planner divides the announced speed by it. A replan that gives a worker fewer layers
+raises its time per byte somewhat (each stage has fixed costs), which the 15% gain and the
+interval a speed replan needs (replan.py) absorb. Under SLOWDOWN_FLOOR the slowdown counts
 as 1 (noise), so only a real change moves layers.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,23 +31,25 @@ if TYPE_CHECKING:
 
 # Requests shorter than this say little about a worker's speed (prompt work blurs the window).
 MIN_TOKENS_OBSERVED = 8
-NEWEST_WEIGHT = 0.5  # of the newest request, in each worker's moving average
+# A worker's time per byte now: the median of its last few requests, once it has this many on the plan. One
+# request slowed by something passing (another program starting on that machine) moves nothing.
+RECENT_REQUESTS = 5
+MIN_REQUESTS = 3
 SLOWDOWN_FLOOR = 1.5  # slower than its baseline by less than this: as measured
 
 
 @dataclass
 class _Worker:
-    baseline_s_per_byte: float
-    average_s_per_byte: float
+    recent_s_per_byte: deque[float]  # its last RECENT_REQUESTS times per byte on this model
+    baseline_s_per_byte: float = math.inf  # the least time per byte it ever took on this model
 
 
 class ObservedSpeeds:
     """Each worker's slowdown against its own baseline, from the decode windows of finished requests."""
 
     def __init__(self) -> None:
-        self._workers: dict[bytes, _Worker] = {}
-        self._carried: dict[bytes, float] = {}  # each worker's slowdown when the plan last changed
-        self._plan: tuple[object, ...] | None = None  # the plan the baselines belong to
+        self._workers: dict[tuple[bytes, str], _Worker] = {}  # by (node id, model)
+        self._model = ""  # the model of the last plan observed
 
     def observe(self, plan: Plan, own_id: bytes, tokens: int, owed_s: Mapping[bytes, float],
                 links_s: Mapping[bytes, float]) -> None:
@@ -51,11 +57,7 @@ class ObservedSpeeds:
         seconds in all; ``links_s``: each worker's round trip (a token crosses each link once)."""
         if tokens < MIN_TOKENS_OBSERVED:
             return
-        key = (plan.model, *((n.node_id, n.device, n.start, n.end) for n in plan.nodes))
-        if key != self._plan:
-            self._carried = {node_id: self.slowdown(node_id) for node_id in self._workers}
-            self._workers.clear()
-            self._plan = key
+        self._model = plan.model
         held: dict[bytes, int] = {}
         for node in plan.nodes:
             if node.node_id != own_id:
@@ -66,27 +68,24 @@ class ObservedSpeeds:
             per_token_s = owed_s[node_id] / tokens - links_s.get(node_id, 0.0)
             if per_token_s <= 0:
                 continue
-            per_byte_s = per_token_s / weights_bytes
-            worker = self._workers.get(node_id)
-            if worker is None:
-                self._workers[node_id] = _Worker(per_byte_s / self._carried.get(node_id, 1.0), per_byte_s)
-                continue
-            worker.average_s_per_byte = NEWEST_WEIGHT * per_byte_s + (1 - NEWEST_WEIGHT) * worker.average_s_per_byte
-            worker.baseline_s_per_byte = min(worker.baseline_s_per_byte, worker.average_s_per_byte)
+            worker = self._workers.setdefault((node_id, plan.model), _Worker(deque(maxlen=RECENT_REQUESTS)))
+            worker.recent_s_per_byte.append(per_token_s / weights_bytes)
+            worker.baseline_s_per_byte = min(worker.baseline_s_per_byte, per_token_s / weights_bytes)
 
     def slowdown(self, node_id: bytes) -> float:
-        """How many times slower than its baseline ``node_id`` runs now (1.0: as measured, or never seen)."""
-        worker = self._workers.get(node_id)
-        if worker is None:
-            return self._carried.get(node_id, 1.0)
-        ratio = worker.average_s_per_byte / worker.baseline_s_per_byte
+        """How many times slower than its baseline ``node_id`` runs now on the model last observed (1.0: as
+        measured, or not yet seen MIN_REQUESTS times)."""
+        worker = self._workers.get((node_id, self._model))
+        if worker is None or len(worker.recent_s_per_byte) < MIN_REQUESTS:
+            return 1.0
+        ratio = statistics.median(worker.recent_s_per_byte) / worker.baseline_s_per_byte
         return ratio if ratio >= SLOWDOWN_FLOOR else 1.0
 
     def forget(self, node_id: bytes) -> None:
         """A member left, or its rpc-server started again (it measured itself afresh)."""
-        self._workers.pop(node_id, None)
-        self._carried.pop(node_id, None)
+        self._workers = {key: worker for key, worker in self._workers.items() if key[0] != node_id}
 
     def to_json(self) -> dict[str, float]:
         """Each worker seen: its slowdown, for status."""
-        return {node_id.hex(): round(self.slowdown(node_id), 2) for node_id in {*self._workers, *self._carried}}
+        return {node_id.hex(): round(self.slowdown(node_id), 2) for node_id, model in self._workers
+                if model == self._model}

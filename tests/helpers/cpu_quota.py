@@ -2,7 +2,7 @@
 
 ``CpuQuota("name")`` makes ``/sys/fs/cgroup/cpu/<name>-<pid>``; ``add(pid)`` moves a process
 (all its threads) in; ``limit(cores)`` lets it use that many cores' worth of CPU time per
-100 ms period (0.25: a quarter of one core); ``close()`` moves the processes still there back
+period (0.25: a quarter of one core); ``close()`` moves the processes still there back
 to the root group and removes the group, by its name only. Used by the speed-planning tests
 and benchmarks to make one member's rpc-server several times slower than the others.
 ``quota_rpc_build`` makes a --llama-bin directory whose rpc-server enters a group as it starts,
@@ -18,7 +18,6 @@ from mesh_sidecar.llama.build import LlamaBinaries
 from tests.helpers.llama import wrapped_rpc_build
 
 CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
 MIN_QUOTA_US = 1000  # the smallest cpu.cfs_quota_us (and cfs_period_us) the kernel accepts
 
 
@@ -33,23 +32,24 @@ class CpuQuota:
     def __init__(self, name: str) -> None:
         self.path = CPU_CGROUP_ROOT / f"{name}-{os.getpid()}"
         self.path.mkdir()
-        (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
 
     def add(self, pid: int) -> None:
         """Move process ``pid`` and every thread of it into the group."""
         (self.path / "cgroup.procs").write_text(str(pid))
 
-    def limit(self, cores: float | None, *, period_us: int = PERIOD_US) -> None:
-        """At most ``cores`` cores' worth of CPU time per ``period_us`` (None: no limit).
+    def limit(self, cores: float | None, *, period_us: int | None = None) -> None:
+        """At most ``cores`` cores' worth of CPU time per period (None: no limit); by default the shortest
+        period the kernel takes for that share (4 ms for 0.25).
 
         A quota caps a share of each period, not the pace: a process busy for less than its quota in a
-        period runs at full speed. A stage of a few ms a token is hardly slowed by a 100 ms period until
-        it is busy more than ``cores`` of the time; ``shortest_period_us(cores)`` makes a device slow
-        throughout (benchmarks/plan_speed.py)."""
+        period runs at full speed. With a 100 ms period a stage of a few ms a token is hardly slowed until
+        it is busy more than ``cores`` of the time; the shortest period makes a device slow throughout."""
         (self.path / "cpu.cfs_quota_us").write_text("-1")  # a period below the quota in force is refused
+        if cores is None:
+            return
+        period_us = period_us or self.shortest_period_us(cores)
         (self.path / "cpu.cfs_period_us").write_text(str(period_us))
-        if cores is not None:
-            (self.path / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US, round(cores * period_us))))
+        (self.path / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US, round(cores * period_us))))
 
     @staticmethod
     def shortest_period_us(cores: float) -> int:
