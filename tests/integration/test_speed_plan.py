@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow,
 SLOW_CORES = 0.25  # a quarter of one core: several times slower than the others
 REPLAN_TIMEOUT_S = 240.0
 SPEED_REPLAN = "Speeds changed"
-REQUEST = {**LONG, "max_tokens": 150}  # a few seconds a request, each one a measurement of the workers
+REQUEST = {**LONG, "max_tokens": 80}  # a few seconds a request, each one a measurement of the workers
 
 
 def plan_nodes(node: NodeProcess) -> dict[str, dict]:
