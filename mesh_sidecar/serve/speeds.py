@@ -7,14 +7,15 @@ a CPU quota), and only the traffic shows it: after each request the serving node
 llama-server decoded and how many tokens it made, and how long each worker owed it replies over
 that window (net/reply_waits.py). A worker's time per token, less its link's round trip, over
 the weight bytes its layers hold is its time per byte. Only a request that ran alone counts
-(batched requests share the workers' time), and each model has its own figures (a time per
-byte depends on the weights' type). The least time per byte a worker ever took is its
-baseline; the median of its last RECENT_REQUESTS is its time now (from MIN_REQUESTS on: one
-request slowed by something passing moves nothing). Now over the baseline is its slowdown,
-and the planner divides the announced speed by it. A replan that gives a worker fewer layers
-raises its time per byte somewhat (each stage has fixed costs), which the 15% gain and the
-interval a speed replan needs (replan.py) absorb. Under SLOWDOWN_FLOOR the slowdown counts
-as 1 (noise), so only a real change moves layers.
+(batched requests share the workers' time), and each share of each model has its own figures
+(a time per byte depends on the weights' type, and on how many layers share a stage's fixed
+costs). The least time per byte a worker ever took on that share is its baseline; the median
+of its last RECENT_REQUESTS is its time now (from MIN_REQUESTS on: one request slowed by
+something passing moves nothing). Now over the baseline is its slowdown, and the planner
+divides the announced speed by it; under SLOWDOWN_FLOOR it counts as 1 (noise). After a replan
+for speed a worker's new share starts at 1 again: the plan in service is then judged at the
+announced speeds, where it is no slower than the memory plan, so it stays (replan.py: a speed
+replan needs 15% and waits its interval).
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ class ObservedSpeeds:
     """Each worker's slowdown against its own baseline, from the decode windows of finished requests."""
 
     def __init__(self) -> None:
-        self._workers: dict[tuple[bytes, str], _Worker] = {}  # by (node id, model)
-        self._model = ""  # the model of the last plan observed
+        # By (node id, model, weight bytes it holds): a time per byte depends on the weights' type, and on how
+        # many layers share a stage's fixed costs, so only the same share of the same model compares.
+        self._workers: dict[tuple[bytes, str, int], _Worker] = {}
+        self._shares: dict[bytes, tuple[str, int]] = {}  # each worker's share in the last plan observed
 
     def observe(self, plan: Plan, own_id: bytes, tokens: int, owed_s: Mapping[bytes, float],
                 links_s: Mapping[bytes, float]) -> None:
@@ -57,7 +60,6 @@ class ObservedSpeeds:
         seconds in all; ``links_s``: each worker's round trip (a token crosses each link once)."""
         if tokens < MIN_TOKENS_OBSERVED:
             return
-        self._model = plan.model
         held: dict[bytes, int] = {}
         for node in plan.nodes:
             if node.node_id != own_id:
@@ -68,14 +70,17 @@ class ObservedSpeeds:
             per_token_s = owed_s[node_id] / tokens - links_s.get(node_id, 0.0)
             if per_token_s <= 0:
                 continue
-            worker = self._workers.setdefault((node_id, plan.model), _Worker(deque(maxlen=RECENT_REQUESTS)))
+            self._shares[node_id] = (plan.model, weights_bytes)
+            worker = self._workers.setdefault((node_id, plan.model, weights_bytes),
+                                              _Worker(deque(maxlen=RECENT_REQUESTS)))
             worker.recent_s_per_byte.append(per_token_s / weights_bytes)
             worker.baseline_s_per_byte = min(worker.baseline_s_per_byte, per_token_s / weights_bytes)
 
     def slowdown(self, node_id: bytes) -> float:
-        """How many times slower than its baseline ``node_id`` runs now on the model last observed (1.0: as
-        measured, or not yet seen MIN_REQUESTS times)."""
-        worker = self._workers.get((node_id, self._model))
+        """How many times slower than its baseline ``node_id`` runs now, on its share of the last plan observed
+        (1.0: as measured, or that share not yet seen MIN_REQUESTS times)."""
+        share = self._shares.get(node_id)
+        worker = None if share is None else self._workers.get((node_id, *share))
         if worker is None or len(worker.recent_s_per_byte) < MIN_REQUESTS:
             return 1.0
         ratio = statistics.median(worker.recent_s_per_byte) / worker.baseline_s_per_byte
@@ -84,8 +89,8 @@ class ObservedSpeeds:
     def forget(self, node_id: bytes) -> None:
         """A member left, or its rpc-server started again (it measured itself afresh)."""
         self._workers = {key: worker for key, worker in self._workers.items() if key[0] != node_id}
+        self._shares.pop(node_id, None)
 
     def to_json(self) -> dict[str, float]:
         """Each worker seen: its slowdown, for status."""
-        return {node_id.hex(): round(self.slowdown(node_id), 2) for node_id, model in self._workers
-                if model == self._model}
+        return {node_id.hex(): round(self.slowdown(node_id), 2) for node_id in self._shares}
