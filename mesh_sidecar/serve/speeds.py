@@ -86,11 +86,6 @@ class ObservedSpeeds:
         ratio = statistics.median(worker.recent_s_per_byte) / worker.baseline_s_per_byte
         return ratio if ratio >= SLOWDOWN_FLOOR else 1.0
 
-    def forget(self, node_id: bytes) -> None:
-        """A member left, or its rpc-server started again (it measured itself afresh)."""
-        self._workers = {key: worker for key, worker in self._workers.items() if key[0] != node_id}
-        self._shares.pop(node_id, None)
-
     def to_json(self) -> dict[str, float]:
         """Each worker seen: its slowdown, for status."""
         return {node_id.hex(): round(self.slowdown(node_id), 2) for node_id in self._shares}

@@ -115,6 +115,15 @@ def test_a_tunnel_whose_peer_relay_is_gone_comes_back_unread(pair):
     assert read_exactly(client, 10) == b"still open"
 
 
+def checked_tunnel(relays: RelayPair, conn_id: int) -> socket.socket:
+    """A tunnel with the output check on, past its HELLO (the stand-in servers answer a 7.x one)."""
+    sock = relays.tunnel(conn_id, check=True)
+    sock.settimeout(10)
+    sock.sendall(HELLO_REQUEST)
+    read_exactly(sock, 8 + 28)
+    return sock
+
+
 def _serve_one_get_tensor(listener: socket.socket, reply: bytes, first: int, pause_s: float) -> None:
     """A stand-in rpc-server for one client: it answers HELLO, then one GET_TENSOR with ``reply``, its
     first ``first`` bytes at once and the rest after ``pause_s`` (so the TLS records the relays carry
@@ -150,10 +159,7 @@ def test_a_checked_reply_that_fills_the_buffer_to_a_record_boundary_goes_on(firs
         server.start()
         relays = RelayPair(ensure_data_relay(lambda *_: None), listener.getsockname()[1])
         try:
-            sock = relays.tunnel(1, check=True)
-            sock.settimeout(10)
-            sock.sendall(HELLO_REQUEST)
-            read_exactly(sock, 8 + 28)
+            sock = checked_tunnel(relays, 1)
             sock.sendall(RPC_HEADER.pack(GET_TENSOR_CMD, len(get_tensor)) + get_tensor)
             assert read_exactly(sock, len(reply)) == reply
             sock.close()
@@ -197,10 +203,7 @@ def test_each_connection_is_judged_against_its_own_outputs():
         server.start()
         relays = RelayPair(ensure_data_relay(lambda *_: None), listener.getsockname()[1])
         try:
-            first = relays.tunnel(1, check=True)
-            first.settimeout(10)
-            first.sendall(HELLO_REQUEST)
-            read_exactly(first, 8 + 28)
+            first = checked_tunnel(relays, 1)
             for _ in running:
                 first.sendall(_get_tensor_of(values))
                 read_exactly(first, 8 + 4 * values)
@@ -208,10 +211,7 @@ def test_each_connection_is_judged_against_its_own_outputs():
             with pytest.raises((ConnectionError, AssertionError, TimeoutError)):
                 read_exactly(first, 8 + 4 * values)  # held back, the connection reset
             first.close()
-            second = relays.tunnel(2, check=True)
-            second.settimeout(10)
-            second.sendall(HELLO_REQUEST)
-            read_exactly(second, 8 + 28)
+            second = checked_tunnel(relays, 2)
             second.sendall(_get_tensor_of(values))
             assert read_exactly(second, 8 + 4 * values)[8:12] == struct.pack("<f", warm_up)
             second.close()

@@ -39,8 +39,6 @@ def test_a_worker_that_becomes_slower_shows_its_slowdown_and_noise_does_not():
     for _ in range(6):
         speeds.observe(PLAN, HOST, 32, owed_for(1e-6, 32), {})
     assert speeds.slowdown(WORKER) == 1.0
-    speeds.forget(WORKER)
-    assert speeds.to_json() == {}
 
 
 def test_short_requests_and_workers_outside_the_plan_teach_nothing():
