@@ -5,17 +5,21 @@ rpc-server starts (llama/calibration.py), and announces the speed in gossip; tha
 devices before any traffic. A device can become slower later (thermal limits, another program,
 a CPU quota), and only the traffic shows it: after each request the serving node knows how long
 llama-server decoded and how many tokens it made, and how long each worker owed it replies over
-that window (net/reply_waits.py). A worker's time per token, less its link's round trip, over
-the weight bytes its layers hold is its time per byte. Only a request that ran alone counts
-(batched requests share the workers' time), and each share of each model has its own figures
-(a time per byte depends on the weights' type, and on how many layers share a stage's fixed
-costs). The least time per byte a worker ever took on that share is its baseline; the median
-of its last RECENT_REQUESTS is its time now (from MIN_REQUESTS on: one request slowed by
-something passing moves nothing). Now over the baseline is its slowdown, and the planner
-divides the announced speed by it; under SLOWDOWN_FLOOR it counts as 1 (noise). After a replan
-for speed a worker's new share starts at 1 again: the plan in service is then judged at the
-announced speeds, where it is no slower than the memory plan, so it stays (replan.py: a speed
-replan needs 15% and waits its interval).
+that window (net/reply_waits.py). A worker's time per token over the weight bytes its layers hold
+is its time per byte. It includes the link: the heartbeat's round trip is no measure of the data
+path's (the native relay's is a tenth of it; subtracting it left noise, or less than nothing), so
+a slower compute shows diluted by the link's share, and noise never makes one up.
+
+Only a request that ran alone counts (batched requests share the workers' time), and each share
+of each model has its own figures (a time per byte depends on the weights' type, and on how many
+layers share a stage's fixed costs). The median of a worker's last RECENT_REQUESTS on that share
+is its time now (from MIN_REQUESTS on: one request slowed by something passing moves nothing);
+the least time now it ever had is its baseline. Both are medians, so noisy requests alone make no
+slowdown (the least single request sits in the noise's fast tail). Now over the baseline is its
+slowdown, and the planner divides the announced speed by it; under SLOWDOWN_FLOOR it counts as 1
+(noise). After a replan for speed a worker's new share starts at 1 again: the plan in service is
+then judged at the announced speeds, where it is no slower than the memory plan, so it stays
+(replan.py: a speed replan needs 15% and waits its interval).
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .planner import Plan
 
-# Requests shorter than this say little about a worker's speed (prompt work blurs the window).
-MIN_TOKENS_OBSERVED = 8
+# Requests shorter than this say little about a worker's speed (prompt work and the first token's wait blur
+# the window).
+MIN_TOKENS_OBSERVED = 16
 # A worker's time per byte now: the median of its last few requests, once it has this many on the plan. One
 # request slowed by something passing (another program starting on that machine) moves nothing.
 RECENT_REQUESTS = 5
@@ -41,8 +46,14 @@ SLOWDOWN_FLOOR = 1.5  # slower than its baseline by less than this: as measured
 
 @dataclass
 class _Worker:
-    recent_s_per_byte: deque[float]  # its last RECENT_REQUESTS times per byte on this model
-    baseline_s_per_byte: float = math.inf  # the least time per byte it ever took on this model
+    recent_s_per_byte: deque[float]  # its last RECENT_REQUESTS times per byte on this share
+    baseline_s_per_byte: float = math.inf  # the least median of them it ever had on this share
+
+    def now_s_per_byte(self) -> float | None:
+        """Its time per byte now: the median of its recent requests (None: fewer than MIN_REQUESTS)."""
+        if len(self.recent_s_per_byte) < MIN_REQUESTS:
+            return None
+        return statistics.median(self.recent_s_per_byte)
 
 
 class ObservedSpeeds:
@@ -54,10 +65,9 @@ class ObservedSpeeds:
         self._workers: dict[tuple[bytes, str, int], _Worker] = {}
         self._shares: dict[bytes, tuple[str, int]] = {}  # each worker's share in the last plan observed
 
-    def observe(self, plan: Plan, own_id: bytes, tokens: int, owed_s: Mapping[bytes, float],
-                links_s: Mapping[bytes, float]) -> None:
+    def observe(self, plan: Plan, own_id: bytes, tokens: int, owed_s: Mapping[bytes, float]) -> None:
         """One request's decode, alone on ``plan``: ``tokens`` made while each worker owed replies ``owed_s``
-        seconds in all; ``links_s``: each worker's round trip (a token crosses each link once)."""
+        seconds in all."""
         if tokens < MIN_TOKENS_OBSERVED:
             return
         held: dict[bytes, int] = {}
@@ -67,23 +77,25 @@ class ObservedSpeeds:
         for node_id, weights_bytes in held.items():
             if node_id not in owed_s or weights_bytes <= 0:
                 continue
-            per_token_s = owed_s[node_id] / tokens - links_s.get(node_id, 0.0)
+            per_token_s = owed_s[node_id] / tokens
             if per_token_s <= 0:
                 continue
             self._shares[node_id] = (plan.model, weights_bytes)
             worker = self._workers.setdefault((node_id, plan.model, weights_bytes),
                                               _Worker(deque(maxlen=RECENT_REQUESTS)))
             worker.recent_s_per_byte.append(per_token_s / weights_bytes)
-            worker.baseline_s_per_byte = min(worker.baseline_s_per_byte, per_token_s / weights_bytes)
+            if (now := worker.now_s_per_byte()) is not None:
+                worker.baseline_s_per_byte = min(worker.baseline_s_per_byte, now)
 
     def slowdown(self, node_id: bytes) -> float:
         """How many times slower than its baseline ``node_id`` runs now, on its share of the last plan observed
         (1.0: as measured, or that share not yet seen MIN_REQUESTS times)."""
         share = self._shares.get(node_id)
         worker = None if share is None else self._workers.get((node_id, *share))
-        if worker is None or len(worker.recent_s_per_byte) < MIN_REQUESTS:
+        now = None if worker is None else worker.now_s_per_byte()
+        if worker is None or now is None:
             return 1.0
-        ratio = statistics.median(worker.recent_s_per_byte) / worker.baseline_s_per_byte
+        ratio = now / worker.baseline_s_per_byte
         return ratio if ratio >= SLOWDOWN_FLOOR else 1.0
 
     def to_json(self) -> dict[str, float]:

@@ -302,12 +302,18 @@ class ServingSupervisor:
         if self.plan is None:
             return
         since = time.monotonic() - decode_s
-        links_s = {view.node_id: view.rtt_typical_s or 0.0 for view in self._mesh.peer_views()}
         before = self.slowdowns()
-        self.speeds.observe(self.plan, self._identity.node_id, tokens, self._mesh.verdicts.reply_waits_s(since),
-                            links_s)
-        if self.slowdowns() != before:
-            self._wakeup.set()  # the plan may be worth changing (replan.py decides)
+        self.speeds.observe(self.plan, self._identity.node_id, tokens, self._mesh.verdicts.reply_waits_s(since))
+        after = self.slowdowns()
+        if after == before:
+            return
+        for info in self._mesh.connected_members():
+            if after.get(info.node_id, 1.0) != before.get(info.node_id, 1.0):
+                slowdown = after.get(info.node_id, 1.0)
+                self._say(f"{info.name} ({short_id(info.node_id)}) runs "
+                          + ("as measured again" if slowdown == 1.0
+                             else f"{slowdown:.1f}x slower than its baseline (the median of its last requests)"))
+        self._wakeup.set()  # the plan may be worth changing (replan.py decides)
 
     def served(self) -> ServedModel:
         """What this node says in gossip of the model it serves (read at each announcement)."""
