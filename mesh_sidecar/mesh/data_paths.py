@@ -73,8 +73,10 @@ class DataPaths:
     """The native relay's side of the mesh: routes per peer, connections, their reports."""
 
     def __init__(self, relay: DataRelay | None, checks: OutputChecks,
-                 counters_of: Callable[[bytes], TunnelCounters | None]) -> None:
+                 counters_of: Callable[[bytes], TunnelCounters | None],
+                 on_reset: Callable[[bytes], None] = lambda _: None) -> None:
         self.relay = relay
+        self._on_reset = on_reset  # a tunnel to this member was reset: a sign its relay (its sidecar) died
         self._checks = checks
         self._counters_of = counters_of  # a peer's tunnel counters, for what it sends our rpc-server
         self._routes: dict[bytes, _Route] = {}
@@ -180,6 +182,8 @@ class DataPaths:
                     entry[1].native_closed(conn_id)
                     if why not in ("ended", "forgotten"):
                         log.warning("tunnel to %s (native) closed: %s", short_id(entry[0]), why)
+                    if why == "reset":
+                        self._on_reset(entry[0])
                     if conn_id not in self._opened:
                         self._unreachable(entry[0])
                     self._opened.discard(conn_id)

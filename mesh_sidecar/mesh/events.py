@@ -82,7 +82,16 @@ class PeerRecovered:
 
 @dataclass(frozen=True)
 class PeerLost(_PeerSilent):
-    """A member's heartbeat has gone unanswered LOST_AFTER_S: its connection is to be closed."""
+    """A member's heartbeat has gone unanswered too long, or a sign that its process is gone was confirmed
+    (health.py): its connection is to be closed."""
+
+    sign: str = ""  # the confirmed sign ("its port is unreachable, and again after a probe 2 ms later"), if any
+    suspected_s: float = 0.0  # from that sign's first coming to its confirmation
+
+    @property
+    def detect_s(self) -> float:
+        """How long the loss took to know: from the first sign, or the heartbeat's silence."""
+        return self.suspected_s if self.sign else self.silent_s
 
 
 @dataclass(frozen=True)

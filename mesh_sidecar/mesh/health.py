@@ -14,6 +14,16 @@ either came first or never will)::
         ^                                                   |
         +---------------(a Pong arrives)--------------------+
 
+How long "lost" waits adapts to the link: a few heartbeats plus a few of its slowest round trips
+(``lost_after_s``), never less than the floor (LOST_AFTER_S) that a Wi-Fi member's pauses and a
+lossy link's retransmissions stay under. That is for a machine that vanished. A process that
+died on a live machine shows itself at once: the kernel answers its port with "port
+unreachable", its data connections are reset. Any such sign makes the peer *suspected*
+(``suspect``): the mesh sends it a Ping at once, and a suspected peer is lost when a second
+sign comes after that probe (a dead port answers it at once) or when the probe goes
+unanswered ``confirm_s`` (a few round trips, CONFIRM_FLOOR_S at least). A Pong clears the
+suspicion, so one stray ICMP message evicts no one.
+
 ``lost`` is final: the mesh closes the connection, and a new connection gets a new
 PeerHealth. With nothing outstanding a peer stays connected, so a peer that is not
 pinged (not yet identified, or leaving) is never judged.
@@ -33,8 +43,18 @@ from collections.abc import Sequence
 
 from .events import HealthEvent, PeerDegraded, PeerLost, PeerRecovered
 
-DEGRADED_AFTER_S = 2.5  # a Ping this long without a Pong: the peer is degraded
-LOST_AFTER_S = 5.0  # ...this long: the peer is lost and its connection closed
+HEARTBEAT_INTERVAL_S = 0.5  # a Ping to every peer this often
+DEGRADED_AFTER_S = 1.5  # a Ping this long without a Pong: the peer is degraded
+# The least a Ping waits before its peer is lost: a QUIC stream's retransmissions on a link losing 20% of
+# its packets, or a Wi-Fi member's power-save pauses, stay well under it.
+LOST_AFTER_S = 2.5
+# Beyond the floor, lost after this many heartbeats plus this many of the link's slowest round trips (p95).
+LOST_AFTER_HEARTBEATS = 4
+LOST_AFTER_RTTS = 4
+# A suspected peer (its port unreachable, its data connection reset) that leaves a probe unanswered this
+# many of its slowest round trips, and at least CONFIRM_FLOOR_S, is lost.
+CONFIRM_RTTS = 4
+CONFIRM_FLOOR_S = 0.5
 RTT_WINDOW = 64  # RTT samples kept for the percentiles
 MAX_OUTSTANDING_PINGS = 32  # unanswered Pings remembered; older ones no longer count as answered
 # A heartbeat due after a gap longer than this means our own event loop stalled:
@@ -70,6 +90,7 @@ class PeerHealth:
         *,
         degraded_after_s: float = DEGRADED_AFTER_S,
         lost_after_s: float = LOST_AFTER_S,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         window: int = RTT_WINDOW,
         max_outstanding: int = MAX_OUTSTANDING_PINGS,
     ) -> None:
@@ -79,13 +100,17 @@ class PeerHealth:
             raise ValueError("window and max_outstanding must be at least 1")
         self.node_id = node_id
         self.degraded_after_s = degraded_after_s
-        self.lost_after_s = lost_after_s
+        self.lost_floor_s = lost_after_s
+        self.heartbeat_interval_s = heartbeat_interval_s
         self._max_outstanding = max_outstanding
         self._outstanding: OrderedDict[int, float] = OrderedDict()  # nonce -> sent at, oldest first
         self._rtts: deque[float] = deque(maxlen=window)
         self._state = HealthState.CONNECTED
         self._degraded_at: float | None = None
         self._missed = 0
+        self._suspected: tuple[float, str] | None = None  # since when, and the first sign
+        self._probed_at: float | None = None  # the Ping sent when it was suspected
+        self._confirmed: str | None = None  # a sign that came after the probe
         self.pings_sent = 0
         self.pongs_received = 0
 
@@ -118,6 +143,21 @@ class PeerHealth:
     def rtt_p95_s(self) -> float | None:
         return percentile(self._rtts, 95)
 
+    @property
+    def lost_after_s(self) -> float:
+        """How long a Ping may wait before the peer is lost: adapted to the link, never under the floor."""
+        slowest = self.rtt_p95_s or 0.0
+        return max(self.lost_floor_s, LOST_AFTER_HEARTBEATS * self.heartbeat_interval_s + LOST_AFTER_RTTS * slowest)
+
+    @property
+    def confirm_s(self) -> float:
+        """How long a suspected peer has to answer the probe."""
+        return max(CONFIRM_FLOOR_S, CONFIRM_RTTS * (self.rtt_p95_s or 0.0))
+
+    @property
+    def suspected(self) -> bool:
+        return self._suspected is not None
+
     def silent_s(self, now: float) -> float:
         """How long the oldest unanswered Ping has waited; 0 when none is."""
         if not self._outstanding:
@@ -137,6 +177,25 @@ class PeerHealth:
             self._outstanding.popitem(last=False)
         self.pings_sent += 1
 
+    def suspect(self, sign: str, now: float) -> bool:
+        """A sign that the peer's process is gone (``sign`` says which, for the log). True when the caller
+        is to send a probe Ping now (``probed``); a sign after that probe has gone out confirms the loss
+        (at the next ``tick``)."""
+        if self._state is HealthState.LOST:
+            return False
+        if self._suspected is None:
+            self._suspected = (now, sign)
+            self._probed_at = None
+            return True
+        if self._probed_at is not None and now > self._probed_at:
+            self._confirmed = sign
+        return False
+
+    def probed(self, nonce: int, now: float) -> None:
+        """The probe Ping for a suspicion went out."""
+        self.ping_sent(nonce, now)
+        self._probed_at = now
+
     def pong_received(self, nonce: int, now: float) -> float | None:
         """A Pong for ``nonce`` arrived; returns its RTT, or None if it was ignored.
 
@@ -151,6 +210,7 @@ class PeerHealth:
                 break
         rtt = max(0.0, now - sent_at)
         self._rtts.append(rtt)
+        self._suspected = self._probed_at = self._confirmed = None  # it answers: whatever the sign was, it lives
         self.pongs_received += 1
         # The Pings after this one that were followed by another Ping are missed.
         self._missed = max(0, len(self._outstanding) - 1)
@@ -161,6 +221,17 @@ class PeerHealth:
         if self._state is HealthState.LOST:
             return None
         silent = self.silent_s(now)
+        if self._suspected is not None:
+            since, sign = self._suspected
+            if self._confirmed is not None:
+                self._state = HealthState.LOST
+                return PeerLost(self.node_id, silent, self._missed,
+                                f"{sign}, and again after a probe {1000 * (now - since):.0f} ms later", now - since)
+            if self._probed_at is not None and now - self._probed_at >= self.confirm_s:
+                self._state = HealthState.LOST
+                return PeerLost(self.node_id, silent, self._missed,
+                                f"{sign}, and no answer to a probe in {1000 * (now - self._probed_at):.0f} ms",
+                                now - since)
         if silent >= self.lost_after_s:
             self._state = HealthState.LOST
             return PeerLost(self.node_id, silent, self._missed)
@@ -179,7 +250,7 @@ class PeerHealth:
 
 def lost_reason(event: PeerLost) -> str:
     """Why the connection to a lost member is closed; people see it as "Lost peer NAME: ..."."""
-    return f"no heartbeat answer for {event.silent_s:.1f} s"
+    return event.sign or f"no heartbeat answer for {event.silent_s:.1f} s"
 
 
 def health_message(event: PeerDegraded | PeerRecovered, name: str) -> str:

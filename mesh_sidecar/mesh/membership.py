@@ -41,7 +41,7 @@ from .events import (
     MemberUpdated,
     SecretRotated,
 )
-from .health import DEGRADED_AFTER_S, LOOP_STALL_S, LOST_AFTER_S, PeerHealth
+from .health import DEGRADED_AFTER_S, HEARTBEAT_INTERVAL_S, LOOP_STALL_S, LOST_AFTER_S, HealthState, PeerHealth
 
 # A lost member that a connected peer still lists (so it is up, and only our path to it failed:
 # a dial that timed out on a busy machine, a path that broke) is dialed again on a heartbeat
@@ -132,10 +132,11 @@ class Membership:
     """
 
     def __init__(self, self_info: MemberInfo, *, degraded_after_s: float = DEGRADED_AFTER_S,
-                 lost_after_s: float = LOST_AFTER_S) -> None:
+                 lost_after_s: float = LOST_AFTER_S, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
         self._self = self_info
         self._degraded_after_s = degraded_after_s  # each peer's PeerHealth thresholds
         self._lost_after_s = lost_after_s
+        self._heartbeat_interval_s = heartbeat_interval_s
         self._records: dict[bytes, _Record] = {}
         # Connected, but its MemberList (so its info) has not arrived yet.
         self._unidentified: set[bytes] = set()
@@ -196,7 +197,8 @@ class Membership:
         if self._left or self._is_connected(node_id):
             return
         self._health[node_id] = PeerHealth(node_id, degraded_after_s=self._degraded_after_s,
-                                           lost_after_s=self._lost_after_s)
+                                           lost_after_s=self._lost_after_s,
+                                           heartbeat_interval_s=self._heartbeat_interval_s)
         record = self._records.get(node_id)
         if record is None:
             self._unidentified.add(node_id)
@@ -286,8 +288,29 @@ class Membership:
         if gap_s is not None and gap_s > LOOP_STALL_S:
             self._events.append(LoopStalled(gap_s))
             return
-        for node_id in pinged:
-            if (event := self._health[node_id].tick(now)) is not None:
+        self._judge(pinged, now)
+
+    def suspect(self, node_id: bytes, sign: str, now: float) -> float | None:
+        """A sign that a connected peer's process is gone (its port unreachable, its data connection reset):
+        probe it with a Ping now. Returns when to call ``judge`` (its probe's deadline), or None."""
+        health = self._health.get(node_id)
+        record = self._records.get(node_id)
+        if self._left or health is None or record is None or record.state is not MemberState.CONNECTED:
+            return None
+        if health.suspect(sign, now):
+            self._next_nonce += 1
+            health.probed(self._next_nonce, now)
+            self._actions.append(Send(node_id, Ping(self._next_nonce, now)))
+        self._judge([node_id], now)  # a sign after the probe: lost now
+        return None if health.state is HealthState.LOST else now + health.confirm_s
+
+    def judge(self, now: float) -> None:
+        """Judge every connected peer now, between heartbeats (a suspected peer's probe deadline)."""
+        self._judge([node_id for node_id, r in self._records.items() if r.state is MemberState.CONNECTED], now)
+
+    def _judge(self, node_ids: list[bytes], now: float) -> None:
+        for node_id in node_ids:
+            if (health := self._health.get(node_id)) is not None and (event := health.tick(now)) is not None:
                 self._events.append(event)
 
     def rotate_secret(self, secret: bytes, removed: tuple[bytes, ...], now: float) -> Rekey:

@@ -128,7 +128,8 @@ class Mesh:
         self.run_id = secrets.randbelow(MAX_RUN_ID) + 1  # announced: a new one tells members this node restarted
         self.changes = Changes()  # a member joined, was lost or left, or a verdict changed
         self.relay_counters = RelayCounters()
-        self._transport = MeshTransport(identity, saved.secret, self._serve_peer, dial_timeout_s=timings.dial_timeout_s)
+        self._transport = MeshTransport(identity, saved.secret, self._serve_peer, dial_timeout_s=timings.dial_timeout_s,
+                                        on_unreachable=lambda node_id: self.suspect(node_id, "its port is unreachable"))
         self._transport.refuse_nodes(saved.removed)
         self._tasks: set[asyncio.Task[None]] = set()  # dials and deferred closes
         self._data_relay_binary = data_relay
@@ -136,11 +137,13 @@ class Mesh:
                                 retire_poll_s=timings.retire_poll_s)
         self._addresses = OwnAddresses()
         self._leaving = False
+        self._detections: dict[bytes, float] = {}  # per member lost: how long its loss took to know
         self._exclusion_notices = ExclusionNotices()
         # The serving side: its output checks and the members it leaves out (install_serving).
         self.verdicts = ServingVerdicts(self._peers, lambda node_id: self._membership.info_of(node_id),
                                         self.name_of, say, self._verdicts_changed)
-        self.data_paths = DataPaths(None, self.verdicts, self._peer_counters)
+        self.data_paths = DataPaths(None, self.verdicts, self._peer_counters,
+                                    on_reset=lambda node_id: self.suspect(node_id, "its data connection was reset"))
         self._peers.native = self.data_paths
         self._streams = StreamServices(
             rpc_port, self._resolve_endpoint,
@@ -153,7 +156,8 @@ class Mesh:
         self._serving_said: dict[bytes, ServedModel | None] = {}  # what each member serves, as last heard
         # Without a port yet, this node announces no addresses: start() adds them.
         self._membership = membership(self._self_info(), degraded_after_s=timings.degraded_after_s,
-                                      lost_after_s=timings.lost_after_s)
+                                      lost_after_s=timings.lost_after_s,
+                                      heartbeat_interval_s=timings.heartbeat_interval_s)
         # mDNS (lan.py): advertise this node, dial members whose records show up.
         self._lan = LanDialer(
             self._lan_record,
@@ -370,6 +374,27 @@ class Mesh:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def detection_s(self, node_id: bytes) -> float:
+        """How long the last loss of ``node_id`` took to know (health.py), 0 if none was judged here."""
+        return self._detections.get(node_id, 0.0)
+
+    def suspect(self, node_id: bytes, sign: str) -> None:
+        """A sign that ``node_id``'s process is gone (its port unreachable, a data connection reset): probe it
+        at once, and judge it when the probe's time is up (health.py); a member lost so is known within a
+        round trip or two, not a heartbeat timeout."""
+        if self._leaving:
+            return
+        log.debug("peer %s suspected: %s", short_id(node_id), sign)
+        deadline = self._membership.suspect(node_id, sign, time.monotonic())
+        self._process()
+        if deadline is not None:
+            asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._judge)
+
+    def _judge(self) -> None:
+        if not self._leaving:
+            self._membership.judge(time.monotonic())
+            self._process()
+
     def _process(self) -> None:
         """Carry out what membership asks for, and act on what happened."""
         while (action := self._membership.next_action()) is not None:
@@ -420,6 +445,7 @@ class Mesh:
             case events.PeerLost(node_id=node_id, missed=missed):
                 reason = lost_reason(event)
                 log.warning("peer %s lost: %s (%d missed)", short_id(node_id), reason, missed)
+                self._detections[node_id] = event.detect_s
                 # _serve_peer sees the close, marks the member lost and closes its tunnel.
                 if (peer := self._peers.get(node_id)) is not None:
                     peer.close(reason)

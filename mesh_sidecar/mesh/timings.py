@@ -10,10 +10,8 @@ from dataclasses import dataclass
 
 from ..net.transport import DIAL_TIMEOUT_S
 from .dialer import JOIN_PATIENCE_S, JOIN_RETRY_S
-from .health import DEGRADED_AFTER_S, LOST_AFTER_S
+from .health import DEGRADED_AFTER_S, HEARTBEAT_INTERVAL_S, LOST_AFTER_S
 from .peers import RETIRE_IDLE_S, RETIRE_POLL_S
-
-HEARTBEAT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)

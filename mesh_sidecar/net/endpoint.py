@@ -6,6 +6,11 @@ once (one pass over the QUIC state, one ACK); datagrams sent together to one
 address go as one GSO ``sendmsg()`` where the kernel allows. The socket sets
 don't-fragment, so path_mtu.py's probes are dropped when too big, never split.
 
+The socket also asks for ICMP errors (``IP_RECVERR``): when a member's process dies on a live
+machine, its kernel answers our next datagram with "port unreachable", and the error queue says
+to which address. That reaches the mesh (``on_unreachable``) as a sign the member is gone, within
+one round trip; QUIC alone would wait for its idle timeout.
+
 This is apart from transport.py (which routes the datagrams to connections by
 connection id) as aioquic keeps its UDP glue apart from its server's routing:
 what is about the socket (buffer sizes, batching, GSO fallbacks) is found here.
@@ -14,6 +19,7 @@ what is about the socket (buffer sizes, batching, GSO fallbacks) is found here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -34,10 +40,18 @@ MAX_UDP_PAYLOAD_BYTES = 65535
 UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
 GSO_MAX_SEGMENTS = 64
 GSO_MAX_BYTES = 65000
+# Linux's error queue (ip(7), ipv6(7)): not all in the socket module.
+IP_RECVERR = 11
+IPV6_RECVERR = 25
+MSG_ERRQUEUE = getattr(socket, "MSG_ERRQUEUE", 0x2000)
+SOCK_EXTENDED_ERR = struct.Struct("=IBBBBII")  # ee_errno, ee_origin, ee_type, ee_code, ee_pad, ee_info, ee_data
+SO_EE_ORIGIN_ICMP, SO_EE_ORIGIN_ICMP6 = 2, 3
+MAX_ERRORS_PER_READ = 64
 
 Address = tuple[str, int]
 Datagram = tuple[bytes, tuple]  # payload, and the address it came from or goes to
 DatagramsHandler = Callable[[list[Datagram]], None]
+UnreachableHandler = Callable[[tuple], None]  # the address our datagram went to
 
 
 def format_address(address: tuple) -> str:
@@ -49,8 +63,9 @@ def format_address(address: tuple) -> str:
 class UdpEndpoint:
     """One UDP socket: hands received datagrams to ``on_datagrams`` in batches, sends with GSO."""
 
-    def __init__(self, on_datagrams: DatagramsHandler) -> None:
+    def __init__(self, on_datagrams: DatagramsHandler, on_unreachable: UnreachableHandler = lambda _: None) -> None:
         self._on_datagrams = on_datagrams
+        self._on_unreachable = on_unreachable
         self._udp: asyncio.DatagramTransport | None = None
         self._sock: socket.socket | None = None
         self._gso = hasattr(socket, "SOL_UDP") and sys.platform == "linux"
@@ -71,7 +86,7 @@ class UdpEndpoint:
             try:
                 sock.bind(address)
                 self._udp, _ = await loop.create_datagram_endpoint(
-                    lambda: _BatchReader(sock, self._on_datagrams), sock=sock)
+                    lambda: _BatchReader(sock, self._on_datagrams, self._on_unreachable), sock=sock)
             except BaseException:
                 sock.close()
                 raise
@@ -86,6 +101,7 @@ class UdpEndpoint:
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         path_mtu.set_dont_fragment(sock)
+        _ask_for_icmp_errors(sock)
         return sock.getsockname()[1]
 
     def close(self) -> None:
@@ -131,10 +147,32 @@ class UdpEndpoint:
         return True
 
 
+def _ask_for_icmp_errors(sock: socket.socket) -> None:
+    """Queue ICMP errors with the address they concern (Linux); elsewhere they stay unreported."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError):
+        if sock.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVERR, 1)
+        if sock.family == socket.AF_INET or not sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY):
+            sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
+
+
+def port_unreachable(ancdata: list[tuple[int, int, bytes]]) -> bool:
+    """Whether an error-queue message's control data says "port unreachable" (ECONNREFUSED from ICMP)."""
+    for _level, _kind, data in ancdata:
+        if len(data) >= SOCK_EXTENDED_ERR.size:
+            ee_errno, origin, *_ = SOCK_EXTENDED_ERR.unpack_from(data)
+            if ee_errno == errno.ECONNREFUSED and origin in (SO_EE_ORIGIN_ICMP, SO_EE_ORIGIN_ICMP6):
+                return True
+    return False
+
+
 class _BatchReader(asyncio.DatagramProtocol):
-    def __init__(self, sock: socket.socket, on_datagrams: DatagramsHandler) -> None:
+    def __init__(self, sock: socket.socket, on_datagrams: DatagramsHandler, on_unreachable: UnreachableHandler) -> None:
         self._sock = sock
         self._on_datagrams = on_datagrams
+        self._on_unreachable = on_unreachable
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
         # asyncio reads one datagram per loop iteration: take those waiting behind it too,
@@ -143,10 +181,23 @@ class _BatchReader(asyncio.DatagramProtocol):
         while len(batch) < MAX_DATAGRAMS_PER_READ:
             try:
                 batch.append(self._sock.recvfrom(MAX_UDP_PAYLOAD_BYTES))
-            except OSError:  # nothing more waiting, or an ICMP error: as error_received
+            except BlockingIOError:
+                break
+            except OSError:  # an ICMP error waits: its queue must be read, or the socket stays readable
+                self._read_errors()
                 break
         self._on_datagrams(batch)
 
     def error_received(self, exc: Exception) -> None:
-        # ICMP errors (port unreachable, ...) tell nothing QUIC's own timers do not.
         logger.debug("UDP error: %s", exc)
+        self._read_errors()
+
+    def _read_errors(self) -> None:
+        """Empty the error queue; each "port unreachable" names the address our datagram went to."""
+        for _ in range(MAX_ERRORS_PER_READ):
+            try:
+                _, ancdata, _, address = self._sock.recvmsg(1, 1024, MSG_ERRQUEUE)
+            except OSError:  # empty (or not Linux)
+                return
+            if address and port_unreachable(ancdata):
+                self._on_unreachable(address)

@@ -79,6 +79,7 @@ class MeshTransport:
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         auth_timeout_s: float = auth.AUTH_TIMEOUT_S,
         max_unauthenticated_peers: int = MAX_UNAUTHENTICATED_PEERS,
+        on_unreachable: Callable[[bytes], None] = lambda _: None,
     ) -> None:
         if len(mesh_secret) != auth.MESH_SECRET_BYTES:
             raise UsageError(f"the mesh secret must be {auth.MESH_SECRET_BYTES} bytes, not {len(mesh_secret)}")
@@ -97,7 +98,8 @@ class MeshTransport:
         self._admission = AdmissionCounters()
         self._ignored_since_log = 0
         self._ignored_logged_at: float | None = None
-        self._endpoint = UdpEndpoint(self._datagrams_received)
+        self._on_unreachable = on_unreachable  # a member's port answered "unreachable": its node id
+        self._endpoint = UdpEndpoint(self._datagrams_received, self._port_unreachable)
         # Relayed paths (relay.py): a virtual address per circuit, for its QUIC connection.
         self._circuits: dict[Address, RelayCircuit] = {}
         self._circuits_made = 0
@@ -310,6 +312,14 @@ class MeshTransport:
                 fed[connection] = None
         for connection in fed:
             connection.pump()
+
+    def _port_unreachable(self, addr: tuple) -> None:
+        """Our datagram to ``addr`` met a closed port: each admitted connection there has lost its peer's
+        process, most likely (the mesh confirms it with a probe)."""
+        for connection in self._routes.connections:
+            address = connection.peer_address
+            if connection.admitted and address is not None and address[:2] == addr[:2]:
+                self._on_unreachable(connection.peer_id)
 
     def _datagram_received(self, data: bytes, addr: tuple) -> PeerConnection | None:
         """Route one datagram; the connection it was fed to, which the caller pumps."""

@@ -20,6 +20,7 @@ from ..mesh.status import MeshView, PeerView
 
 PREFIX = "mesh_"
 FIRST_TOKEN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+FAILOVER_PHASE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30)
 TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 
 
@@ -79,6 +80,10 @@ class Metrics:
                                 registry=self.registry)
         self.first_token = Histogram(PREFIX + "first_token_seconds", "Time to the first streamed text",
                                      buckets=FIRST_TOKEN_BUCKETS_S, registry=self.registry)
+        self.failover_phases = Histogram(PREFIX + "failover_phase_seconds", "Each phase of a failover: detect (the "
+                                         "first sign of a member's death to its loss), stop, plan, load, resume (a "
+                                         "continued stream's first new token)", ["phase"],
+                                         buckets=FAILOVER_PHASE_BUCKETS_S, registry=self.registry)
         self.tokens_per_second = Histogram(PREFIX + "tokens_per_second", "Decode speed per request",
                                            buckets=TOKENS_PER_SECOND_BUCKETS, registry=self.registry)
         self.model_switches = Counter(PREFIX + "model_switches", "Switches between model tiers (--model given "

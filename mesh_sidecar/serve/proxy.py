@@ -170,6 +170,7 @@ class _ClientSide:
     started: float  # monotonic time the request arrived
     response: web.StreamResponse | None = None  # a stream's response, once begun
     first_text_seen: bool = False
+    continued_at: float | None = None  # monotonic time a continuation was asked, until its first new token
 
     async def write(self, pieces: list[bytes]) -> None:
         """Events for the stream's response in one write: one send (or QUIC packet), not one per event."""
@@ -485,6 +486,7 @@ class ApiProxy:
         path = client.request.path
         if ask.step is Step.CONTINUED:
             log.info("continuing a stream from %d delivered tokens", ask.resume_tokens)
+            client.continued_at = time.monotonic()
             if client.tap is not None:
                 client.tap.keep(ask.resume_tokens)  # the rest, held back, is generated again
             if counted:
@@ -566,6 +568,11 @@ class ApiProxy:
         if not client.first_text_seen and recovery.delivered and client.response is not None:
             client.first_text_seen = True
             self.metrics.first_token.observe(time.monotonic() - client.started)
+        if client.continued_at is not None and recovery.delivered:
+            resumed_s = time.monotonic() - client.continued_at
+            client.continued_at = None
+            self.metrics.failover_phases.labels("resume").observe(resumed_s)
+            log.info("the continued stream's first new token came %.2f s after it was asked", resumed_s)
         self._observe_timings(event)
         self.token_rate.streamed(event, time.monotonic())
         data = client.tap.event(event) if client.tap is not None else event

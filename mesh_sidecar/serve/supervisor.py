@@ -29,6 +29,7 @@ cannot hold the model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -58,6 +59,7 @@ from ..wire.rpc_outputs import OutputRejected
 from . import receipt
 from .assignment import Assignment, Claim, ModelNeeds, Offer, Role, assign, pool_for
 from .catalog import LOADING, READY, UNAVAILABLE
+from .failover_timeline import FailoverTimeline
 from .generation import Generation
 from .metrics import Metrics
 from .output_guard import OutputGuard
@@ -279,6 +281,7 @@ class ServingSupervisor:
         self.outage: str | None = None  # why the API answers 503 now (no tier fits, llama-server did not start)
         self.restarts = 0
         self._start_failures = 0  # in a row; reset by a start that reaches the API
+        self._failover: FailoverTimeline | None = None  # the failover under way, its phases so far
 
     # --- reading the mesh for the decisions (replan.py) ------------------------------
 
@@ -373,14 +376,18 @@ class ServingSupervisor:
         if self._options.draft_model is not None:
             self._draft_sha256 = await asyncio.to_thread(model_sha256, self._options.draft_model, lambda *_: None)
         await self._wait_for_peers()
+        loop = asyncio.get_running_loop()
         while True:
             await self._apply_plan()
+            if self._failover is not None:
+                self._failover_ended()
             replan = await self._trouble()
             self._say(f"{replan.reason}; replanning...")
             if replan.for_speed:
-                self._speed_replanned_at = asyncio.get_running_loop().time()
+                self._speed_replanned_at = loop.time()
             if replan.failover:
                 self._metrics.failovers.inc()
+                self._failover = FailoverTimeline(loop.time(), self._detect_s())
             await self._proxy.drain(0.0 if self._plan_unreachable() else DRAIN_TIMEOUT_S)
             self._set_state(LOADING)
             if self.llama_server is not None:
@@ -388,7 +395,34 @@ class ServingSupervisor:
                 self.llama_server = None
                 self.restarts += 1
                 self._metrics.restarts.inc()
-                await asyncio.sleep(RESTART_DELAY_S)
+                await self._settle(RESTART_DELAY_S)
+            if self._failover is not None:
+                self._failover.lap("stop", loop.time())
+
+    def _detect_s(self) -> float:
+        """How long the mesh took to know the plan's lost members were gone (0: none is known lost yet)."""
+        lost = [node.node_id for node in self.plan.nodes if node.node_id != self._identity.node_id
+                and not self._mesh.reaches(node.node_id)] if self.plan is not None else []
+        return max((self._mesh.detection_s(node_id) for node_id in lost), default=0.0)
+
+    async def _settle(self, timeout_s: float) -> None:
+        """After llama-server stopped: wait until a member of the plan is known lost, or ``timeout_s``. A worker's
+        death often ends llama-server a round trip or two before the mesh confirms it (health.py): planning at
+        once would plan with the dead member."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self._plan_unreachable() and (left_s := deadline - loop.time()) > 0:
+            seen = self._mesh.changes.version
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._mesh.changes.wait_after(seen), left_s)
+
+    def _failover_ended(self) -> None:
+        """The plan after a failover is applied: its phases to /metrics and the log."""
+        assert self._failover is not None
+        timeline, self._failover = self._failover, None
+        for phase, length_s in timeline.phases_s.items():
+            self._metrics.failover_phases.labels(phase).observe(length_s)
+        log.info("failover: %s", timeline.describe())
 
     async def _open(self) -> None:
         """Before the first plan: llama-server's key file, the output check, requests held, the claim announced."""
@@ -475,6 +509,8 @@ class ServingSupervisor:
         snapshot = self._snapshot()
         try:
             choice = choose_plan(snapshot, self._step_up)
+            if self._failover is not None:
+                self._failover.lap("plan", asyncio.get_running_loop().time())
         except PlanError as exc:
             self.plan, self.outage = None, str(exc)
             self._say(f"Cannot load the model: {exc}")
@@ -518,6 +554,8 @@ class ServingSupervisor:
             self.llama_server = await start_llama_server(
                 argv, self.llama_port, self._host.logs, load_progress() if load_progress else None)
         except ProcessError as exc:
+            if self._failover is not None:
+                self._failover.lap("load", asyncio.get_running_loop().time())
             self._start_failures += 1
             self.outage = f"llama-server failed to start: {exc}"
             self._say(f"{self.outage}\nTrying again in {start_retry_delay(self._start_failures):.0f} s.")
@@ -525,6 +563,8 @@ class ServingSupervisor:
             self._set_state(UNAVAILABLE)
             return
         self._start_failures = 0
+        if self._failover is not None:
+            self._failover.lap("load", asyncio.get_running_loop().time())
         self._proxy.serve(f"http://{LOOPBACK}:{self.llama_port}", model_id(path.name))
         self._set_state(READY)
         where = self._host.api_url()

@@ -12,6 +12,8 @@ import httpx
 import psutil
 import pytest
 
+from mesh_sidecar.mesh.health import LOST_AFTER_S
+from mesh_sidecar.serve.failover_timeline import PHASES
 from tests.helpers.llama import api_healthy
 from tests.helpers.nodes import kill_worker, metrics
 from tests.helpers.waiting import wait_until
@@ -207,6 +209,37 @@ def test_stream_survives_a_worker_dying_mid_stream(three_nodes, tmp_path):
     (continued,) = [path for path in (tmp_path / "receipts").glob("*.json")
                     if json.loads(path.read_text())["body"].get("continued_at")]
     assert json.loads(continued.read_text())["body"]["continued_at"] == [len(undisturbed.token_ids(seam))]
+
+
+LOST_LINE = re.compile(r"Lost peer b: (.*)")
+
+
+def test_a_killed_worker_is_known_lost_at_once_by_its_cause_and_the_failover_is_timed(three_nodes):
+    a, b, c = three_nodes
+    lost: dict[str, float] = {}
+
+    def kill_then_watch(received: Received) -> None:
+        if "killed" not in lost and len(received.text()) > 100:
+            kill_worker(b)
+            lost["killed"] = time.monotonic()  # kill_worker asks b's status first: the kills end it
+            seen = wait_until(lambda: LOST_LINE.search(c.text()), LOST_AFTER_S * 4, "c says b is lost", poll_s=0.01)
+            lost["after_s"] = time.monotonic() - lost["killed"]
+            lost["cause"] = seen.group(1)
+
+    streamed = receive(c.serve_port, "/v1/completions", LONG, kill_then_watch)
+    assert streamed.events[-1]["choices"][0]["finish_reason"] == "length"
+    # Known by a sign of the dead process, confirmed by a probe: not by the heartbeat's silence, which
+    # could not have said it before LOST_AFTER_S.
+    assert re.fullmatch(r"its (port is unreachable|data connection was reset), and (again after a probe \d+ ms "
+                        r"later|no answer to a probe in \d+ ms)", str(lost["cause"])), lost["cause"]
+    assert lost["after_s"] < LOST_AFTER_S, lost
+    print(f"\nb's loss known {1000 * lost['after_s']:.0f} ms after its SIGKILL: {lost['cause']}")
+    # Each phase of the failover is in /metrics, and its timeline in the log.
+    samples = metrics(c.serve_port)
+    for phase in PHASES:
+        assert samples[f"mesh_failover_phase_seconds_count{{phase={phase}}}"] >= 1, phase
+    log = "".join(f.read_text() for f in (c.home / "logs").glob("*.log"))
+    assert re.search(r"failover: detect [\d.]+ s, stop [\d.]+ s, plan [\d.]+ s, load [\d.]+ s", log)
 
 
 # Four greedy streams, different prompts, both endpoints. They ask for logprobs so the test sees

@@ -11,11 +11,16 @@ import pytest
 
 from mesh_sidecar.mesh.events import PeerDegraded, PeerLost, PeerRecovered
 from mesh_sidecar.mesh.health import (
+    CONFIRM_FLOOR_S,
     DEGRADED_AFTER_S,
+    HEARTBEAT_INTERVAL_S,
+    LOST_AFTER_HEARTBEATS,
+    LOST_AFTER_RTTS,
     LOST_AFTER_S,
     RTT_WINDOW,
     HealthState,
     PeerHealth,
+    lost_reason,
     percentile,
 )
 from mesh_sidecar.mesh.membership import Membership
@@ -155,24 +160,72 @@ def test_nothing_outstanding_is_connected_forever():
 
 
 def test_degraded_exactly_at_threshold_then_lost_exactly_at_threshold():
-    assert (DEGRADED_AFTER_S, LOST_AFTER_S) == (2.5, 5.0)
     health = PeerHealth(PEER)
     answered(health, 1, 0.0, 0.01)
+    assert health.lost_after_s == LOST_AFTER_S  # a quick link: the floor
     health.ping_sent(2, 1.0)  # never answered
-    health.ping_sent(3, 2.0)
+    health.ping_sent(3, 1.5)
     assert health.tick(1.0 + DEGRADED_AFTER_S - 0.001) is None
     assert health.state is HealthState.CONNECTED
     event = health.tick(1.0 + DEGRADED_AFTER_S)
     assert event == PeerDegraded(PEER, DEGRADED_AFTER_S, 1)
     assert health.state is HealthState.DEGRADED
-    health.ping_sent(4, 3.0)
-    health.ping_sent(5, 4.0)
-    health.ping_sent(6, 5.0)
+    health.ping_sent(4, 2.0)
+    health.ping_sent(5, 2.5)
+    health.ping_sent(6, 3.0)
     assert health.tick(1.0 + LOST_AFTER_S - 0.001) is None
     assert health.state is HealthState.DEGRADED
     event = health.tick(1.0 + LOST_AFTER_S)
     assert event == PeerLost(PEER, LOST_AFTER_S, 4)
     assert health.state is HealthState.LOST
+
+
+def test_a_slow_link_waits_longer_before_lost():
+    health = PeerHealth(PEER)
+    for nonce in range(1, 21):  # round trips of 0.5 s: heartbeats plus a few of them
+        answered(health, nonce, nonce * HEARTBEAT_INTERVAL_S, 0.5)
+    expected = LOST_AFTER_HEARTBEATS * HEARTBEAT_INTERVAL_S + LOST_AFTER_RTTS * 0.5
+    assert health.lost_after_s == pytest.approx(expected) and expected > LOST_AFTER_S
+    health.ping_sent(100, 20.0)
+    assert not isinstance(health.tick(20.0 + LOST_AFTER_S), PeerLost)
+    assert health.tick(20.0 + expected) == PeerLost(PEER, pytest.approx(expected), 0)
+
+
+def test_a_stray_sign_evicts_no_one_when_the_probe_is_answered():
+    health = PeerHealth(PEER)
+    answered(health, 1, 0.0, 0.002)
+    assert health.suspect("its port is unreachable", 1.0)  # probe it
+    assert not health.suspect("its port is unreachable", 1.0)  # one probe at a time
+    health.probed(2, 1.0)
+    assert health.suspected
+    assert health.pong_received(2, 1.003) == pytest.approx(0.003)
+    assert not health.suspected
+    assert health.tick(1.0 + CONFIRM_FLOOR_S * 2) is None and health.state is HealthState.CONNECTED
+
+
+def test_a_sign_after_the_probe_confirms_the_loss_at_once():
+    health = PeerHealth(PEER)
+    answered(health, 1, 0.0, 0.002)
+    assert health.suspect("its data connection was reset", 1.0)
+    health.probed(2, 1.0)
+    assert health.tick(1.0005) is None  # no second sign yet
+    assert not health.suspect("its port is unreachable", 1.001)  # the dead port answered the probe
+    event = health.tick(1.001)
+    assert isinstance(event, PeerLost) and health.state is HealthState.LOST
+    assert event.sign == "its data connection was reset, and again after a probe 1 ms later"
+    assert lost_reason(event) == event.sign
+
+
+def test_an_unanswered_probe_confirms_the_loss_after_a_few_round_trips():
+    health = PeerHealth(PEER)
+    answered(health, 1, 0.0, 0.002)
+    assert health.confirm_s == CONFIRM_FLOOR_S  # a quick link: the floor
+    health.suspect("its data connection was reset", 1.0)
+    health.probed(2, 1.0)
+    assert health.tick(1.0 + CONFIRM_FLOOR_S - 0.001) is None
+    event = health.tick(1.0 + CONFIRM_FLOOR_S)
+    assert isinstance(event, PeerLost)
+    assert event.sign == "its data connection was reset, and no answer to a probe in 500 ms"
 
 
 def test_lost_is_final():
@@ -195,16 +248,16 @@ def test_connected_straight_to_lost_when_ticks_are_sparse():
 def test_recovery_after_degraded():
     health = PeerHealth(PEER)
     health.ping_sent(1, 0.0)
-    health.ping_sent(2, 1.0)
-    health.ping_sent(3, 2.0)
-    assert isinstance(health.tick(3.0), PeerDegraded)
-    assert health.tick(3.5) is None  # still degraded: no second event
-    assert health.pong_received(3, 4.0) == pytest.approx(2.0)
+    health.ping_sent(2, 0.5)
+    health.ping_sent(3, 1.0)
+    assert isinstance(health.tick(1.6), PeerDegraded)
+    assert health.tick(1.8) is None  # still degraded: no second event
+    assert health.pong_received(3, 2.0) == pytest.approx(1.0)
     assert health.state is HealthState.DEGRADED  # states change on tick only
-    assert health.tick(4.0) == PeerRecovered(PEER, 1.0, pytest.approx(2.0))
+    assert health.tick(2.0) == PeerRecovered(PEER, pytest.approx(0.4), pytest.approx(1.0))
     assert health.state is HealthState.CONNECTED
     assert health.missed == 0
-    assert health.tick(5.0) is None
+    assert health.tick(3.0) is None
 
 
 def test_custom_thresholds_are_checked():
@@ -212,7 +265,7 @@ def test_custom_thresholds_are_checked():
         PeerHealth(PEER, degraded_after_s=5.0, lost_after_s=5.0)
     with pytest.raises(ValueError):
         PeerHealth(PEER, window=0)
-    health = PeerHealth(PEER, degraded_after_s=0.5, lost_after_s=1.0)
+    health = PeerHealth(PEER, degraded_after_s=0.5, lost_after_s=1.0, heartbeat_interval_s=0.1)
     health.ping_sent(1, 0.0)
     assert isinstance(health.tick(0.5), PeerDegraded)
     assert isinstance(health.tick(1.0), PeerLost)
