@@ -298,12 +298,13 @@ class ChildProcess:
                 )
             await asyncio.sleep(READY_POLL_S)
 
-    async def stop(self) -> None:
-        """SIGTERM, then SIGKILL after a grace period; by pid, never by name. Then finish the log."""
+    async def stop(self, *, at_once: bool = False) -> None:
+        """SIGTERM, then SIGKILL after a grace period (``at_once``: SIGKILL, for a process with nothing left
+        to finish); by pid, never by name. Then finish the log."""
         proc = self._proc
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGKILL if at_once else signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
             except TimeoutError:

@@ -2,7 +2,8 @@
 
 A and B are workers, C serves the default model split over all three. First B's link loses a fifth
 of its packets each way for a while, as a poor Wi-Fi link does, and requests keep coming: B stays a
-member (its heartbeats come late, over QUIC's retransmissions, and the loss time adapts to them).
+member (its heartbeats come late, over QUIC's retransmissions, and the loss time adapts to them),
+and every answer is the one-machine text.
 Then B's machine vanishes from the network (its link set down, every process still running): no
 port answers "unreachable", no connection is reset, so only the heartbeat can say it, and does.
 """
@@ -110,12 +111,14 @@ def test_a_member_on_a_lossy_link_is_not_evicted(lab3, reference_text):
             nft(host, "delete", "table", "inet", LOSS_TABLE)
     for name in "ac":
         assert lost_lines(lab3.nodes[name]) == [], lab3.nodes[name].text()
-    assert connected_names(lab3.nodes["c"]) == {"a", "b"}
-    plan = lab3.nodes["c"].status()["serving"]["plan"]
-    assert {n["name"] for n in plan["nodes"]} == {"a", "b", "c"}
+    assert connected_names(lab3.nodes["c"]) == {"a", "b"} and connected_names(lab3.nodes["a"]) == {"b", "c"}
+    # Not a loss of membership, and not asserted: TCP's retransmissions (a lost SYN waits 1 s, then 2 s) can
+    # hold the data path up past a stream's stall window, and the serving node may then leave B out as slow
+    # for a while, with B still a member.
+    slow = lab3.nodes["c"].text().count("b is holding tokens up")
     rtts = {p["name"]: p.get("rtt_p95_ms") for p in lab3.nodes["c"].status()["peers"]}
-    print(f"\n{answered} requests over {LOSSY_LINK_S:.0f} s with 1 in {LOSS_ONE_IN} of B's packets lost each way; "
-          f"B never lost; heartbeat round trips p95 {rtts}")
+    print(f"\n{answered} requests over {LOSSY_LINK_S:.0f} s with 1 in {LOSS_ONE_IN} of B's packets lost each way: "
+          f"B never lost (left out as slow {slow} time(s)); heartbeat round trips p95 {rtts} ms")
 
 
 def test_a_vanished_machine_is_lost_by_the_heartbeat(lab3, reference_text):
