@@ -279,8 +279,10 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
     def start(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         homes[name].mkdir(parents=True)
         log = workdir / f"{label}-{name}.out"
+        # One rpc-server thread, as the bare rpc-servers of direct (their default): like for like.
         argv = lab_hosts[name].exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(homes[name]),
-                                         "--name", name, "--port", str(QUIC_PORT), *node_args, *args)
+                                         "--name", name, "--port", str(QUIC_PORT), "--threads", "1", *node_args,
+                                         *args)
         return started.popen(f"mesh node {name}", argv, log), log
 
     def ticket(log: Path) -> str:

@@ -21,7 +21,7 @@ b then restarts (same home, joins a) and c replans over three nodes before the n
 measurement starts from the same plan.
 
 Run: ``.venv/bin/python -m benchmarks.failover [--delivered 20,800] [--after 200] [--reps 1]
-[--modes continue] [--no-vanish] [--no-concurrent] [--json PATH]``. Figures are printed and written
+[--modes continue] [--no-vanish] [--no-concurrent] [--threads N] [--json PATH]``. Figures are printed and written
 as JSON; nothing is asserted.
 """
 
@@ -202,10 +202,13 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> list[dict]:
         cases += [("concurrent", 0)] * args.reps
     results = []
     try:
+        threads = ("--threads", str(args.threads)) if args.threads else ()
+        a.args = threads
         start_node(a, started)
-        b.args = ("--join", a.ticket)
+        b.args = ("--join", a.ticket, *threads)
         start_node(b, started)
-        c.args = ("--join", a.ticket, "--min-peers", "2", *(("--model", str(args.model)) if args.model else ()))
+        c.args = ("--join", a.ticket, "--min-peers", "2", *threads,
+                  *(("--model", str(args.model)) if args.model else ()))
         start_node(c, started)
         for how, n in cases:
             wait_until(lambda: plan_size(c) == 3, START_TIMEOUT_S, "c serves over three nodes")
@@ -243,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-vanish", dest="vanish", action="store_false", help="skip the vanished machine")
     parser.add_argument("--no-concurrent", dest="concurrent", action="store_false", help="skip the four streams")
     parser.add_argument("--model", type=Path, default=None, help="GGUF (default: the default model)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="each node's --threads (default: theirs, the machine's physical cores)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
     args.delivered = [int(n) for n in args.delivered.split(",")]

@@ -229,6 +229,9 @@ def run_node(
         "--devices", metavar="LIST", rich_help_panel=MESH_PANEL,
         help="The devices to offer, by llama.cpp's names, e.g. Vulkan0,CPU (default: every GPU, else the "
              "CPU). Each is planned on its own.")] = None,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", min=1, metavar="N", rich_help_panel=MESH_PANEL,
+        help="CPU threads for this node's share of the model (default: the machine's physical cores).")] = None,
     ctx_size: Annotated[int, typer.Option(
         "--ctx-size", min=256, metavar="TOKENS", rich_help_panel=SERVING_PANEL,
         help="Context length llama-server gets.")] = DEFAULT_CTX_SIZE,
@@ -329,7 +332,7 @@ def run_node(
     options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,
                           serving=serving,
                           join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                          devices=device_names(devices),
+                          devices=device_names(devices), rpc_threads=threads,
                           model_sha256=sha256, weight_cache=cache, weight_cache_tool=tool, fetch_model=fetch_model,
                           mdns=not no_mdns, plain_progress=not console.is_terminal, data_relay=data_relay)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))

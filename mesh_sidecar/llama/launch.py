@@ -77,9 +77,10 @@ LLAMA_SERVER_LOAD_STAGES = (
 
 
 def rpc_server_argv(binaries: LlamaBinaries, port: int, *, tensor_cache: bool = False,
-                    devices: Sequence[str] = ()) -> list[str]:
+                    devices: Sequence[str] = (), threads: int | None = None) -> list[str]:
     """rpc-server's command line; ``devices``: the ones it offers, by ggml's names (none: its own rule,
-    every GPU, else the CPU)."""
+    every GPU, else the CPU); ``threads``: its CPU device's (None: this machine's physical cores, as
+    llama-server takes; rpc-server's own default is one thread, half or less of a CPU member's speed)."""
     # rpc-server prints its devices and their free memory (capacity.py reads them from its log) with
     # printf, then serves forever: into a pipe, block-buffered, they would never arrive. stdbuf
     # (coreutils) makes its stdout line-buffered.
@@ -89,7 +90,12 @@ def rpc_server_argv(binaries: LlamaBinaries, port: int, *, tensor_cache: bool = 
         argv.append("-c")
     if devices:
         argv += ["-d", ",".join(devices)]
-    return argv
+    return [*argv, "-t", str(threads or physical_cores())]
+
+
+def physical_cores() -> int:
+    """This machine's physical cores (its logical ones where that is unknown)."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def llama_server_argv(
@@ -374,12 +380,12 @@ def http_health_probe(client: httpx.AsyncClient, port: int) -> Callable[[], Awai
 
 async def start_rpc_server(
     binaries: LlamaBinaries, port: int, logs: Path, *, weight_cache: WeightCache | None = None,
-    devices: Sequence[str] = (),
+    devices: Sequence[str] = (), threads: int | None = None,
 ) -> ChildProcess:
     """rpc-server on 127.0.0.1:``port``; with ``weight_cache``, it answers SET_TENSOR_HASH from there;
-    ``devices``: the ones it offers (rpc_server_argv)."""
+    ``devices``, ``threads``: as rpc_server_argv."""
     child = ChildProcess("ggml-rpc-server", rpc_server_argv(binaries, port, tensor_cache=weight_cache is not None,
-                                                            devices=devices),
+                                                            devices=devices, threads=threads),
                          logs / "rpc-server.log", env=weight_cache.environment() if weight_cache else None)
     await child.start()
     try:

@@ -98,6 +98,7 @@ class NodeOptions:
     model_sha256: str = ""
     # The devices rpc-server offers (--devices), by ggml's names; (): its own rule (every GPU, else the CPU).
     devices: tuple[str, ...] = ()
+    rpc_threads: int | None = None  # --threads: rpc-server's CPU threads; None: the physical cores
     # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
     weight_cache: WeightCache | None = None
     weight_cache_tool: Path | None = None
@@ -207,7 +208,8 @@ class Node:
             try:
                 self.rpc_server = await start_rpc_server(self.options.binaries, port, self.options.home.logs,
                                                          weight_cache=self.options.weight_cache,
-                                                         devices=self.options.devices)
+                                                         devices=self.options.devices,
+                                                         threads=self.options.rpc_threads)
             except ChildExitedError as exc:
                 available = parse_device_listing(str(exc), AVAILABLE_DEVICES_HEADING)
                 if self.options.devices and available:

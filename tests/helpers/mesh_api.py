@@ -194,7 +194,7 @@ def start_on_the_default_port(root: Path, name: str, *args: str) -> NodeProcess:
     home = root / name
     home.mkdir()
     argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", name,
-            "--port", str(free_udp_port()), "--no-mdns", *args]
+            "--port", str(free_udp_port()), "--no-mdns", "--threads", "1", *args]  # as tests/helpers/nodes.py
     output = root / f"{name}.out"
     node = NodeProcess(home, subprocess.Popen(argv, stdout=open(output, "w"), stderr=subprocess.STDOUT), output)
     try:

@@ -318,8 +318,9 @@ class Lab:
 def start_in(host: Host, home, *args: str) -> NodeProcess:
     home.mkdir(parents=True)
     output = home.parent / f"{host.name}.out"
+    # One CPU thread per rpc-server, as on loopback (tests/helpers/nodes.py): the hosts share this machine.
     argv = host.exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", host.name,
-                          "--port", str(QUIC_PORT), *args)
+                          "--port", str(QUIC_PORT), "--threads", "1", *args)
     proc = subprocess.Popen(argv, stdout=open(output, "w"), stderr=subprocess.STDOUT)
     return NodeProcess(home, proc, output, prefix=host.exec_argv())
 

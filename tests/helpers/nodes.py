@@ -137,8 +137,10 @@ class LoopbackNodes:
         # Every node has an API; each gets a free port here, never the machine's 8080.
         api_port = free_tcp_port()
         # No mDNS: these nodes share the machine's own network, where a test must send nothing.
+        # One CPU thread per rpc-server: the nodes share this machine's cores, and llama.cpp's own --rpc,
+        # which tests compare with, runs bare rpc-servers at their default of one.
         argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(home), "--name", name,
-                "--port", str(free_udp_port()), "--no-mdns", *args]
+                "--port", str(free_udp_port()), "--no-mdns", "--threads", "1", *args]
         if serve:
             argv += ["--serve", str(api_port)] + (["--spread"] if spread else [])
         else:
