@@ -14,6 +14,13 @@ either came first or never will)::
         ^                                                   |
         +---------------(a Pong arrives)--------------------+
 
+Heartbeats are not the only sign of life: any datagram from the peer (a QUIC acknowledgement, its own
+Ping) says its machine and its process are there (``heard``). A peer is lost by silence when its
+oldest Ping has waited ``lost_after_s`` and nothing at all came from it for as long: on a link that
+drops one packet in five, a Ping and its retransmissions can all be lost for seconds while the
+peer's other packets keep arriving. A peer that keeps sending but answers no Ping for
+ANSWERED_WITHIN_LOST_AFTERS times that long is lost all the same (its mesh is hung, its QUIC not).
+
 How long "lost" waits adapts to the link: a few heartbeats plus a few of its slowest round trips
 (``lost_after_s``), never less than the floor (LOST_AFTER_S) that a Wi-Fi member's pauses and a
 lossy link's retransmissions stay under. That is for a machine that vanished. A process that
@@ -48,6 +55,8 @@ DEGRADED_AFTER_S = 1.5  # a Ping this long without a Pong: the peer is degraded
 # The least a Ping waits before its peer is lost: a QUIC stream's retransmissions on a link losing 20% of
 # its packets, or a Wi-Fi member's power-save pauses, stay well under it.
 LOST_AFTER_S = 2.5
+# A peer heard from (any datagram) but answering no Ping is lost after this many times lost_after_s.
+ANSWERED_WITHIN_LOST_AFTERS = 4
 # Beyond the floor, lost after this many heartbeats plus this many of the link's slowest round trips (p95).
 LOST_AFTER_HEARTBEATS = 4
 LOST_AFTER_RTTS = 4
@@ -56,7 +65,7 @@ LOST_AFTER_RTTS = 4
 CONFIRM_RTTS = 4
 CONFIRM_FLOOR_S = 0.5
 RTT_WINDOW = 64  # RTT samples kept for the percentiles
-MAX_OUTSTANDING_PINGS = 32  # unanswered Pings remembered; older ones no longer count as answered
+MAX_OUTSTANDING_PINGS = 64  # unanswered Pings remembered (32 s of heartbeats); older ones no longer count
 # A heartbeat due after a gap longer than this means our own event loop stalled:
 # Pongs may be waiting unread, so peers are not judged on that heartbeat.
 LOOP_STALL_S = 2.0
@@ -111,6 +120,7 @@ class PeerHealth:
         self._suspected: tuple[float, str] | None = None  # since when, and the first sign
         self._probed_at: float | None = None  # the Ping sent when it was suspected
         self._confirmed: str | None = None  # a sign that came after the probe
+        self._heard_at: float | None = None  # the peer's last datagram of any kind
         self.pings_sent = 0
         self.pongs_received = 0
 
@@ -177,6 +187,17 @@ class PeerHealth:
             self._outstanding.popitem(last=False)
         self.pings_sent += 1
 
+    def heard(self, at: float) -> None:
+        """A datagram of any kind came from the peer at ``at``."""
+        if self._heard_at is None or at > self._heard_at:
+            self._heard_at = at
+
+    def quiet_s(self, now: float) -> float:
+        """How long the peer has given no sign of life: its oldest unanswered Ping's wait, or less if any
+        datagram came from it since."""
+        silent = self.silent_s(now)
+        return silent if self._heard_at is None else min(silent, max(0.0, now - self._heard_at))
+
     def suspect(self, sign: str, now: float) -> bool:
         """A sign that the peer's process is gone (``sign`` says which, for the log). True when the caller
         is to send a probe Ping now (``probed``); a sign after that probe has gone out confirms the loss
@@ -232,7 +253,8 @@ class PeerHealth:
                 return PeerLost(self.node_id, silent, self._missed,
                                 f"{sign}, and no answer to a probe in {1000 * (now - self._probed_at):.0f} ms",
                                 now - since)
-        if silent >= self.lost_after_s:
+        quiet = self.quiet_s(now)
+        if quiet >= self.lost_after_s or silent >= ANSWERED_WITHIN_LOST_AFTERS * self.lost_after_s:
             self._state = HealthState.LOST
             return PeerLost(self.node_id, silent, self._missed)
         new = HealthState.DEGRADED if silent >= self.degraded_after_s else HealthState.CONNECTED

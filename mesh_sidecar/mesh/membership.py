@@ -290,6 +290,11 @@ class Membership:
             return
         self._judge(pinged, now)
 
+    def heard_from(self, node_id: bytes, at: float) -> None:
+        """A datagram of any kind came from ``node_id`` at ``at``: alive, whatever its heartbeats say."""
+        if (health := self._health.get(node_id)) is not None:
+            health.heard(at)
+
     def suspect(self, node_id: bytes, sign: str, now: float) -> float | None:
         """A sign that a connected peer's process is gone (its port unreachable, its data connection reset):
         probe it with a Ping now. Returns when to call ``judge`` (its probe's deadline), or None."""

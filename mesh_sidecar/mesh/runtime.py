@@ -226,6 +226,9 @@ class Mesh:
         last_refresh = time.monotonic()
         while True:
             now = time.monotonic()
+            for peer in self._peers.values():
+                if (heard_s := peer.connection.last_heard_s) is not None:
+                    self._membership.heard_from(peer.connection.peer_id, heard_s)
             self._membership.heartbeat(now)
             self.verdicts.expire(now)
             tell_observed_addresses(self._peers.values())

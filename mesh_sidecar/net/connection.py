@@ -44,6 +44,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ class PeerConnection:
         self._handshake = handshake
         self.initiator = initiator
         self.peer_id = b""  # set on admission
+        self.last_heard_s: float | None = None  # time.monotonic() of its last datagram
         self.close_reason: str | None = None
         self._admitted = False
         self._settled = asyncio.Event()  # admitted, or failed with _failure
@@ -271,6 +273,7 @@ class PeerConnection:
 
     def datagram_received(self, data: bytes, address: tuple) -> None:
         """Feed one datagram; the transport pumps once after the batch it came in."""
+        self.last_heard_s = time.monotonic()  # the peer is alive, whatever the datagram says (health.py)
         self._quic.receive_datagram(data, address, now=self._loop.time())
 
     def pump(self) -> int:

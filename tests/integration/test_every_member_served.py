@@ -220,8 +220,9 @@ def test_replicas_share_a_model_and_a_stream_survives_one_dying(start_node, mode
     survived = result["s"]
     assert survived.error is None and survived.done, survived.error
     assert survived.finish_reasons() == ["length"]
-    seam = survived.seam()
-    assert survived.at_s[seam] > killed_at  # the longest wait is the failover's
+    # The text delivered before the kill: a failover is now quicker than the slowest tokens may be, so the
+    # longest wait no longer marks it (test_failover.py checks the exact seam by token ids).
+    seam = next(i for i, at_s in enumerate(survived.at_s) if at_s > killed_at)
     # Alone, the same text up to the failover (after it, another replica's batch: no identity asserted).
     assert reference.text().startswith(survived.text(seam)) and seam >= TOKENS_BEFORE_KILL
     assert len(survived.text()) > len(survived.text(seam))

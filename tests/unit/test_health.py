@@ -11,6 +11,7 @@ import pytest
 
 from mesh_sidecar.mesh.events import PeerDegraded, PeerLost, PeerRecovered
 from mesh_sidecar.mesh.health import (
+    ANSWERED_WITHIN_LOST_AFTERS,
     CONFIRM_FLOOR_S,
     DEGRADED_AFTER_S,
     HEARTBEAT_INTERVAL_S,
@@ -191,6 +192,29 @@ def test_a_slow_link_waits_longer_before_lost():
     assert health.tick(20.0 + expected) == PeerLost(PEER, pytest.approx(expected), 0)
 
 
+def test_a_peer_heard_from_is_not_lost_while_its_pings_wait_on_a_lossy_link():
+    health = PeerHealth(PEER)
+    answered(health, 1, 0.0, 0.002)
+    health.ping_sent(2, 1.0)  # lost, and its retransmissions too
+    health.heard(1.0 + LOST_AFTER_S - 0.2)  # an acknowledgement of something else came
+    assert not isinstance(health.tick(1.0 + LOST_AFTER_S), PeerLost)
+    assert health.quiet_s(1.0 + LOST_AFTER_S) == pytest.approx(0.2)
+    # Nothing at all for LOST_AFTER_S: lost, as long as its oldest Ping has waited.
+    event = health.tick(1.0 + 2 * LOST_AFTER_S - 0.2)
+    assert isinstance(event, PeerLost) and event.silent_s == pytest.approx(2 * LOST_AFTER_S - 0.2)
+
+
+def test_a_peer_heard_from_but_answering_nothing_is_lost_in_the_end():
+    health = PeerHealth(PEER)
+    answered(health, 1, 0.0, 0.002)
+    health.ping_sent(2, 1.0)
+    limit = ANSWERED_WITHIN_LOST_AFTERS * LOST_AFTER_S
+    for at in (1.5, 3.0, 5.0, 7.0, 9.0, 10.9):
+        health.heard(at)  # its QUIC still acknowledges: its mesh is hung
+        assert not isinstance(health.tick(at), PeerLost)
+    assert isinstance(health.tick(1.0 + limit), PeerLost)
+
+
 def test_a_stray_sign_evicts_no_one_when_the_probe_is_answered():
     health = PeerHealth(PEER)
     answered(health, 1, 0.0, 0.002)
@@ -336,9 +360,10 @@ def deaf_to_pings():
 
 async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(deaf_to_pings, caplog, tmp_path):
     # Fast heartbeats and short thresholds; QUIC keepalives keep the connection itself
-    # alive all along, so only the heartbeats can tell that B stopped answering.
-    # Degraded for 2.5 s before lost: wide enough that a busy machine's polling still sees it.
-    timings = MeshTimings(heartbeat_interval_s=0.1, degraded_after_s=0.5, lost_after_s=3.0)
+    # alive all along, so only the heartbeats can tell that B stopped answering. B's QUIC
+    # still acknowledges: it is heard from, so lost only after ANSWERED_WITHIN_LOST_AFTERS
+    # times lost_after_s (4 s). Degraded for 3.5 s before: wide enough for a busy machine's polling.
+    timings = MeshTimings(heartbeat_interval_s=0.1, degraded_after_s=0.5, lost_after_s=1.0)
     caplog.set_level(logging.INFO, "mesh_sidecar.mesh.runtime")
     said: dict[str, list[str]] = {"a": [], "b": []}
     a = make_mesh(tmp_path, "a", SECRET, said["a"].append, timings=timings)
@@ -364,7 +389,7 @@ async def test_silent_peer_is_degraded_then_lost_before_quic_would_notice(deaf_t
         await wait_for(lambda: row(a, b)["state"] == "lost", "B lost", 10.0)
         assert row(a, b)["health"] == "lost"
         assert any(m.startswith("Peer b is slow to answer") for m in said["a"]), said["a"]
-        assert any(m.startswith("Lost peer b: no heartbeat answer for 3.") for m in said["a"]), said["a"]
+        assert any(m.startswith("Lost peer b: no heartbeat answer for 4.") for m in said["a"]), said["a"]
         assert a.connected_members() == []
     finally:
         for task in tasks:
