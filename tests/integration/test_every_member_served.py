@@ -210,8 +210,8 @@ def test_replicas_share_a_model_and_a_stream_survives_one_dying(start_node, mode
         assert enough.wait(60), "the long stream began"
         (serving,) = which(before, forwarded(w.api_port))
         (other,) = {"r1", "r2"} - {serving}
+        kill_began = time.monotonic()  # kill_node returns once every process is gone: the stream may be over
         kill_node(*pids[serving])
-        killed_at = time.monotonic()
         wait_until(lambda: [r["node"]["name"] for r in listed_models(w.api_port).get(small, {}).get("replicas", [])]
                    == [other], LOST_WITHIN_S, f"{serving} leaves w's list")
     finally:
@@ -222,7 +222,7 @@ def test_replicas_share_a_model_and_a_stream_survives_one_dying(start_node, mode
     assert survived.finish_reasons() == ["length"]
     # The text delivered before the kill: a failover is now quicker than the slowest tokens may be, so the
     # longest wait no longer marks it (test_failover.py checks the exact seam by token ids).
-    seam = next(i for i, at_s in enumerate(survived.at_s) if at_s > killed_at)
+    seam = next(i for i, at_s in enumerate(survived.at_s) if at_s > kill_began)
     # Alone, the same text up to the failover (after it, another replica's batch: no identity asserted).
     assert reference.text().startswith(survived.text(seam)) and seam >= TOKENS_BEFORE_KILL
     assert len(survived.text()) > len(survived.text(seam))
