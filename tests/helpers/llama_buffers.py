@@ -152,14 +152,21 @@ class Served:
     log: str
 
 
+REPLAN_WITHIN_S = 120.0  # a replan's stop, plan and load on a busy machine
+
+
 def served_by_one_llama_server(node, ask: Callable[[], str], attempts: int = 3) -> Served:
     """``ask()`` answered with ``node``'s plan, read while the llama-server running it stayed the same.
 
     The supervisor may replan (capacities in gossip move: a lavapipe device's free memory is the host's)
     and start a new llama-server between reading the plan and asking; then ask again."""
     def running() -> tuple[int, dict, list[str], str]:
-        status = node.status()
-        llama = next(p for p in status["processes"] if p["name"] == "llama-server")
+        def found() -> tuple[dict, dict] | None:  # none while a replan restarts it
+            status = node.status()
+            llama = next((p for p in status["processes"] if p["name"] == "llama-server"), None)
+            return None if llama is None else (llama, status)
+
+        llama, status = wait_until(found, REPLAN_WITHIN_S, f"{node.home.name}'s llama-server runs")
         return llama["pid"], status["serving"]["plan"], psutil.Process(llama["pid"]).cmdline(), llama["log"]
 
     for _ in range(attempts):
@@ -170,7 +177,7 @@ def served_by_one_llama_server(node, ask: Callable[[], str], attempts: int = 3) 
         answer = ask()
         if running()[0] == pid:
             return Served(answer, plan, argv, log)
-    raise AssertionError(f"{node.name}'s llama-server was replaced {attempts} times while asked")
+    raise AssertionError(f"{node.home.name}'s llama-server was replaced {attempts} times while asked")
 
 
 def device_buffers_mib(log: str) -> dict[tuple[str, str], float]:
