@@ -403,9 +403,7 @@ class ServingSupervisor:
 
     def _detect_s(self) -> float:
         """How long the mesh took to know the plan's lost members were gone (0: none is known lost yet)."""
-        lost = [node.node_id for node in self.plan.nodes if node.node_id != self._identity.node_id
-                and not self._mesh.reaches(node.node_id)] if self.plan is not None else []
-        return max((self._mesh.detection_s(node_id) for node_id in lost), default=0.0)
+        return max((self._mesh.detection_s(node_id) for node_id in self._unreachable_members()), default=0.0)
 
     async def _settle(self, timeout_s: float) -> None:
         """After llama-server stopped: wait until a member of the plan is known lost, or ``timeout_s``. A worker's
@@ -439,8 +437,12 @@ class ServingSupervisor:
         a drain would only wait (with --b2b llama-server waits on the workers after it instead of
         failing); the proxy continues those requests on the new plan. A member leaving gracefully
         keeps its connection until its requests are done, and is drained as before."""
-        return self.plan is not None and any(
-            node.node_id != self._identity.node_id and not self._mesh.reaches(node.node_id) for node in self.plan.nodes)
+        return bool(self._unreachable_members())
+
+    def _unreachable_members(self) -> set[bytes]:
+        """The members of the plan this node no longer holds a connection to."""
+        return {node.node_id for node in self.plan.nodes if node.node_id != self._identity.node_id
+                and not self._mesh.reaches(node.node_id)} if self.plan is not None else set()
 
     def request_restart(self, reason: str) -> None:
         """Restart llama-server at once (the proxy saw it stall)."""
