@@ -21,6 +21,12 @@ if [ ! -x /usr/bin/chromium ]; then
          "it is skipped meanwhile." >&2
   fi
 fi
+# The lossy-link test (tests/integration/test_link_loss_netns.py) drops packets with nftables.
+if ! command -v nft >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "Installing nftables with apt-get (for the lossy-link test)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null \
+    || echo "warning: nftables did not install; the lossy-link test is skipped." >&2
+fi
 # The Vulkan build's test (tests/integration/test_vulkan_build.py) runs on Mesa's llvmpipe, a Vulkan
 # device in software. As root with apt-get, install its packages when missing; then build it once per pin
 # (about 6 min on 2 cores, cached like the CPU build). Without them, or when it does not build, that test

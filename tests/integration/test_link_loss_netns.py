@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.netns,
     pytest.mark.skipif(not can_make_namespaces(), reason="needs root and `ip netns`"),
+    pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (`nft`) to drop packets"),
 ]
 
 # How long B's link is lossy while requests run. The figure is five minutes; MESH_TEST_LOSSY_LINK_S
