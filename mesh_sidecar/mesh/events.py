@@ -85,7 +85,8 @@ class PeerLost(_PeerSilent):
     """A member's heartbeat has gone unanswered too long, or a sign that its process is gone was confirmed
     (health.py): its connection is to be closed."""
 
-    sign: str = ""  # the confirmed sign ("its port is unreachable, and again after a probe 2 ms later"), if any
+    # The confirmed sign, if any: "its data connection was reset, and a probe 2 ms later found it unreachable".
+    sign: str = ""
     suspected_s: float = 0.0  # from that sign's first coming to its confirmation
 
     @property

@@ -26,10 +26,11 @@ How long "lost" waits adapts to the link: a few heartbeats plus a few of its slo
 lossy link's retransmissions stay under. That is for a machine that vanished. A process that
 died on a live machine shows itself at once: the kernel answers its port with "port
 unreachable", its data connections are reset. Any such sign makes the peer *suspected*
-(``suspect``): the mesh sends it a Ping at once, and a suspected peer is lost when a second
-sign comes after that probe (a dead port answers it at once) or when the probe goes
-unanswered ``confirm_s`` (a few round trips, CONFIRM_FLOOR_S at least). A Pong clears the
-suspicion, so one stray ICMP message evicts no one.
+(``suspect``): the mesh sends it a Ping at once, and a suspected peer is lost when its port is
+unreachable after that probe (a dead port answers the probe at once) or when the probe goes
+unanswered ``confirm_s`` (a few round trips, CONFIRM_FLOOR_S at least). A reset never confirms:
+its data relay resets every tunnel connection at once when it alone dies or is stopped, and its
+node still answers. A Pong clears the suspicion, so one stray ICMP message evicts no one.
 
 ``lost`` is final: the mesh closes the connection, and a new connection gets a new
 PeerHealth. With nothing outstanding a peer stays connected, so a peer that is not
@@ -69,6 +70,13 @@ MAX_OUTSTANDING_PINGS = 64  # unanswered Pings remembered (32 s of heartbeats); 
 # A heartbeat due after a gap longer than this means our own event loop stalled:
 # Pongs may be waiting unread, so peers are not judged on that heartbeat.
 LOOP_STALL_S = 2.0
+
+
+class Sign(enum.Enum):
+    """A sign that a peer's process is gone, as the log says it."""
+
+    UNREACHABLE = "its port is unreachable"  # an ICMP error: its kernel answers for a closed port
+    RESET = "its data connection was reset"  # by its data relay: the relay or its whole node died
 
 
 class HealthState(enum.StrEnum):
@@ -117,9 +125,9 @@ class PeerHealth:
         self._state = HealthState.CONNECTED
         self._degraded_at: float | None = None
         self._missed = 0
-        self._suspected: tuple[float, str] | None = None  # since when, and the first sign
+        self._suspected: tuple[float, Sign] | None = None  # since when, and the first sign
         self._probed_at: float | None = None  # the Ping sent when it was suspected
-        self._confirmed: str | None = None  # a sign that came after the probe
+        self._confirmed = False  # its port was unreachable after the probe
         self._heard_at: float | None = None  # the peer's last datagram of any kind
         self.pings_sent = 0
         self.pongs_received = 0
@@ -198,18 +206,17 @@ class PeerHealth:
         silent = self.silent_s(now)
         return silent if self._heard_at is None else min(silent, max(0.0, now - self._heard_at))
 
-    def suspect(self, sign: str, now: float) -> bool:
-        """A sign that the peer's process is gone (``sign`` says which, for the log). True when the caller
-        is to send a probe Ping now (``probed``); a sign after that probe has gone out confirms the loss
-        (at the next ``tick``)."""
+    def suspect(self, sign: Sign, now: float) -> bool:
+        """A sign that the peer's process is gone. True when the caller is to send a probe Ping now
+        (``probed``); its port unreachable after that probe confirms the loss (at the next ``tick``)."""
         if self._state is HealthState.LOST:
             return False
         if self._suspected is None:
             self._suspected = (now, sign)
             self._probed_at = None
             return True
-        if self._probed_at is not None and now > self._probed_at:
-            self._confirmed = sign
+        if sign is Sign.UNREACHABLE and self._probed_at is not None and now > self._probed_at:
+            self._confirmed = True
         return False
 
     def probed(self, nonce: int, now: float) -> None:
@@ -231,7 +238,8 @@ class PeerHealth:
                 break
         rtt = max(0.0, now - sent_at)
         self._rtts.append(rtt)
-        self._suspected = self._probed_at = self._confirmed = None  # it answers: whatever the sign was, it lives
+        self._suspected = self._probed_at = None  # it answers: whatever the sign was, it lives
+        self._confirmed = False
         self.pongs_received += 1
         # The Pings after this one that were followed by another Ping are missed.
         self._missed = max(0, len(self._outstanding) - 1)
@@ -244,14 +252,15 @@ class PeerHealth:
         silent = self.silent_s(now)
         if self._suspected is not None:
             since, sign = self._suspected
-            if self._confirmed is not None:
+            if self._confirmed:
                 self._state = HealthState.LOST
-                return PeerLost(self.node_id, silent, self._missed,
-                                f"{sign}, and again after a probe {1000 * (now - since):.0f} ms later", now - since)
+                after = f"a probe {1000 * (now - since):.0f} ms later"
+                confirmed = f"again after {after}" if sign is Sign.UNREACHABLE else f"{after} found it unreachable"
+                return PeerLost(self.node_id, silent, self._missed, f"{sign.value}, and {confirmed}", now - since)
             if self._probed_at is not None and now - self._probed_at >= self.confirm_s:
                 self._state = HealthState.LOST
                 return PeerLost(self.node_id, silent, self._missed,
-                                f"{sign}, and no answer to a probe in {1000 * (now - self._probed_at):.0f} ms",
+                                f"{sign.value}, and no answer to a probe in {1000 * (now - self._probed_at):.0f} ms",
                                 now - since)
         quiet = self.quiet_s(now)
         if quiet >= self.lost_after_s or silent >= ANSWERED_WITHIN_LOST_AFTERS * self.lost_after_s:

@@ -41,7 +41,15 @@ from .events import (
     MemberUpdated,
     SecretRotated,
 )
-from .health import DEGRADED_AFTER_S, HEARTBEAT_INTERVAL_S, LOOP_STALL_S, LOST_AFTER_S, HealthState, PeerHealth
+from .health import (
+    DEGRADED_AFTER_S,
+    HEARTBEAT_INTERVAL_S,
+    LOOP_STALL_S,
+    LOST_AFTER_S,
+    HealthState,
+    PeerHealth,
+    Sign,
+)
 
 # A lost member that a connected peer still lists (so it is up, and only our path to it failed:
 # a dial that timed out on a busy machine, a path that broke) is dialed again on a heartbeat
@@ -295,7 +303,7 @@ class Membership:
         if (health := self._health.get(node_id)) is not None:
             health.heard(at)
 
-    def suspect(self, node_id: bytes, sign: str, now: float) -> float | None:
+    def suspect(self, node_id: bytes, sign: Sign, now: float) -> float | None:
         """A sign that a connected peer's process is gone (its port unreachable, its data connection reset):
         probe it with a Ping now. Returns when to call ``judge`` (its probe's deadline), or None."""
         health = self._health.get(node_id)
@@ -306,7 +314,7 @@ class Membership:
             self._next_nonce += 1
             health.probed(self._next_nonce, now)
             self._actions.append(Send(node_id, Ping(self._next_nonce, now)))
-        self._judge([node_id], now)  # a sign after the probe: lost now
+        self._judge([node_id], now)  # its port unreachable after the probe: lost now
         return None if health.state is HealthState.LOST else now + health.confirm_s
 
     def judge(self, now: float) -> None:

@@ -21,6 +21,7 @@ This is the asyncio edge that joins the pure parts together:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -66,7 +67,7 @@ from . import events
 from .changes import Changes
 from .data_paths import DataPaths
 from .dialer import Dialer
-from .health import lost_reason
+from .health import Sign, lost_reason
 from .lan import LanDialer
 from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
 from .messages import ExclusionNotices, event_message
@@ -129,9 +130,10 @@ class Mesh:
         self.changes = Changes()  # a member joined, was lost or left, or a verdict changed
         self.relay_counters = RelayCounters()
         self._transport = MeshTransport(identity, saved.secret, self._serve_peer, dial_timeout_s=timings.dial_timeout_s,
-                                        on_unreachable=lambda node_id: self.suspect(node_id, "its port is unreachable"))
+                                        on_unreachable=lambda node_id: self.suspect(node_id, Sign.UNREACHABLE))
         self._transport.refuse_nodes(saved.removed)
         self._tasks: set[asyncio.Task[None]] = set()  # dials and deferred closes
+        self._relay_task: asyncio.Task[None] | None = None  # the native data relay's, from run to close
         self._data_relay_binary = data_relay
         self._peers = PeerTable(identity.node_id, self._spawn, retire_idle_s=timings.retire_idle_s,
                                 retire_poll_s=timings.retire_poll_s)
@@ -143,7 +145,7 @@ class Mesh:
         self.verdicts = ServingVerdicts(self._peers, lambda node_id: self._membership.info_of(node_id),
                                         self.name_of, say, self._verdicts_changed)
         self.data_paths = DataPaths(None, self.verdicts, self._peer_counters,
-                                    on_reset=lambda node_id: self.suspect(node_id, "its data connection was reset"))
+                                    on_reset=lambda node_id: self.suspect(node_id, Sign.RESET))
         self._peers.native = self.data_paths
         self._streams = StreamServices(
             rpc_port, self._resolve_endpoint,
@@ -220,7 +222,13 @@ class Mesh:
             tg.create_task(self._heartbeats())
             tg.create_task(self._dialer.punch_again())
             if self.data_paths.relay is not None:
-                tg.create_task(self.data_paths.relay.run())
+                tg.create_task(self._run_relay(self.data_paths.relay))
+
+    async def _run_relay(self, relay: DataRelay) -> None:
+        """The relay outlives run: a node that leaves says so first and lets its peers move their work off
+        it through the relay, then close() stops it. A failure of the relay still ends run."""
+        self._relay_task = asyncio.create_task(relay.run())
+        await asyncio.shield(self._relay_task)
 
     async def _heartbeats(self) -> None:
         last_refresh = time.monotonic()
@@ -259,6 +267,10 @@ class Mesh:
             await self._peers.wait_empty(LEAVE_GRACE_S)
         for task in self._tasks:
             task.cancel()
+        if self._relay_task is not None and not self._relay_task.done():  # done: its failure ended run
+            self._relay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._relay_task
         await self._peers.close_tunnels()
         await self._transport.close()
 
@@ -381,13 +393,13 @@ class Mesh:
         """How long the last loss of ``node_id`` took to know (health.py), 0 if none was judged here."""
         return self._detections.get(node_id, 0.0)
 
-    def suspect(self, node_id: bytes, sign: str) -> None:
+    def suspect(self, node_id: bytes, sign: Sign) -> None:
         """A sign that ``node_id``'s process is gone (its port unreachable, a data connection reset): probe it
         at once, and judge it when the probe's time is up (health.py); a member lost so is known within a
         round trip or two, not a heartbeat timeout."""
         if self._leaving:
             return
-        log.debug("peer %s suspected: %s", short_id(node_id), sign)
+        log.debug("peer %s suspected: %s", short_id(node_id), sign.value)
         deadline = self._membership.suspect(node_id, sign, time.monotonic())
         self._process()
         if deadline is not None:

@@ -44,5 +44,7 @@ def test_restarted_worker_rejoins_without_a_ticket_and_leave_forgets(start_node)
     assert worker.proc.wait(90) == 0
     assert peer_state(server, "worker") == "left"
     assert "left the mesh for good" in server.text()
+    # Both stops said Leave before the worker's data relay stopped: neither read as a loss.
+    assert "Lost peer worker" not in server.text()
     assert not (worker.home / MESH_FILE_NAME).exists()
     assert worker_id not in json.loads((server.home / MESH_FILE_NAME).read_text())["members"]

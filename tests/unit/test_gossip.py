@@ -32,7 +32,7 @@ from mesh_sidecar.mesh.events import (
     PeerRecovered,
     SecretRotated,
 )
-from mesh_sidecar.mesh.health import CONFIRM_FLOOR_S, DEGRADED_AFTER_S, LOOP_STALL_S, LOST_AFTER_S
+from mesh_sidecar.mesh.health import CONFIRM_FLOOR_S, DEGRADED_AFTER_S, LOOP_STALL_S, LOST_AFTER_S, Sign
 from mesh_sidecar.mesh.membership import Dial, Disconnect, Membership, MemberState, Send
 from mesh_sidecar.wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from mesh_sidecar.wire.gossip import (
@@ -842,12 +842,12 @@ def test_a_suspected_member_is_probed_and_lost_only_when_a_sign_comes_again() ->
     mesh.now = 10.0
     node.heartbeat(10.0)
     mesh.run()  # both answer: quick links
-    deadlines = {peer: node.suspect(peer, "its port is unreachable", 10.1) for peer in (b, c)}
+    deadlines = {peer: node.suspect(peer, Sign.UNREACHABLE, 10.1) for peer in (b, c)}
     assert deadlines == {b: 10.1 + CONFIRM_FLOOR_S, c: 10.1 + CONFIRM_FLOOR_S}
     probes = {action.to: action.msg for action in (node.next_action(), node.next_action())}
     assert all(isinstance(msg, Ping) for msg in probes.values()) and set(probes) == {b, c}
     node.receive(c, Pong(probes[c].nonce, probes[c].sent_at), 10.101)  # c lives: a stray ICMP message
-    assert node.suspect(b, "its port is unreachable", 10.101) is None  # b's dead port answered its probe
+    assert node.suspect(b, Sign.UNREACHABLE, 10.101) is None  # b's dead port answered its probe
     events = []
     while (event := node.next_event()) is not None:
         events.append(event)

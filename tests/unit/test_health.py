@@ -21,6 +21,7 @@ from mesh_sidecar.mesh.health import (
     RTT_WINDOW,
     HealthState,
     PeerHealth,
+    Sign,
     lost_reason,
     percentile,
 )
@@ -218,8 +219,8 @@ def test_a_peer_heard_from_but_answering_nothing_is_lost_in_the_end():
 def test_a_stray_sign_evicts_no_one_when_the_probe_is_answered():
     health = PeerHealth(PEER)
     answered(health, 1, 0.0, 0.002)
-    assert health.suspect("its port is unreachable", 1.0)  # probe it
-    assert not health.suspect("its port is unreachable", 1.0)  # one probe at a time
+    assert health.suspect(Sign.UNREACHABLE, 1.0)  # probe it
+    assert not health.suspect(Sign.UNREACHABLE, 1.0)  # one probe at a time
     health.probed(2, 1.0)
     assert health.suspected
     assert health.pong_received(2, 1.003) == pytest.approx(0.003)
@@ -227,24 +228,38 @@ def test_a_stray_sign_evicts_no_one_when_the_probe_is_answered():
     assert health.tick(1.0 + CONFIRM_FLOOR_S * 2) is None and health.state is HealthState.CONNECTED
 
 
-def test_a_sign_after_the_probe_confirms_the_loss_at_once():
+def test_its_port_unreachable_after_the_probe_confirms_the_loss_at_once():
     health = PeerHealth(PEER)
     answered(health, 1, 0.0, 0.002)
-    assert health.suspect("its data connection was reset", 1.0)
+    assert health.suspect(Sign.RESET, 1.0)
     health.probed(2, 1.0)
     assert health.tick(1.0005) is None  # no second sign yet
-    assert not health.suspect("its port is unreachable", 1.001)  # the dead port answered the probe
+    assert not health.suspect(Sign.UNREACHABLE, 1.001)  # the dead port answered the probe
     event = health.tick(1.001)
     assert isinstance(event, PeerLost) and health.state is HealthState.LOST
-    assert event.sign == "its data connection was reset, and again after a probe 1 ms later"
+    assert event.sign == "its data connection was reset, and a probe 1 ms later found it unreachable"
     assert lost_reason(event) == event.sign
+
+
+def test_more_resets_after_the_probe_confirm_nothing():
+    # A relay that dies alone (or stops before its node says Leave) resets all its tunnel connections
+    # at once: one event, not a second sign; its node still answers the probe.
+    health = PeerHealth(PEER)
+    answered(health, 1, 0.0, 0.002)
+    assert health.suspect(Sign.RESET, 1.0)
+    health.probed(2, 1.0)
+    for at in (1.0001, 1.0002, 1.001):
+        assert not health.suspect(Sign.RESET, at)
+        assert health.tick(at) is None
+    assert health.pong_received(2, 1.002) is not None
+    assert health.tick(1.0 + 2 * CONFIRM_FLOOR_S) is None and health.state is HealthState.CONNECTED
 
 
 def test_an_unanswered_probe_confirms_the_loss_after_a_few_round_trips():
     health = PeerHealth(PEER)
     answered(health, 1, 0.0, 0.002)
     assert health.confirm_s == CONFIRM_FLOOR_S  # a quick link: the floor
-    health.suspect("its data connection was reset", 1.0)
+    health.suspect(Sign.RESET, 1.0)
     health.probed(2, 1.0)
     assert health.tick(1.0 + CONFIRM_FLOOR_S - 0.001) is None
     event = health.tick(1.0 + CONFIRM_FLOOR_S)
