@@ -320,8 +320,8 @@ def run_split(spec: dict[str, Any], workdir: Path, started: Started, binaries, m
               cpus_per_host: int | None) -> dict[str, Any]:
     """(b) on one unshaped lab of a, b, c: c serves alone, then split with --spread; each alternating with
     a plain llama-server on c."""
+    from mesh_sidecar.llama.kv_cache import DEFAULT_CTX_SIZE
     from mesh_sidecar.llama.launch import llama_server_argv
-    from mesh_sidecar.node.lifecycle import DEFAULT_CTX_SIZE
     from tests.helpers.netns import Lab
 
     began = datetime.now(UTC).isoformat(timespec="seconds")

@@ -16,13 +16,15 @@ sidecar nor rpc-server logs prompts or activations.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, Protocol, Self
+from typing import TYPE_CHECKING, BinaryIO, Protocol, Self
+
+if TYPE_CHECKING:  # `logs` reads these files without an event loop: asyncio only for the node's pump
+    import asyncio
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@ import socket
 from .errors import PortInUseError
 
 LOOPBACK = "127.0.0.1"
+DEFAULT_API_PORT = 8080  # the OpenAI-compatible API on every node, when free
+DEFAULT_QUIC_PORT = 47470  # UDP, the mesh (a node's data relay takes the same number in TCP when free)
 
 
 def free_tcp_port(host: str = LOOPBACK) -> int:

@@ -5,59 +5,40 @@ exit, never a traceback: every command runs through ``_MeshCommands.invoke``,
 the one place that turns a ``MeshError`` into its message on stderr and exit
 status 1. Usage errors that typer finds itself (a missing argument, a bad
 number) keep typer's own message and status 2.
+
+Read-only commands (status, plan, ticket, logs, --help) must answer at once, so this module imports
+only what they use: a command that runs or builds something imports its layers in its own body
+(start.py to run a node). tests/unit/test_cli_imports.py holds that line.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import logging.handlers
-import signal
-import socket
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
-from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
-from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from .. import environment
 from ..errors import MeshError, ReceiptError, UsageError
 from ..home import DEFAULT_HOME, NodeHome
-from ..identity import load_or_create_identity, short_id
 from ..llama.backends import AUTO, BACKENDS, backend_named, record_backend
-from ..llama.estimate import DEFAULT_KV_CACHE, DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES, KvCacheTypes
-from ..llama.model import check_gguf
-from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME, log_files, tail
+from ..llama.kv_cache import DEFAULT_CTX_SIZE, DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES
 from ..logs import follow as follow_logs
-from ..mesh.runtime import DEFAULT_QUIC_PORT
-from ..mesh.saved import MESH_FILE_NAME, SavedMesh
-from ..net.discovery import LAN_BROWSE_S, browse_lan
-from ..node import control
-from ..node.control import read_plan, read_status
-from ..node.lifecycle import DEFAULT_API_PORT, DEFAULT_CTX_SIZE, ApiOptions, Node, NodeOptions
-from ..ports import LOOPBACK, check_tcp_port_free
-from ..serve import receipt as receipts
-from ..serve.access import ApiAccess
-from ..serve.planner import PlanBy
-from ..serve.supervisor import PlanAnnouncement, ServeOptions
-from ..serve.tiers import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S, StepUpRules
-from ..units import parse_size
-from ..wire.ticket import decode_ticket
-from .prepare import device_names, draft_for, err_console, prepare, prepare_data_relay, prepare_weight_cache
+from ..logs import log_files, tail
+from ..node import control_client as control
+from ..node.control_client import read_plan, read_status
+from ..ports import DEFAULT_API_PORT, DEFAULT_QUIC_PORT, LOOPBACK
+from ..serve.step_up import STEP_UP_AFTER_S, STEP_UP_INTERVAL_S
+from .output import console, err_console
 from .views import plan_view, status_view
 
 STATUS_WATCH_INTERVAL_S = 1.0
 MESH_ERROR_EXIT_STATUS = 1
-
-console = Console()
 
 
 # The node's options in `mesh-inference --help`, one panel each (rich_help_panel), in this order; a
@@ -152,27 +133,6 @@ def _b2b_option(panel: str | None = None) -> Any:
 HomeOption = Annotated[Path | None, _home_option()]
 B2bOption = Annotated[bool, _b2b_option()]
 LlamaBinOption = Annotated[Path | None, _llama_bin_option()]
-
-
-def _configure_logging(home: NodeHome, verbose: bool) -> None:
-    file_handler = logging.handlers.RotatingFileHandler(
-        home.logs / SIDECAR_LOG_NAME, maxBytes=CHILD_LOG_MAX_BYTES, backupCount=CHILD_LOG_BACKUPS
-    )
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    stderr_handler = logging.StreamHandler(sys.stderr)
-    stderr_handler.setLevel(logging.INFO if verbose else logging.WARNING)
-    stderr_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[file_handler, stderr_handler], force=True)
-    # httpx logs every request at INFO: readiness polls (20 a second while a model
-    # loads) and every proxied API call would crowd out what the log is for.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
-def _say(message: object) -> None:
-    if isinstance(message, PlanAnnouncement):
-        message = plan_view(message.plan_json)
-    # Never wrapped: tickets and commands must stay copy-pasteable.
-    console.print(message, highlight=False, soft_wrap=True)
 
 
 @app.callback(invoke_without_command=True)
@@ -287,100 +247,10 @@ def run_node(
     With --serve PORT it also serves a model."""
     if ctx.invoked_subcommand is not None:
         return
-    node_home = NodeHome.resolve(home)
-    if lan:
-        _show_lan(node_home)
-        return
-    ticket = decode_ticket(join) if join is not None else None
-    max_memory_bytes = parse_size(max_memory) if max_memory is not None else None
-    api = _api_options(serve, api_port, no_api, ApiAccess(api_key, cors_origin))
-    if spread and serve is None:
-        raise UsageError("--spread works on a serving node only: add --serve PORT.")
-    if plan_by not in (rule.value for rule in PlanBy):
-        raise UsageError(f"--plan-by takes 'speed' or 'memory', not {plan_by!r}.")
-    kv_cache = KvCacheTypes(cache_type_k, cache_type_v)  # UsageError naming the allowed types
-    if kv_cache != DEFAULT_KV_CACHE and serve is None:
-        raise UsageError("--cache-type-k and --cache-type-v work on the serving node only: add --serve PORT.")
-    if model and len(model) > 1 and serve is None:
-        raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
-                         "or give a worker one --model.")
-    binaries, model_path, sha256, more_models = prepare(
-        llama_bin, model[0] if model else None, identify_model=serve is not None or bool(model), b2b=b2b,
-        more_models=model[1:] if model else ())
-    if data_path not in ("auto", "quic"):
-        raise UsageError(f"--data-path takes 'auto' or 'quic', not {data_path!r}.")
-    if speculation_mode not in ("auto", "off"):
-        raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
-    if speculation_mode == "off" and draft_model is not None:
-        raise UsageError("--speculation off and --draft-model contradict each other: drop one.")
-    draft_path = draft_for(model_path, draft_model, serve is not None)
-    if receipt is not None and serve is None:
-        raise UsageError("--receipt works on the serving node only: add --serve PORT.")
-    node_home.create()
-    _configure_logging(node_home, verbose)
-    identity = load_or_create_identity(node_home.root)
-    node_name = name or socket.gethostname()
-    # Said before the weight cache is seeded, so the seeding lines belong to this node.
-    console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
-    cache, tool = prepare_weight_cache(node_home, model_path, sha256, _say) if use_weight_cache else (None, None)
-    data_relay = prepare_data_relay(_say) if data_path == "auto" else None
-    serving = ServeOptions(models=((model_path, sha256), *more_models), ctx_size=ctx_size,
-                           min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
-                           spread=spread, plan_by=PlanBy(plan_by), draft_model=draft_path,
-                           receipts=receipt.expanduser().resolve() if receipt else None,
-                           speculate=speculation_mode == "auto", kv_cache=kv_cache) if serve is not None else None
-    options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,
-                          serving=serving,
-                          join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                          devices=device_names(devices), rpc_threads=threads,
-                          model_sha256=sha256, weight_cache=cache, weight_cache_tool=tool, fetch_model=fetch_model,
-                          mdns=not no_mdns, plain_progress=not console.is_terminal, data_relay=data_relay)
-    asyncio.run(_run_until_signal(Node(options, identity, _say)))
+    # Imported only to run a node: read-only commands must not pay for its layers (test_cli_imports.py).
+    from .start import start_node
 
-
-def _api_options(serve: int | None, api_port: int | None, no_api: bool, access: ApiAccess) -> ApiOptions:
-    """Where this node's API listens: --serve PORT and --api-port name the same port; a port the user
-    chose must be free now (the default one may fall back to a free port)."""
-    if serve is not None and api_port is not None and serve != api_port:
-        raise UsageError(f"--serve {serve} and --api-port {api_port} both set the API's port: give one.")
-    if no_api and api_port is not None:
-        raise UsageError("--no-api and --api-port contradict each other: drop one.")
-    # With --no-api, --serve's port stays closed: members still reach the model through the mesh.
-    chosen = None if no_api else serve if serve is not None else api_port
-    if chosen is not None:
-        check_tcp_port_free(LOOPBACK, chosen, "the API (--serve / --api-port)")
-    return ApiOptions(port=DEFAULT_API_PORT if chosen is None else chosen, enabled=not no_api,
-                      port_given=chosen is not None, access=access)
-
-
-def _show_lan(node_home: NodeHome) -> None:
-    """`mesh-inference --lan`: the meshes nearby, and how to get into one."""
-    console.print(f"Looking for meshes on this LAN (mDNS, {LAN_BROWSE_S:.0f} s)...", highlight=False)
-    records = asyncio.run(browse_lan())
-    ours = SavedMesh.remembered_mesh_id(node_home)
-    if not records:
-        console.print("No mesh seen. On a member, check that it runs without --no-mdns and that the "
-                      "firewalls allow mDNS (UDP 5353); or ask a member for its ticket "
-                      "(`mesh-inference ticket`).", highlight=False)
-        return
-    table = Table(title="Meshes on this LAN")
-    for column in ("mesh id", "node", "name", "addresses"):
-        table.add_column(column)
-    for record in records:
-        mesh = record.mesh_id + (" (yours)" if record.mesh_id == ours else "")
-        table.add_row(mesh, short_id(record.node_id), record.name, ", ".join(map(str, record.addresses)))
-    console.print(table)
-    console.print("A mesh admits only holders of its secret. Ask a member of the mesh you want for its ticket "
-                  "(`mesh-inference ticket` on that machine), then run here: mesh-inference --join TICKET",
-                  highlight=False)
-
-
-async def _run_until_signal(node: Node) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, node.request_stop)
-    await node.run()
-    console.print("Stopped.")
+    start_node(**ctx.params)
 
 
 @app.command(cls=_MeshCommand)
@@ -402,6 +272,8 @@ def setup(
         raise UsageError(f"--backend chooses which pinned build to make, --llama-bin (or "
                          f"{environment.LLAMA_BIN_ENV}) names your own: give one.")
     chosen = None if own_build else backend_named(backend)
+    from .prepare import prepare, prepare_data_relay
+
     binaries, model_path, _, _ = prepare(llama_bin, model, b2b=b2b, backend=chosen)
     relay = prepare_data_relay(lambda line: console.print(line, highlight=False))
     if chosen is None:
@@ -460,6 +332,8 @@ def ticket(
 @app.command(cls=_MeshCommand)
 def leave(home: HomeOption = None) -> None:
     """Leave the mesh for good: the others are told and forget this node, this node forgets the mesh."""
+    from ..mesh.saved import MESH_FILE_NAME, SavedMesh
+
     node_home = NodeHome.resolve(home)
     if not node_home.control_file.exists() and (node_home.root / MESH_FILE_NAME).exists():
         SavedMesh.forget(node_home)
@@ -495,6 +369,8 @@ def verify(
         help="The serving node's API key, if it has one.")] = None,
 ) -> None:
     """Check a run receipt's signature (and with --replay, that the mesh reproduces its output)."""
+    from ..serve import receipt as receipts
+
     try:
         document = json.loads(receipt_file.read_text())
     except (OSError, ValueError) as exc:
@@ -519,6 +395,10 @@ RECEIPT_REPLAY_TIMEOUT_S = 300.0
 
 def _replay(body: dict, node_status: dict, api_key: str | None) -> str:
     """Send a receipt's request again to the node's API; the output digest of its answer."""
+    import httpx
+
+    from ..serve import receipt as receipts
+
     serving = node_status.get("serving")
     if not serving:
         raise ReceiptError("The node in --home does not serve the API: replay against a serving node.")
@@ -577,6 +457,8 @@ def plan(
 ) -> None:
     """Show how the running node would spread the model over the mesh now, without launching."""
     if model is not None:
+        from ..llama.model import check_gguf
+
         model = check_gguf(model)
     result = read_plan(NodeHome.resolve(home), model, ctx_size)
     if as_json:

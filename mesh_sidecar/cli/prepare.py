@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from ..errors import SetupError, UsageError
@@ -22,8 +21,7 @@ from ..net.data_relay_build import ensure_data_relay
 from ..progress import PlainProgress, ProgressCallback
 from ..serve import speculation
 from ..wire.gossip import DEVICE_NAME_RE, MAX_DEVICES_PER_MEMBER
-
-err_console = Console(stderr=True)
+from .output import err_console
 
 
 class _LazyProgress:

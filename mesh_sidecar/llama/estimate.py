@@ -34,18 +34,14 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..errors import ModelError, UsageError
+from ..errors import ModelError
 from ..units import MIB
 from ..wire.gguf_header import GGUFHeader
+from .kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
 from .model import check_gguf
 from .model_files import model_stem, read_model_header
 
 # --- KV cache ---------------------------------------------------------------
-# The element types --cache-type-k/-v accept, by ggml's names, in the order the
-# pinned llama.cpp lists them (kv_cache_types in common/arg.cpp).
-KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-# llama.cpp's default for both caches.
-DEFAULT_KV_CACHE_TYPE = "f16"
 # Architectures llama.cpp runs without flash attention whatever -fa says
 # (llama_init_from_model forces it off), so a quantized V cache cannot work.
 NO_FLASH_ATTENTION_ARCHITECTURES = ("grok",)
@@ -100,36 +96,6 @@ OUTPUT_WEIGHT = "output.weight"
 _UNSUPPORTED_KEYS = ("ssm.state_size", "wkv.head_size", "shortconv.l_cache", "attention.kv_lora_rank")
 
 
-@dataclass(frozen=True)
-class KvCacheTypes:
-    """The element types of llama.cpp's K and V caches: ``--cache-type-k`` and ``--cache-type-v``.
-
-    Raises UsageError for a name the pinned llama.cpp does not accept.
-    """
-
-    k: str = DEFAULT_KV_CACHE_TYPE
-    v: str = DEFAULT_KV_CACHE_TYPE
-
-    def __post_init__(self) -> None:
-        for option, name in (("--cache-type-k", self.k), ("--cache-type-v", self.v)):
-            if name not in KV_CACHE_TYPES:
-                raise UsageError(f"{option} takes one of {', '.join(KV_CACHE_TYPES)} (llama.cpp's names), "
-                                 f"not {name!r}.")
-
-    def __str__(self) -> str:
-        """``K/V``, e.g. ``q8_0/q8_0``: what a plan's KV figures assume."""
-        return f"{self.k}/{self.v}"
-
-    def llama_server_args(self) -> list[str]:
-        """llama-server's options for these types; none for a cache left at llama.cpp's default."""
-        args: list[str] = []
-        for option, name in (("--cache-type-k", self.k), ("--cache-type-v", self.v)):
-            if name != DEFAULT_KV_CACHE_TYPE:
-                args += [option, name]
-        return args
-
-
-DEFAULT_KV_CACHE = KvCacheTypes()
 
 
 def kv_block(cache_type: str) -> tuple[int, int]:

@@ -47,6 +47,7 @@ from ..net.relay import RelayCounters
 from ..net.streams import StreamPair
 from ..net.transport import MeshTransport
 from ..net.tunnel import TunnelCounters
+from ..ports import DEFAULT_QUIC_PORT
 from ..progress import ProgressCallback
 from ..wire.auth import MESH_SECRET_BYTES
 from ..wire.gossip import (
@@ -80,7 +81,6 @@ from .timings import MeshTimings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_QUIC_PORT = 47470
 LISTEN_HOST = "0.0.0.0"
 CAPACITY_REFRESH_S = 5.0
 STOPPED_REASON = "node stopped"

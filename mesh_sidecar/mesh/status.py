@@ -22,7 +22,6 @@ from ..net.discovery import LanRecord, lan_record_json, mesh_id
 from ..net.relay import RelayCounters
 from ..net.transport import MeshTransport
 from ..net.tunnel import TunnelCounters
-from ..units import GIB, format_gib
 from ..wire.gossip import OfferedDevice
 from ..wire.ticket import PeerAddress
 from .exclusion import Exclusion, exclusion_between
@@ -109,14 +108,6 @@ def devices_json(devices: Sequence[OfferedDevice]) -> list[dict[str, Any]]:
     return [{"name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
              "decode_bytes_per_s": d.decode_bytes_per_s or None, "prefill_bytes_per_s": d.prefill_bytes_per_s or None}
             for d in devices]
-
-
-def devices_line(devices: Sequence[dict[str, Any]]) -> str:
-    """Devices (as :func:`devices_json` gives them) for people: ``Vulkan0 2.0 of 2.0 GiB free, 21.0 GiB/s, CPU ...``
-    (the speed: weight bytes a token passes through per second, when measured)."""
-    return ", ".join(f"{d['name']} {format_gib(d['free_bytes'])} of {format_gib(d['total_bytes'])} GiB free"
-                     + (f", {d['decode_bytes_per_s'] / GIB:.1f} GiB/s" if d.get("decode_bytes_per_s") else "")
-                     for d in devices)
 
 
 def mesh_view(port: int | None, saved: SavedMesh, model_sha256: str, transport: MeshTransport, relay: RelayCounters,

@@ -1,4 +1,4 @@
-"""The running node's local control endpoint, and the client that reads it.
+"""The running node's local control endpoint (control_client.py reads it).
 
 The node serves JSON on 127.0.0.1 only (a free port) and writes that port,
 its pid and a random token to ``<home>/control.json`` (mode 0600, in a 0700
@@ -15,21 +15,22 @@ import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 from aiohttp import web
 
-from ..errors import MeshError, PlanError, UsageError
+from ..errors import MeshError, UsageError
 from ..home import NodeHome, write_private_file
 from ..ports import LOOPBACK
 from ..serve.planner import Plan
+from .control_client import (
+    ERROR_STATUS,
+    KICK_PATH,
+    LEAVE_PATH,
+    PLAN_PATH,
+    ROTATE_PATH,
+    STATUS_PATH,
+    TICKET_PATH,
+)
 
-STATUS_PATH = "/status"
-PLAN_PATH = "/plan"
-TICKET_PATH = "/ticket"
-ROTATE_PATH = "/ticket/rotate"
-KICK_PATH = "/kick"
-LEAVE_PATH = "/leave"
-CLIENT_TIMEOUT_S = 5.0
 TOKEN_BYTES = 32
 MAX_CONTROL_BODY_BYTES = 64 * 1024  # requests are a few short fields
 
@@ -131,61 +132,4 @@ class ControlServer:
 
 
 def _error(exc: MeshError) -> web.Response:
-    return web.json_response({"error": str(exc), "kind": type(exc).__name__}, status=409)
-
-
-def read_status(home: NodeHome) -> dict[str, Any]:
-    """The status of the node running in ``home``; UsageError if none is."""
-    return _request(home, "GET", STATUS_PATH)
-
-
-def read_plan(home: NodeHome, model: Path | None, ctx_size: int | None) -> dict[str, Any]:
-    """The plan the node in ``home`` would make now; PlanError with its reason if none fits."""
-    params = {k: v for k, v in (("model", model and str(model)), ("ctx", ctx_size)) if v}
-    return _request(home, "GET", PLAN_PATH, params=params)
-
-
-def read_ticket(home: NodeHome) -> str:
-    return _request(home, "GET", TICKET_PATH)["ticket"]
-
-
-def rotate_secret(home: NodeHome) -> str:
-    """Rotate the mesh secret through the node in ``home``; the new ticket."""
-    return _request(home, "POST", ROTATE_PATH)["ticket"]
-
-
-def leave(home: NodeHome) -> None:
-    """Ask the node in ``home`` to leave its mesh for good (it stops)."""
-    _request(home, "POST", LEAVE_PATH)
-
-
-def kick(home: NodeHome, which: str) -> dict[str, str]:
-    """Remove a member (name or id) through the node in ``home``; its name and the new ticket."""
-    return _request(home, "POST", KICK_PATH, json_body={"node": which})
-
-
-def _request(home: NodeHome, method: str, path: str, params: dict[str, Any] | None = None,
-             json_body: dict[str, Any] | None = None) -> dict[str, Any]:
-    not_running = UsageError(
-        f"No node is running with home {home.root}. Start one with `mesh-inference` "
-        "(add --home DIR if it uses another home)."
-    )
-    try:
-        control = json.loads(home.control_file.read_text())
-        port, token = int(control["port"]), str(control["token"])
-    except PermissionError:
-        raise UsageError(f"Cannot read {home.control_file}: run this as the user who runs the node.") from None
-    except (OSError, ValueError, KeyError, TypeError):
-        raise not_running from None
-    try:
-        response = httpx.request(method, f"http://{LOOPBACK}:{port}{path}", params=params, json=json_body,
-                                 headers={"Authorization": f"Bearer {token}"}, timeout=CLIENT_TIMEOUT_S)
-        if response.status_code != 409:
-            response.raise_for_status()
-        body = response.json()
-    except (httpx.HTTPError, ValueError):
-        raise not_running from None
-    if response.status_code == 409:
-        kind = {cls.__name__: cls for cls in (PlanError, UsageError)}.get(body.get("kind"), MeshError)
-        raise kind(body["error"])
-    return body
+    return web.json_response({"error": str(exc), "kind": type(exc).__name__}, status=ERROR_STATUS)

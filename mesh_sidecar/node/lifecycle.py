@@ -29,7 +29,7 @@ from ..llama.announced_build import local_build
 from ..llama.build import LlamaBinaries
 from ..llama.calibration import DeviceSpeed, calibrate_devices
 from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, Device, backend_of, measure, parse_device_listing
-from ..llama.estimate import DEFAULT_KV_CACHE
+from ..llama.kv_cache import DEFAULT_CTX_SIZE, DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.model_files import model_files
 from ..llama.weight_cache import WeightCache
@@ -39,7 +39,7 @@ from ..mesh.runtime import Mesh
 from ..mesh.saved import SavedMesh
 from ..mesh.status import PeerView, mesh_json, peers_json
 from ..net.api_forward import ApiServer, MeshForwardTransport
-from ..ports import LOOPBACK, free_tcp_port
+from ..ports import DEFAULT_API_PORT, LOOPBACK, free_tcp_port
 from ..progress import PlainProgress, ProgressCallback, ignore_progress
 from ..serve import dashboard
 from ..serve.access import OPEN_ACCESS, ApiAccess
@@ -59,8 +59,6 @@ from .control import ControlServer
 log = logging.getLogger(__name__)
 
 RPC_SERVER_START_ATTEMPTS = 3
-DEFAULT_CTX_SIZE = 4096
-DEFAULT_API_PORT = 8080
 SECRET_BYTES = 32  # the forwarded requests' token, and llama-server's key
 MODEL_FETCH_POLL_S = 2.0
 MODEL_FETCH_RETRY_S = 10.0

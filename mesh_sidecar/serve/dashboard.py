@@ -28,7 +28,8 @@ from aiohttp import web
 
 from ..identity import short_id
 from ..llama.capacity import USABLE_KEY
-from ..mesh.status import PeerView, devices_json, devices_line, rtt_ms
+from ..mesh.devices_line import devices_line
+from ..mesh.status import PeerView, devices_json, rtt_ms
 
 PAGE_PATH = "/mesh"
 STATE_PATH = "/mesh/state"

@@ -33,7 +33,7 @@ from ..errors import PlanError
 from ..identity import short_id
 from .pace import SLOW_BLAME_SHARE, Slow
 from .planner import NodeCapacity, Plan, PlanBy, choose_tier, tier_needs_bytes
-from .tiers import StepUpGate
+from .step_up import StepUpGate
 
 if TYPE_CHECKING:
     from ..llama.estimate import ModelEstimate

@@ -46,7 +46,8 @@ from ..home import write_private_file
 from ..identity import NodeIdentity, short_id
 from ..llama.build import LlamaBinaries
 from ..llama.capacity import Capacity
-from ..llama.estimate import DEFAULT_KV_CACHE, KvCacheTypes, ModelEstimate, estimate_model
+from ..llama.estimate import ModelEstimate, estimate_model
+from ..llama.kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
 from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
 from ..llama.model import model_sha256, model_shards
 from ..mesh.exclusion import SLOW_EXCLUSION_S, Exclusion, exclusion_of
@@ -80,7 +81,8 @@ from .replan import (
 )
 from .speculation import Speculation, choose
 from .speeds import ObservedSpeeds
-from .tiers import StepUpGate, StepUpRules, TierView, model_id, tier_claim, tier_views
+from .step_up import StepUpGate, StepUpRules
+from .tiers import TierView, model_id, tier_claim, tier_views
 
 log = logging.getLogger(__name__)
 

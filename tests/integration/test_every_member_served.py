@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from benchmarks.synthetic_model import TIER_TEST, ensure_synthetic_model
+from mesh_sidecar.ports import DEFAULT_API_PORT
 from mesh_sidecar.wire.api_forward import ForwardedRequest
 from tests.helpers.mesh_api import (
     GREEDY,
@@ -54,7 +55,6 @@ SHORT_TOKENS = 16
 READY_TIMEOUT_S = 120.0
 LOST_WITHIN_S = 10.0  # the mesh marks a silent member lost after about 5 s
 STREAM_END_WITHIN_S = 30.0
-DEFAULT_API_PORT = 8080
 # A long greedy completion, killed a few tokens in.
 LONG = {"prompt": "Write a long story about a lighthouse keeper and a storm.", "max_tokens": 100,
         "ignore_eos": True, **GREEDY}

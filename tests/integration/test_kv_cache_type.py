@@ -8,7 +8,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mesh_sidecar.llama.estimate import KvCacheTypes, assign_layers, estimate_model
+from mesh_sidecar.llama.estimate import assign_layers, estimate_model
+from mesh_sidecar.llama.kv_cache import KvCacheTypes
 from mesh_sidecar.units import MIB
 from tests.helpers.llama import complete
 from tests.helpers.llama_buffers import buffer_sizes_mib, llama_buffers

@@ -12,14 +12,8 @@ import pytest
 
 from mesh_sidecar.cli.views import plan_view
 from mesh_sidecar.errors import ModelError, UsageError
-from mesh_sidecar.llama.estimate import (
-    DEFAULT_KV_CACHE,
-    KV_CACHE_TYPES,
-    KvCacheTypes,
-    estimate_model,
-    kv_block,
-    kv_row_bytes,
-)
+from mesh_sidecar.llama.estimate import estimate_model, kv_block, kv_row_bytes
+from mesh_sidecar.llama.kv_cache import DEFAULT_KV_CACHE, KV_CACHE_TYPES, KvCacheTypes
 from mesh_sidecar.serve.planner import NodeCapacity, plan_layers
 from tests.unit.test_cli_views import rendered
 from tests.unit.test_estimate import (

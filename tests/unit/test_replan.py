@@ -23,7 +23,7 @@ from mesh_sidecar.serve.replan import (
     replan_reason,
     tier_index,
 )
-from mesh_sidecar.serve.tiers import StepUpGate, StepUpRules
+from mesh_sidecar.serve.step_up import StepUpGate, StepUpRules
 
 
 def estimate(n_layers: int, layer: int) -> ModelEstimate:

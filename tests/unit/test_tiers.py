@@ -31,7 +31,8 @@ from mesh_sidecar.serve.planner import (
 )
 from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions, ServingHooks
 from mesh_sidecar.serve.replan import ServingSnapshot, Tier, choose_plan, replan_reason
-from mesh_sidecar.serve.tiers import StepUpGate, StepUpRules, models_list, tier_claim, tier_views, why_not_served
+from mesh_sidecar.serve.step_up import StepUpGate, StepUpRules
+from mesh_sidecar.serve.tiers import models_list, tier_claim, tier_views, why_not_served
 from tests.helpers.stand_ins import start_stand_in, stream_events
 from tests.helpers.waiting import wait_until_async
 
