@@ -26,7 +26,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from .. import environment
 from ..errors import MeshError, ReceiptError, UsageError
 from ..home import DEFAULT_HOME, NodeHome
-from ..llama.backends import AUTO, BACKENDS, backend_named, record_backend
+from ..llama.backends import AUTO, BACKENDS, backend_named, detect_backend, record_backend
 from ..llama.kv_cache import DEFAULT_CTX_SIZE, DEFAULT_KV_CACHE_TYPE, KV_CACHE_TYPES
 from ..logs import follow as follow_logs
 from ..logs import log_files, tail
@@ -261,9 +261,9 @@ def setup(
     b2b: B2bOption = False,
     backend: Annotated[str, typer.Option(
         "--backend", metavar="|".join((*BACKENDS, AUTO)),
-        help="Build llama.cpp for this compute backend; this machine's nodes then run that build. auto: what "
-             "the machine has (nvcc and nvidia-smi: cuda; macOS: metal; the Vulkan loader and glslc: vulkan; "
-             "else cpu).")] = AUTO,
+        help="Build llama.cpp for this compute backend; this machine's nodes then run that build. auto: the "
+             "machine's GPU (one nvidia-smi lists, with the CUDA toolkit: cuda; macOS: metal; a GPU the Vulkan "
+             "loader lists, with glslc: vulkan), else cpu.")] = AUTO,
 ) -> None:
     """Build the pinned llama.cpp (once per backend) and fetch the default model. Prints the binaries'
     directory last."""
@@ -271,7 +271,15 @@ def setup(
     if own_build and backend != AUTO:
         raise UsageError(f"--backend chooses which pinned build to make, --llama-bin (or "
                          f"{environment.LLAMA_BIN_ENV}) names your own: give one.")
-    chosen = None if own_build else backend_named(backend)
+    if own_build:
+        chosen = None
+    elif backend == AUTO:
+        detection = detect_backend()
+        chosen = detection.backend
+        console.print(f"Found {detection.found}: building llama.cpp for {chosen.name} (choose with --backend).",
+                      highlight=False)
+    else:
+        chosen = backend_named(backend)
     from .prepare import prepare, prepare_data_relay
 
     binaries, model_path, _, _ = prepare(llama_bin, model, b2b=b2b, backend=chosen)

@@ -61,11 +61,12 @@ def setup_progress() -> Iterator[ProgressCallback]:
         bar.close()
 
 
-def prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool = False, b2b: bool = False,
-             more_models: Sequence[Path] = (), backend: Backend | None = None):
+def prepare(llama_bin: Path | None, model: Path | None, *, uses_model: bool = True, identify_model: bool = False,
+            b2b: bool = False, more_models: Sequence[Path] = (), backend: Backend | None = None):
     """Binaries, model and (if asked) the model's sha256, with a progress bar when slow; and
     ``more_models`` (the other tiers) as (path, sha256) pairs. The pinned build is ``backend``'s, by default
-    the one the last `setup` built (cpu if none did).
+    the one the last `setup` built (cpu if none did). Without ``model`` the default model is fetched when
+    ``uses_model``; else the model is None (a worker holds no model file: nothing to fetch, nothing to hash).
 
     Models the user named are checked first: a typo should not wait for a build.
     """
@@ -75,8 +76,8 @@ def prepare(llama_bin: Path | None, model: Path | None, *, identify_model: bool 
     with setup_progress() as progress:
         variant = B2B if b2b else STOCK
         binaries = ensure_binaries(llama_bin, progress, variant.on(backend or recorded_backend()))
-        model_path = ensure_model(model, progress)
-        sha256 = model_sha256(model_path, progress) if identify_model else ""
+        model_path = ensure_model(model, progress) if model is not None or uses_model else None
+        sha256 = model_sha256(model_path, progress) if identify_model and model_path is not None else ""
         return binaries, model_path, sha256, tuple((path, model_sha256(path, progress)) for path in more)
 
 
@@ -91,7 +92,7 @@ def draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:
     return path
 
 
-def prepare_weight_cache(home: NodeHome, model: Path, sha256: str,
+def prepare_weight_cache(home: NodeHome, model: Path | None, sha256: str,
                          say: Callable[[str], None]) -> tuple[WeightCache, Path]:
     """This node's rpc-server weight cache (checked, seeded from the model file it holds) and its helper."""
     cache = WeightCache.in_home(home.root)
@@ -100,7 +101,7 @@ def prepare_weight_cache(home: NodeHome, model: Path, sha256: str,
         removed = weight_cache.verify(cache, tool, progress)
         if removed:
             say(f"Removed {removed} damaged file(s) from the weight cache; their tensors will be sent again.")
-        if sha256:
+        if model is not None and sha256:
             weight_cache.seed(cache, tool, model, sha256, progress)
     return cache, tool
 

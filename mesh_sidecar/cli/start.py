@@ -59,8 +59,10 @@ def start_node(*, serve: int | None, api_port: int | None, no_api: bool, model: 
     if model and len(model) > 1 and serve is None:
         raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
                          "or give a worker one --model.")
+    # A worker without --model fetches no model and hashes none: the serving node sends what it holds.
+    uses_model = serve is not None or bool(model)
     binaries, model_path, sha256, more_models = prepare(
-        llama_bin, model[0] if model else None, identify_model=serve is not None or bool(model), b2b=b2b,
+        llama_bin, model[0] if model else None, uses_model=uses_model, identify_model=uses_model, b2b=b2b,
         more_models=model[1:] if model else ())
     if data_path not in ("auto", "quic"):
         raise UsageError(f"--data-path takes 'auto' or 'quic', not {data_path!r}.")

@@ -153,7 +153,8 @@ def status_view(snapshot: dict[str, Any], *, wide: bool = False) -> Group:
     parts: list[RenderableType] = [Text(f"{node['name']} {node['short_id']}  home {node['home']}", style="bold")]
     if wide:
         parts.append(Text(f"id: {node['id']}"))
-    parts.append(Text(f"model: {snapshot['model']['path']} (context {snapshot['model']['ctx_size']})"))
+    held = snapshot["model"]["path"] or "none held (a worker: the serving node sends the layers it plans here)"
+    parts.append(Text(f"model: {held} (context {snapshot['model']['ctx_size']})"))
     if node["capacity"]:
         parts.append(Text(f"offers: {format_gib(node['capacity']['usable_bytes'])} GiB"))
     if node.get("devices"):

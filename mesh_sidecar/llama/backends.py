@@ -2,12 +2,14 @@
 
 Every build has RPC and the CPU; a GPU backend adds one ggml backend beside them
 (``-DGGML_VULKAN=ON``, ``-DGGML_CUDA=ON``, ``-DGGML_METAL=ON``), in a build directory of
-its own (``build.BuildVariant.key``). ``detect_backend`` picks what the machine has, in
-this order: ``nvcc`` and ``nvidia-smi`` on PATH: cuda; macOS: metal (its native GPU API;
-Vulkan there is a translation layer); the Vulkan loader and ``glslc``: vulkan; else cpu.
-nvcc alone is not enough: a toolkit without a GPU driver (a container image, a build
-machine) cannot build for a GPU, since ``GGML_NATIVE`` builds for the GPUs it finds
-(CMake: ``CUDA_ARCHITECTURES is set to "native", but no GPU was detected``).
+its own (``build.BuildVariant.key``). ``detect_backend`` picks a GPU backend only for a GPU, in
+this order: ``nvcc`` and ``nvidia-smi`` on PATH and a GPU that ``nvidia-smi -L`` lists: cuda;
+macOS: metal (its native GPU API; Vulkan there is a translation layer); the Vulkan loader and
+``glslc`` and a GPU among the loader's devices (vulkan_devices.py): vulkan; else cpu. A
+toolkit is not a GPU: nvcc without a driver (a container image, a build machine) builds for
+no GPU (``GGML_NATIVE`` builds for the GPUs it finds), and Mesa's software Vulkan device
+(llvmpipe), the only one on many machines with the loader, is hidden by ggml and would cost
+a six-minute build for nothing.
 
 A build's toolkit is checked before cmake runs (``check_toolkit``): a missing one is a
 ``BuildError`` that names the packages to install, not cmake's error a hundred lines up.
@@ -19,7 +21,10 @@ in the cache (``<cache>/llama-backend``, ``record_backend``); nothing recorded: 
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +37,12 @@ AUTO = "auto"  # `setup --backend auto`: what detect_backend finds
 BACKEND_CHOICE_NAME = "llama-backend"  # in the cache root: the backend `setup` built last, one word
 # Where toolkits are installed, besides $VULKAN_SDK (LunarG's SDK).
 SYSTEM_PREFIXES = (Path("/usr"), Path("/usr/local"))
-_VULKAN_LOADER_GLOBS = ("lib/libvulkan.so*", "lib64/libvulkan.so*", "lib/*/libvulkan.so*", "lib/libvulkan*.dylib")
+VULKAN_LOADER_GLOBS = ("lib/libvulkan.so*", "lib64/libvulkan.so*", "lib/*/libvulkan.so*", "lib/libvulkan*.dylib")
+# Asking a driver for its devices: a hung one must not hang `setup`.
+PROBE_TIMEOUT_S = 20.0
+VULKAN_PROBE = (sys.executable, "-m", "mesh_sidecar.llama.vulkan_devices")
+GPU_KINDS = frozenset({"integrated_gpu", "discrete_gpu", "virtual_gpu"})  # of vulkan_devices.DEVICE_KINDS
+_NVIDIA_GPU_LINE = re.compile(r"^GPU \d+: (.+?)(?: \(UUID: [^)]*\))?$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,7 @@ class Machine:
     path: str | None
     platform: str
     prefixes: tuple[Path, ...]
+    vulkan_probe: tuple[str, ...] = VULKAN_PROBE  # prints the loader's devices as JSON (vulkan_devices.py)
 
     @classmethod
     def here(cls) -> Machine:
@@ -74,6 +85,29 @@ class Machine:
     def has_file(self, *globs: str) -> bool:
         """Whether any install prefix holds a file matching one of ``globs`` (relative to the prefix)."""
         return any(next(prefix.glob(pattern), None) is not None for prefix in self.prefixes for pattern in globs)
+
+    def output(self, *argv: str) -> str | None:
+        """What ``argv`` (its program looked up on ``path``) prints; None if it is missing, fails or hangs."""
+        program = argv[0] if Path(argv[0]).is_absolute() else shutil.which(argv[0], path=self.path)
+        if program is None:
+            return None
+        try:
+            done = subprocess.run([program, *argv[1:]], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    def nvidia_gpus(self) -> list[str]:
+        """The GPUs ``nvidia-smi -L`` lists, by name."""
+        return _NVIDIA_GPU_LINE.findall(self.output("nvidia-smi", "-L") or "")
+
+    def vulkan_devices(self) -> list[dict[str, str]]:
+        """The Vulkan loader's devices: {"name", "kind"} (vulkan_devices.py)."""
+        try:
+            devices = json.loads(self.output(*self.vulkan_probe) or "[]")
+        except ValueError:
+            return []
+        return devices if isinstance(devices, list) else []
 
 
 @dataclass(frozen=True)
@@ -94,7 +128,7 @@ _REQUIREMENTS = {
     VULKAN.name: (
         _Requirement("glslc (the shader compiler)", "glslc", program="glslc"),
         _Requirement("the Vulkan headers", "libvulkan-dev", globs=("include/vulkan/vulkan.hpp",)),
-        _Requirement("the Vulkan loader", "libvulkan-dev", globs=_VULKAN_LOADER_GLOBS),
+        _Requirement("the Vulkan loader", "libvulkan-dev", globs=VULKAN_LOADER_GLOBS),
         _Requirement("the SPIR-V headers", "spirv-headers",
                      globs=(f"share/{_SPIRV_CONFIG}", f"lib/{_SPIRV_CONFIG}", f"lib/*/{_SPIRV_CONFIG}")),
     ),
@@ -135,23 +169,38 @@ def check_toolkit(backend: Backend, machine: Machine | None = None) -> None:
             f"{_INSTALL_HINTS[backend.name]} Or build for another backend: mesh-inference setup --backend cpu.")
 
 
-def detect_backend(machine: Machine | None = None) -> Backend:
-    """The backend this machine has (nvcc and nvidia-smi: cuda; macOS: metal; the Vulkan loader and glslc:
-    vulkan; else cpu)."""
+@dataclass(frozen=True)
+class Detection:
+    """The backend `setup --backend auto` builds, and what it found that decided it (for people)."""
+
+    backend: Backend
+    found: str
+
+
+def detect_backend(machine: Machine | None = None) -> Detection:
+    """The backend for this machine's GPU (cuda: the CUDA toolkit and a GPU nvidia-smi lists; macOS: metal;
+    vulkan: the loader, glslc and a GPU among the loader's devices), else cpu; and what decided it."""
     machine = machine or Machine.here()
+    notes = []
     if machine.has_program("nvcc") and machine.has_program("nvidia-smi"):
-        return CUDA
+        if gpus := machine.nvidia_gpus():
+            return Detection(CUDA, f"NVIDIA GPU {', '.join(gpus)} and the CUDA toolkit")
+        notes.append("the CUDA toolkit, but nvidia-smi lists no GPU")
     if machine.platform == "darwin":
-        return METAL
-    if machine.has_file(*_VULKAN_LOADER_GLOBS) and machine.has_program("glslc"):
-        return VULKAN
-    return CPU
+        return Detection(METAL, "macOS")
+    if machine.has_file(*VULKAN_LOADER_GLOBS) and machine.has_program("glslc"):
+        devices = machine.vulkan_devices()
+        if gpus := [d["name"] for d in devices if d.get("kind") in GPU_KINDS]:
+            return Detection(VULKAN, f"Vulkan GPU {', '.join(gpus)}")
+        others = ", ".join(f"{d['name']} ({d.get('kind')})" for d in devices) or "none"
+        notes.append(f"the Vulkan toolkit, but no Vulkan GPU (its devices: {others})")
+    return Detection(CPU, "; ".join(notes) or "no GPU toolkit")
 
 
 def backend_named(name: str, machine: Machine | None = None) -> Backend:
     """The backend ``name`` (``auto``: the detected one); UsageError listing the choices for another word."""
     if name == AUTO:
-        return detect_backend(machine)
+        return detect_backend(machine).backend
     if name not in BACKENDS:
         raise UsageError(f"--backend takes {', '.join(BACKENDS)} or {AUTO}, not {name!r}.")
     return BACKENDS[name]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ChildExitedError, MeshError, ModelError, PortInUseError, UsageError
+from ..errors import ChildExitedError, MeshError, ModelError, PlanError, PortInUseError, UsageError
 from ..home import NodeHome
 from ..identity import NodeIdentity
 from ..llama import weight_cache
@@ -82,7 +82,7 @@ class NodeOptions:
 
     home: NodeHome
     name: str
-    model: Path
+    model: Path | None  # None: a worker that holds no model file (the serving node sends its layers)
     binaries: LlamaBinaries
     api: ApiOptions = ApiOptions()
     # --serve: this node serves a model; its tiers begin with ``model``. None: a worker.
@@ -387,7 +387,15 @@ class Node:
         """
         assert self.mesh is not None
         serving = self.options.serving
-        paths = [model] if model else [path for path, _ in serving.models] if serving else [self.options.model]
+        if model is not None:
+            paths = [model]
+        elif serving is not None:
+            paths = [path for path, _ in serving.models]
+        elif self.options.model is not None:
+            paths = [self.options.model]
+        else:
+            raise PlanError("This node serves no model and holds none: plan for a file with `mesh-inference plan "
+                            "--model FILE`, or run `mesh-inference plan` on the serving node.")
         # A worker plans with llama.cpp's default cache types: --cache-type-k/-v are the serving node's.
         kv_cache = serving.kv_cache if serving else DEFAULT_KV_CACHE
         tiers = [Tier(path, await estimate_off_loop(path, ctx_size or self.options.ctx_size, kv_cache))
@@ -451,8 +459,8 @@ class Node:
                              "prefill_bytes_per_s": speed.prefill_bytes_per_s if speed else None}
                             for d, speed in zip(self._devices, self._speeds, strict=True)],
             },
-            "model": {"path": str(model), "bytes": _model_bytes(model),
-                      "ctx_size": self.options.ctx_size},
+            "model": {"path": None if model is None else str(model),
+                      "bytes": 0 if model is None else _model_bytes(model), "ctx_size": self.options.ctx_size},
             "processes": processes,
             "serving": ({**self.serving.status(), "counters": self.metrics.summary()}
                         if self.serving else None),

@@ -108,7 +108,8 @@ def state_from(snapshot: dict[str, Any], peer_views: Sequence[PeerView]) -> dict
     return {
         "node": {"name": node["name"], "short_id": node["short_id"], "version": node["version"],
                  "uptime_s": node["uptime_s"]},
-        "model": {"name": Path(snapshot["model"]["path"]).name, "ctx_size": snapshot["model"]["ctx_size"]},
+        "model": {"name": Path(path).name if (path := snapshot["model"]["path"]) else "no model file (a worker)",
+                  "ctx_size": snapshot["model"]["ctx_size"]},
         "members": [asdict(m) for m in (this, *peers)],
         "models": models_from(snapshot.get("models")),
         "plan": None if plan is None else {

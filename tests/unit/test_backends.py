@@ -3,6 +3,8 @@ cache keys (the CPU one unchanged), the backend `setup` records for the node run
 
 from __future__ import annotations
 
+import glob
+import json
 import re
 from pathlib import Path
 
@@ -16,8 +18,10 @@ from mesh_sidecar.llama.backends import (
     BACKENDS,
     CPU,
     CUDA,
+    GPU_KINDS,
     METAL,
     VULKAN,
+    VULKAN_LOADER_GLOBS,
     Machine,
     backend_named,
     check_toolkit,
@@ -33,38 +37,77 @@ VULKAN_FILES = ("usr/include/vulkan/vulkan.hpp", "usr/lib/x86_64-linux-gnu/libvu
                 "usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake")
 
 
+NVIDIA_SMI_LISTING = "GPU 0: NVIDIA H200 (UUID: GPU-0a1b2c3d-0000-1111-2222-333344445555)\n"
+LLVMPIPE = [{"name": "llvmpipe (LLVM 15.0.6, 256 bits)", "kind": "cpu"}]
+RADEON = [{"name": "AMD Radeon 780M (RADV PHOENIX)", "kind": "integrated_gpu"}, *LLVMPIPE]
+
+
 def fake_machine(root: Path, programs: tuple[str, ...] = (), files: tuple[str, ...] = (),
-                 platform: str = "linux") -> Machine:
-    """A machine whose PATH holds only ``programs`` and whose /usr is ``root``/usr holding ``files``."""
+                 platform: str = "linux", *, gpus: str = "", vulkan: list[dict[str, str]] | None = None) -> Machine:
+    """A machine whose PATH holds only ``programs`` and whose /usr is ``root``/usr holding ``files``;
+    its nvidia-smi -L prints ``gpus``, its Vulkan loader lists ``vulkan``."""
     bin_dir = root / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in programs:
-        (bin_dir / name).write_text("#!/bin/sh\n")
+        printed = gpus if name == "nvidia-smi" else ""
+        (bin_dir / name).write_text(f"#!/bin/sh\nprintf '%s' '{printed}'\n")
         (bin_dir / name).chmod(0o755)
+    probe = bin_dir / "vulkan-probe"
+    probe.write_text(f"#!/bin/sh\nprintf '%s' '{json.dumps(vulkan or [])}'\n")
+    probe.chmod(0o755)
     for name in files:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text("")
-    return Machine(str(bin_dir), platform, (root / "usr",))
+    return Machine(str(bin_dir), platform, (root / "usr",), vulkan_probe=(str(probe),))
 
 
-@pytest.mark.parametrize("programs, files, platform, expected", [
-    ((), (), "linux", CPU),
-    (("nvcc", "nvidia-smi"), (), "linux", CUDA),
-    (("nvcc", "nvidia-smi", "glslc"), VULKAN_FILES, "linux", CUDA),  # CUDA first
-    (("nvcc",), (), "linux", CPU),  # a CUDA toolkit without a GPU driver builds for no GPU
-    (("nvcc", "glslc"), VULKAN_FILES, "linux", VULKAN),
-    (("glslc",), ("usr/lib/x86_64-linux-gnu/libvulkan.so.1",), "linux", VULKAN),
-    (("glslc",), ("usr/lib64/libvulkan.so.1",), "linux", VULKAN),
-    (("glslc",), (), "linux", CPU),  # no loader
-    ((), ("usr/lib/x86_64-linux-gnu/libvulkan.so.1",), "linux", CPU),  # no glslc
-    (("glslc",), ("usr/lib/x86_64-linux-gnu/libvulkan.so.1",), "darwin", METAL),
+LOADER = ("usr/lib/x86_64-linux-gnu/libvulkan.so.1",)
+
+
+@pytest.mark.parametrize("programs, files, platform, gpus, vulkan, expected", [
+    ((), (), "linux", "", None, CPU),
+    (("nvcc", "nvidia-smi"), (), "linux", NVIDIA_SMI_LISTING, None, CUDA),
+    (("nvcc", "nvidia-smi", "glslc"), VULKAN_FILES, "linux", NVIDIA_SMI_LISTING, RADEON, CUDA),  # CUDA first
+    (("nvcc", "nvidia-smi"), (), "linux", "", None, CPU),  # a driver that lists no GPU
+    (("nvcc",), (), "linux", NVIDIA_SMI_LISTING, None, CPU),  # a CUDA toolkit without a GPU driver
+    (("nvcc", "nvidia-smi", "glslc"), VULKAN_FILES, "linux", "", RADEON, VULKAN),  # no NVIDIA GPU: Vulkan's
+    (("glslc",), LOADER, "linux", "", RADEON, VULKAN),
+    (("glslc",), ("usr/lib64/libvulkan.so.1",), "linux", "", RADEON, VULKAN),
+    (("glslc",), LOADER, "linux", "", LLVMPIPE, CPU),  # only Mesa's software device, which ggml hides
+    (("glslc",), LOADER, "linux", "", [], CPU),  # a loader without a driver
+    (("glslc",), (), "linux", "", RADEON, CPU),  # no loader
+    ((), LOADER, "linux", "", RADEON, CPU),  # no glslc
+    (("glslc",), LOADER, "darwin", "", RADEON, METAL),
 ])
-def test_detect_backend(tmp_path, programs, files, platform, expected) -> None:
-    assert detect_backend(fake_machine(tmp_path, programs, files, platform)) == expected
+def test_detect_backend(tmp_path, programs, files, platform, gpus, vulkan, expected) -> None:
+    assert detect_backend(fake_machine(tmp_path, programs, files, platform, gpus=gpus, vulkan=vulkan)).backend \
+        == expected
+
+
+def test_detection_says_what_it_found(tmp_path) -> None:
+    cuda = detect_backend(fake_machine(tmp_path / "a", ("nvcc", "nvidia-smi"), gpus=NVIDIA_SMI_LISTING))
+    assert cuda.found == "NVIDIA GPU NVIDIA H200 and the CUDA toolkit"
+    software = detect_backend(fake_machine(tmp_path / "b", ("glslc",), LOADER, vulkan=LLVMPIPE))
+    assert software.found == "the Vulkan toolkit, but no Vulkan GPU (its devices: llvmpipe (LLVM 15.0.6, 256 bits) " \
+                             "(cpu))"
+    nothing = detect_backend(fake_machine(tmp_path / "c", ("nvcc", "nvidia-smi")))
+    assert (nothing.backend, nothing.found) == (CPU, "the CUDA toolkit, but nvidia-smi lists no GPU")
+
+
+LAVAPIPE_ICD = "/usr/share/vulkan/icd.d/lvp_icd*.json"
+
+
+def test_the_loader_lists_mesas_software_device_as_a_cpu() -> None:
+    """The real probe through this machine's loader (scripts/test.sh installs Mesa's Vulkan drivers)."""
+    if not Machine.here().has_file(*VULKAN_LOADER_GLOBS) or not glob.glob(LAVAPIPE_ICD):
+        pytest.skip("no Vulkan loader or no Mesa lavapipe driver here (scripts/test.sh installs them)")
+    devices = Machine.here().vulkan_devices()
+    assert any(d["kind"] == "cpu" and d["name"].startswith("llvmpipe") for d in devices), devices
+    assert detect_backend().backend == (VULKAN if any(d["kind"] in GPU_KINDS for d in devices) else CPU)
 
 
 def test_auto_is_the_detected_backend_and_a_name_is_checked(tmp_path) -> None:
-    machine = fake_machine(tmp_path, ("nvcc", "nvidia-smi"))
+    machine = fake_machine(tmp_path, ("nvcc", "nvidia-smi"), gpus=NVIDIA_SMI_LISTING)
     assert backend_named(AUTO, machine) == CUDA
     assert backend_named("vulkan", machine) == VULKAN
     with pytest.raises(UsageError, match="--backend takes cpu, vulkan, cuda, metal or auto, not 'rocm'"):
