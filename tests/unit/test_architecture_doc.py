@@ -17,10 +17,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mesh_sidecar"
 DOC = ROOT / "docs" / "architecture.md"
-# Importing one of these is doing I/O: sockets, processes, files, clocks, threads, HTTP, QUIC, mDNS.
+# Importing one of these is doing I/O: sockets, processes, files, clocks, threads, HTTP, QUIC, mDNS, native libraries.
 IO_MODULES = frozenset({"asyncio", "socket", "ssl", "select", "selectors", "subprocess", "threading", "mmap",
                         "shutil", "tempfile", "time", "urllib", "psutil", "httpx", "aiohttp", "aioquic", "qh3",
-                        "zeroconf", "fcntl", "signal"})
+                        "zeroconf", "fcntl", "signal", "ctypes"})
 # Methods of pathlib.Path (and file objects) that touch the file system.
 FILE_METHODS = frozenset({"read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "iterdir",
                           "glob", "rglob", "touch", "chmod", "rmdir", "is_file", "is_dir", "exists", "stat"})
