@@ -214,6 +214,10 @@ def run_node(
         "--weight-cache/--no-weight-cache", metavar=FLAG, rich_help_panel=ADVANCED_PANEL,
         help="Cache received weights (seeded from --model) so loads send only hashes; costs about the "
              "model's size on disk.")] = True,
+    mmproj: Annotated[list[str] | None, typer.Option(
+        "--mmproj", metavar="FILE", rich_help_panel=SERVING_PANEL,
+        help="With --serve: the model's image projector (mmproj-*.gguf), so chats may hold images. With several "
+             "--model, one per model in the same order ('none' for one without).")] = None,
     draft_model: Annotated[str | None, typer.Option(
         "--draft-model", metavar="FILE", rich_help_panel=SPEED_PANEL,
         help="With --serve: a small GGUF with the same tokenizer, drafting tokens on this CPU (speculative "

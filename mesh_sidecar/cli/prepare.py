@@ -4,6 +4,7 @@ lines."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,8 @@ from ..llama import weight_cache
 from ..llama.backends import Backend, recorded_backend
 from ..llama.build import B2B, STOCK, ensure_binaries
 from ..llama.model import check_gguf, ensure_model, model_sha256
+from ..llama.model_files import read_model_header
+from ..llama.projector import Projector, check_pair, read_projector
 from ..llama.weight_cache import WeightCache
 from ..net.data_relay_build import ensure_data_relay
 from ..progress import PlainProgress, ProgressCallback
@@ -79,6 +82,34 @@ def prepare(llama_bin: Path | None, model: Path | None, *, uses_model: bool = Tr
         model_path = ensure_model(model, progress) if model is not None or uses_model else None
         sha256 = model_sha256(model_path, progress) if identify_model and model_path is not None else ""
         return binaries, model_path, sha256, tuple((path, model_sha256(path, progress)) for path in more)
+
+
+NO_PROJECTOR = "none"  # --mmproj none: this tier takes no images
+
+
+def read_projectors(mmproj: Sequence[str], n_models: int, *, serving: bool) -> list[Projector | None]:
+    """--mmproj, checked as projectors (before any build): one per --model, or none at all."""
+    if not mmproj:
+        return []
+    if not serving:
+        raise UsageError("--mmproj works on the serving node only: add --serve PORT (workers need no projector).")
+    if len(mmproj) != n_models:
+        raise UsageError(f"Give --mmproj once per --model, in the same order ('{NO_PROJECTOR}' for a model without "
+                         f"one): {n_models} model(s), {len(mmproj)} projector(s).")
+    return [None if arg == NO_PROJECTOR else read_projector(Path(arg).expanduser()) for arg in mmproj]
+
+
+def identify_projectors(projectors: Sequence[Projector | None],
+                        models: Sequence[Path]) -> tuple[Projector | None, ...]:
+    """Each projector checked against its model's embedding width, and hashed (its identity in gossip)."""
+    identified: list[Projector | None] = []
+    with setup_progress() as progress:
+        for projector, model in zip(projectors, models, strict=False):
+            if projector is not None:
+                check_pair(projector, model, read_model_header(model))
+                projector = dataclasses.replace(projector, sha256=model_sha256(projector.path, progress))
+            identified.append(projector)
+    return tuple(identified)
 
 
 def draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:

@@ -30,7 +30,15 @@ from ..serve.supervisor import PlanAnnouncement, ServeOptions
 from ..units import parse_size
 from ..wire.ticket import decode_ticket
 from .output import console
-from .prepare import device_names, draft_for, prepare, prepare_data_relay, prepare_weight_cache
+from .prepare import (
+    device_names,
+    draft_for,
+    identify_projectors,
+    prepare,
+    prepare_data_relay,
+    prepare_weight_cache,
+    read_projectors,
+)
 from .views import plan_view
 
 
@@ -39,8 +47,9 @@ def start_node(*, serve: int | None, api_port: int | None, no_api: bool, model: 
                join: str | None, port: int | None, min_peers: int, step_up_after_s: float,
                step_up_interval_s: float, max_memory: str | None, devices: str | None, threads: int | None,
                ctx_size: int, cache_type_k: str, cache_type_v: str, api_key: str | None, cors_origin: str | None,
-               use_weight_cache: bool, draft_model: str | None, speculation_mode: str, receipt: Path | None,
-               fetch_model: bool, data_path: str, no_mdns: bool, lan: bool, verbose: bool) -> None:
+               use_weight_cache: bool, mmproj: list[str] | None, draft_model: str | None, speculation_mode: str,
+               receipt: Path | None, fetch_model: bool, data_path: str, no_mdns: bool, lan: bool,
+               verbose: bool) -> None:
     """`mesh-inference` without a subcommand, with its options (main.py's ``run_node`` names them)."""
     node_home = NodeHome.resolve(home)
     if lan:
@@ -59,6 +68,7 @@ def start_node(*, serve: int | None, api_port: int | None, no_api: bool, model: 
     if model and len(model) > 1 and serve is None:
         raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
                          "or give a worker one --model.")
+    projectors = read_projectors(mmproj or [], len(model or [None]), serving=serve is not None)
     # A worker without --model fetches no model and hashes none: the serving node sends what it holds.
     uses_model = serve is not None or bool(model)
     binaries, model_path, sha256, more_models = prepare(
@@ -81,7 +91,9 @@ def start_node(*, serve: int | None, api_port: int | None, no_api: bool, model: 
     console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
     cache, tool = prepare_weight_cache(node_home, model_path, sha256, _say) if use_weight_cache else (None, None)
     data_relay = prepare_data_relay(_say) if data_path == "auto" else None
-    serving = ServeOptions(models=((model_path, sha256), *more_models), ctx_size=ctx_size,
+    models = ((model_path, sha256), *more_models)
+    serving = ServeOptions(models=models, projectors=identify_projectors(projectors, [path for path, _ in models]),
+                           ctx_size=ctx_size,
                            min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
                            spread=spread, plan_by=PlanBy(plan_by), draft_model=draft_path,
                            receipts=receipt.expanduser().resolve() if receipt else None,

@@ -68,12 +68,14 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     model = f"{plan['model']}, " if plan.get("model") else ""
     kv_cache = f", KV cache {plan['kv_cache_type']}" if plan.get("kv_cache_type") else ""
     refused = [f"{node['name']} refused: {node['detail']}." for node in plan.get("refused", [])]
+    projector = (f"Image projector (--mmproj): {format_gib(plan['projector_bytes'])} GiB on the serving node's "
+                 "CPU, beside its layers." if plan.get("projector_bytes") else None)
     # Speeds once measured (every device of a plan by speed, or with --plan-by memory).
     speeds = any(node.get("decode_bytes_per_s") for node in plan["nodes"])
     headers = ["node", *(["id"] if wide else []), "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB",
                *(["speed GiB/s", "ms/token"] if speeds else [])]
-    table = _table(*headers, title=f"{title}: {model}{plan['n_layers']} layers{kv_cache}",
-                   caption="\n".join(filter(None, [_speed_caption(plan), _tiers_caption(plan), *refused])) or None)
+    caption = "\n".join(filter(None, [_speed_caption(plan), _tiers_caption(plan), projector, *refused]))
+    table = _table(*headers, title=f"{title}: {model}{plan['n_layers']} layers{kv_cache}", caption=caption or None)
     _whole(table, 0)
     for column in table.columns[-6 if speeds else -4:]:
         column.justify = "right"
@@ -230,8 +232,9 @@ def models_table(models: list[dict[str, Any]], *, wide: bool = False) -> Rendera
             if wide:
                 served_by += f" {_short(node['id'])}"
             members = ", ".join(member["name"] for member in replica.get("members", [])) or "-"
-            _add_row(table, model["id"] if index == 0 else "", _styled(replica.get("state", model["state"])),
-                     served_by, members, str(replica.get("in_flight", 0)))
+            name = model["id"] + (" (images)" if model.get("vision") else "") if index == 0 else ""
+            _add_row(table, name, _styled(replica.get("state", model["state"])), served_by, members,
+                     str(replica.get("in_flight", 0)))
     return table
 
 

@@ -130,6 +130,8 @@ class ModelEstimate:
     name: str = ""
     tied_output: bool = False  # the head reuses token_embd (a copy sits on the last device)
     kv_cache: KvCacheTypes = DEFAULT_KV_CACHE  # the element types kv_bytes_per_layer assumes
+    # A --mmproj projector in the serving node's llama-server, with one image's compute (llama/projector.py).
+    projector_bytes: int = 0
 
     def __post_init__(self) -> None:
         if len(self.layer_weight_bytes) != self.n_layers:
@@ -162,13 +164,18 @@ class ModelEstimate:
         return self.kv_bytes_per_layer * self.n_layers
 
     @property
+    def serving_host_bytes(self) -> int:
+        """What stays on the serving node whatever the split: the input layer, and a projector if any."""
+        return self.host_bytes + self.projector_bytes
+
+    @property
     def total_bytes(self) -> int:
-        """Weights (host, blocks, head) plus the whole K/V cache, without compute margins.
+        """Weights (host, blocks, head), the whole K/V cache and a projector, without compute margins.
 
         The margins are left out because they depend on how many devices take
         part: a plan adds ``compute_margin_bytes`` once per participant.
         """
-        return self.weight_bytes + self.kv_bytes
+        return self.weight_bytes + self.kv_bytes + self.projector_bytes
 
 
 def kv_cells(n_ctx: int) -> int:

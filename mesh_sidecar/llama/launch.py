@@ -107,11 +107,13 @@ def llama_server_argv(
     tensor_split: Sequence[float] = (),
     api_key_file: Path | None = None,
     extra: Sequence[str] = (),
+    projector: Path | None = None,
 ) -> list[str]:
     """llama-server offloading every layer to the RPC endpoints, in list order.
 
     ``api_key_file`` (a file, so the key is not in ``ps``) makes llama-server's
     own loopback port useless to other local users: only our proxy knows the key.
+    ``projector`` (--mmproj) runs on llama-server's own CPU (llama/projector.py says why).
     """
     argv = [
         str(binaries.llama_server),
@@ -134,6 +136,8 @@ def llama_server_argv(
         argv += ["--tensor-split", ",".join(f"{w:g}" for w in tensor_split)]
     if api_key_file is not None:
         argv += ["--api-key-file", str(api_key_file)]
+    if projector is not None:
+        argv += ["--mmproj", str(projector), "--no-mmproj-offload"]
     return argv + list(extra)
 
 

@@ -398,8 +398,12 @@ class Node:
                             "--model FILE`, or run `mesh-inference plan` on the serving node.")
         # A worker plans with llama.cpp's default cache types: --cache-type-k/-v are the serving node's.
         kv_cache = serving.kv_cache if serving else DEFAULT_KV_CACHE
-        tiers = [Tier(path, await estimate_off_loop(path, ctx_size or self.options.ctx_size, kv_cache))
-                 for path in paths]
+        tiers = []
+        for i, path in enumerate(paths):
+            estimate = await estimate_off_loop(path, ctx_size or self.options.ctx_size, kv_cache)
+            if model is None and serving is not None:  # the node's own tiers: each with its projector
+                estimate = serving.tier_estimate(i, estimate)
+            tiers.append(Tier(path, estimate))
         # On a serving node, its own claim's place and --spread; elsewhere, as if it began serving now.
         since = self.serving.since if self.serving is not None else time.time()
         return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), tiers, since=since,

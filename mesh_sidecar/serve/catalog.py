@@ -44,10 +44,11 @@ class Replica:
     since: float  # when it began serving
     members: tuple[tuple[bytes, str], ...]  # its plan's members (id, name), in --rpc order
     local: bool  # this node
+    takes_images: bool = False  # it runs the model with a --mmproj projector
 
     def to_json(self) -> dict[str, Any]:
         return {"node": {"id": self.node_id.hex(), "name": self.name}, "local": self.local, "state": self.state,
-                "in_flight": self.in_flight,
+                "in_flight": self.in_flight, "vision": self.takes_images,
                 "members": [{"id": node_id.hex(), "name": name} for node_id, name in self.members]}
 
 
@@ -66,8 +67,17 @@ class MeshModel:
     def local(self) -> Replica | None:
         return next((replica for replica in self.replicas if replica.local), None)
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether a replica runs it with a projector (image requests go only to those)."""
+        return any(replica.takes_images for replica in self.replicas)
+
+    def capabilities(self) -> list[str]:
+        """As llama-server's own ``/v1/models`` says them: ``multimodal`` when it takes images."""
+        return ["completion", *(["multimodal"] if self.takes_images else [])]
+
     def to_json(self, default: bool) -> dict[str, Any]:
-        return {"id": self.id, "state": self.state, "default": default,
+        return {"id": self.id, "state": self.state, "default": default, "vision": self.takes_images,
                 "replicas": [replica.to_json() for replica in self.replicas]}
 
 
@@ -105,7 +115,7 @@ class MeshCatalog:
     def openai_entries(self, created: int) -> list[dict[str, Any]]:
         """``/v1/models`` entries: OpenAI's fields, with who serves each model and whether it is ready."""
         return [{"id": model.id, "object": "model", "created": created, "owned_by": OWNER,
-                 "status": model.state, "default": model.id == self.default,
+                 "status": model.state, "default": model.id == self.default, "capabilities": model.capabilities(),
                  "replicas": [replica.to_json() for replica in model.replicas]} for model in self.models]
 
 
@@ -121,7 +131,7 @@ def mesh_catalog(own: MemberInfo, members: Sequence[MemberInfo], name_of: Callab
         local = info.node_id == own.node_id
         replicas.setdefault(served.model, []).append(Replica(
             info.node_id, info.name, served.state, own_in_flight if local else served.in_flight, served.since,
-            tuple((node_id, name_of(node_id)) for node_id in served.members), local))
+            tuple((node_id, name_of(node_id)) for node_id in served.members), local, bool(served.projector_sha256)))
     models = tuple(sorted(
         (MeshModel(model_id, tuple(sorted(found, key=lambda r: (r.since, r.node_id))))
          for model_id, found in replicas.items()),
@@ -144,11 +154,13 @@ def mesh_models_list(catalog: MeshCatalog, tiers: Sequence[TierView], created: i
 
 
 def choose_replica(model: MeshModel, load: Mapping[bytes, int], *, avoid: frozenset[bytes] = frozenset(),
-                   sticky: bytes | None = None) -> Replica | None:
+                   sticky: bytes | None = None, images: bool = False) -> Replica | None:
     """The ready replica to ask: ``sticky`` (where this conversation went before) while it is ready,
     else the one with the fewest requests in flight (``load``: what this node knows beyond gossip,
-    added), this node's own first on ties, then the earliest. None: no ready replica outside ``avoid``."""
-    ready = [r for r in model.replicas if r.state == READY and r.node_id not in avoid]
+    added), this node's own first on ties, then the earliest; with ``images``, only those that take
+    them. None: no ready replica outside ``avoid``."""
+    ready = [r for r in model.replicas
+             if r.state == READY and r.node_id not in avoid and (r.takes_images or not images)]
     for replica in ready:
         if replica.node_id == sticky:
             return replica

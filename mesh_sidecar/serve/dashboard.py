@@ -83,6 +83,7 @@ def models_from(models: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]
         return {"id": entry["id"], "name": entry["name"]}
 
     return [{"id": model["id"], "state": model["state"], "default": bool(model.get("default")),
+             "vision": bool(model.get("vision")),
              "replicas": [{"node": node(replica["node"]), "local": bool(replica.get("local")),
                            "state": replica.get("state", model["state"]), "in_flight": replica.get("in_flight", 0),
                            "members": [node(member) for member in replica.get("members", [])]}

@@ -19,6 +19,8 @@ from .receipt import OutputTap, ask_for_token_ids
 from .recovery import Shape
 from .replay import pin_seed
 
+IMAGE_PART = "image_url"  # a chat message's content part holding an image (a data URL, or a URL)
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -49,6 +51,19 @@ def is_json_object(body: bytes) -> bool:
         return isinstance(json.loads(body), dict)
     except ValueError:
         return False
+
+
+def has_images(body: bytes) -> bool:
+    """Whether a chat request holds an image part (OpenAI's ``image_url`` content parts)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return False
+    messages = request.get("messages") if isinstance(request, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(part, dict) and part.get("type") == IMAGE_PART
+        for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"])
 
 
 def requested_model(body: bytes) -> str:

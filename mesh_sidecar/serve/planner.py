@@ -156,6 +156,7 @@ class Plan:
     offered: tuple[tuple[bytes, str], ...] = ()
     by: PlanBy = PlanBy.MEMORY  # the rule the layer counts follow
     memory_token_s: float | None = None  # the memory plan's expected token time, for comparison (None: unknown)
+    projector_bytes: int = 0  # a --mmproj projector on the serving node (its llama-server's CPU); 0: none
 
     @property
     def token_s(self) -> float | None:
@@ -230,6 +231,7 @@ class Plan:
             "memory_plan_tokens_per_s": _per_s(self.memory_token_s),
             "model": self.model,
             "kv_cache_type": self.kv_cache_type,
+            "projector_bytes": self.projector_bytes,
             "tiers": [tier.to_json() for tier in self.tiers],
             "assignment": [{"id": role.node_id.hex(), "name": role.name,
                             "serves_with": None if role.serves_with is None else role.serves_with.hex(),
@@ -356,7 +358,7 @@ def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[N
 
     ``tiers`` are (file name, estimate) pairs in any order; ``members`` end with
     the serving host, whose ``usable_bytes`` still include what each model's
-    input embeddings take there (``host_bytes``, taken off per tier).
+    input embeddings and a projector take there (``serving_host_bytes``, taken off per tier).
     """
     if not tiers:
         raise ValueError("assess_tiers needs at least one tier")
@@ -366,9 +368,10 @@ def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[N
     *peers, host = members
     for i in order:
         name, estimate = tiers[i]
-        own = dataclasses.replace(host, usable_bytes=max(0, host.usable_bytes - estimate.host_bytes))
+        own = dataclasses.replace(host, usable_bytes=max(0, host.usable_bytes - estimate.serving_host_bytes))
         try:
-            plans[i] = dataclasses.replace(plan_layers([*peers, own], estimate, by=by, spread=spread), model=name)
+            plans[i] = dataclasses.replace(plan_layers([*peers, own], estimate, by=by, spread=spread), model=name,
+                                           projector_bytes=estimate.projector_bytes)
         except PlanError as exc:
             errors[i] = exc
     fits = tuple(TierFit(tiers[i][0], tier_needs_bytes(tiers[i][1]), i in plans, str(errors.get(i, "")))

@@ -75,7 +75,7 @@ from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, Ap
 from .activity import TokenRate
 from .catalog import MeshCatalog, mesh_models_list
 from .continuation import DETOKENIZE_PATH, TEMPLATE_PATH, Assembly
-from .generation import Generation, PreparedRequest, is_json_object, prepare, requested_model
+from .generation import Generation, PreparedRequest, has_images, is_json_object, prepare, requested_model
 from .metrics import Metrics
 from .pace import Slow
 from .receipt import CONTINUE_AT_HEADER, OutputTap, parse_continue_at
@@ -341,7 +341,7 @@ class ApiProxy:
         requested = requested_model(body)
         ours = self._names_ours if self._serving_here else None
         route = self._router.route(requested, forwarded=forwarded, ours=ours, own_in_flight=self._in_flight,
-                                   path=request.path, body=body)
+                                   path=request.path, body=body, images=has_images(body))
         if isinstance(route, Refusal):
             return self._count(request, openai_error(route.status, route.message, route.error_type, route.code))
         local = route.model is None

@@ -212,14 +212,16 @@ def signed_receipt(identity: NodeIdentity, node_name: str, *, path: str, request
                    output: OutputTap, answered_by: str, tiers: Sequence[tuple[PurePath, str]], in_service: PurePath,
                    plan: Plan, draft: tuple[PurePath, str | None] | None, speculation: dict[str, Any] | None,
                    peer_views: Sequence[PeerView], now: float, continued_at: Sequence[int] = (),
-                   shards: Mapping[str, Sequence[Shard]] = {}) -> tuple[str, str]:
+                   shards: Mapping[str, Sequence[Shard]] = {},
+                   projectors: Mapping[str, tuple[PurePath, str]] = {}) -> tuple[str, str]:
     """One finished generation request's receipt (``--receipt DIR``), signed: its file name and its JSON text.
 
     ``answered_by``: the id of the model that answered, one of ``tiers`` ((path, sha256) of every --model;
     ``in_service`` when none has that id); ``draft``: the draft model's (path, sha256); ``peer_views``: the mesh's,
     for the round trips to the plan's other members; ``now``: seconds since the epoch; ``continued_at``: the
     tokens delivered at each continuation after a failover (recovery.py), where a replay continues too;
-    ``shards``: a split model's shards by its identity (the model's ``sha256`` is then its manifest's).
+    ``shards``: a split model's shards by its identity (the model's ``sha256`` is then its manifest's);
+    ``projectors``: a model's --mmproj projector (path, sha256) by the model's identity.
     """
     timings = output.timings
     plan_ids = {n.node_id for n in plan.nodes}
@@ -248,6 +250,9 @@ def signed_receipt(identity: NodeIdentity, node_name: str, *, path: str, request
     }
     if shards.get(sha256):  # a split model: every shard's sha256 beside the manifest's
         body["model"]["shards"] = [{"name": s.name, "sha256": s.sha256} for s in shards[sha256]]
+    if projectors.get(sha256):  # it takes images: the projector is part of what answered
+        projector, projector_sha256 = projectors[sha256]
+        body["model"]["projector"] = {"name": projector.name, "sha256": projector_sha256}
     if continued_at:  # only then: the receipts of undisturbed answers keep their shape
         body["continued_at"] = list(continued_at)
     name = f"{created.strftime('%Y%m%d-%H%M%S')}-{output.response_id or 'request'}.json"

@@ -29,6 +29,7 @@ from .catalog import MeshCatalog, choose_replica, conversation_key
 
 MODEL_UNAVAILABLE_CODE = "model_unavailable"
 MODEL_NOT_FOUND_CODE = "model_not_found"
+NO_IMAGES_CODE = "model_takes_no_images"
 MODEL_LOADING_MESSAGE = "The model is still being loaded on the mesh; retry in a moment."
 MODEL_LOADING_CODE = "model_loading"
 # Conversations remembered for routing to the replica that holds their prompt (least recently used go).
@@ -55,6 +56,7 @@ class Route:
     key: str | None = None  # its conversation, kept with one replica (catalog.conversation_key)
     replicas: int = 1  # how many members served the model when it was routed
     avoid: set[bytes] = field(default_factory=set)  # members that failed under it
+    images: bool = False  # it holds images: only replicas with a projector answer it
 
 
 LOCAL = Route(None)  # never changed: a local route has nothing to avoid
@@ -86,9 +88,10 @@ class MeshRouter:
         return self._routes.name_of(node_id) if self._routes is not None else node_id.hex()[:12]
 
     def route(self, requested: str, *, forwarded: bool, ours: Callable[[str], bool] | None, own_in_flight: int,
-              path: str, body: bytes) -> Route | Refusal:
+              path: str, body: bytes, images: bool = False) -> Route | Refusal:
         """Where a request naming ``requested`` goes. ``ours``: whether a name is this node's model or one of
-        its tiers (None: this node serves none)."""
+        its tiers (None: this node serves none). ``images``: the request holds images, refused (400) for a
+        model no member runs with a projector."""
         if forwarded or self._routes is None:
             # A member forwarded it here because we serve it (or said so a moment ago).
             if ours is None or (forwarded and not ours(requested)):
@@ -101,13 +104,17 @@ class MeshRouter:
             if ours is not None and ours(requested):
                 return LOCAL  # one of our tiers, not in service: the proxy says why
             return Refusal(404, catalog.not_found(requested), "invalid_request_error", MODEL_NOT_FOUND_CODE)
+        if images and not model.takes_images:
+            return Refusal(400, f"The model {model.id!r} does not take images: its serving node runs it without a "
+                           "projector. Send text only, or start that node with --mmproj FILE (the mmproj-*.gguf "
+                           "published beside the model).", "invalid_request_error", NO_IMAGES_CODE)
         if model.local() is not None and len(model.replicas) == 1:
             return LOCAL
         try:
             key = conversation_key(path, json.loads(body))
         except ValueError:
             key = None
-        return Route(model.id, key, len(model.replicas))
+        return Route(model.id, key, len(model.replicas), images=images)
 
     async def replica(self, route: Route, failed: bytes | None, own_in_flight: int) -> bytes | None:
         """The member to ask for ``route`` now: a ready replica (None: this node's own llama-server),
@@ -122,7 +129,8 @@ class MeshRouter:
             model = self.catalog(own_in_flight).find(route.model)
             if model is not None:
                 sticky = self._conversations.get(route.key) if route.key is not None else None
-                chosen = choose_replica(model, self.forwarded_in_flight, avoid=frozenset(route.avoid), sticky=sticky)
+                chosen = choose_replica(model, self.forwarded_in_flight, avoid=frozenset(route.avoid), sticky=sticky,
+                                        images=route.images)
                 if chosen is not None:
                     self._remember(route.key, chosen.node_id)
                     return None if chosen.local else chosen.node_id

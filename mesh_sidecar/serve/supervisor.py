@@ -50,6 +50,7 @@ from ..llama.estimate import ModelEstimate, estimate_model
 from ..llama.kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
 from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
 from ..llama.model import model_sha256, model_shards
+from ..llama.projector import Projector
 from ..mesh.exclusion import SLOW_EXCLUSION_S, Exclusion, exclusion_of
 from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
@@ -131,6 +132,17 @@ class ServeOptions:
     receipts: Path | None = None  # write a signed run receipt per generation request here
     speculate: bool = True  # let the node choose speculative decoding (False: never)
     kv_cache: KvCacheTypes = DEFAULT_KV_CACHE  # --cache-type-k/-v, for llama-server and the estimate
+    # Each tier's --mmproj projector, in the order of ``models`` (None, or no entry: that tier takes no images).
+    projectors: tuple[Projector | None, ...] = ()
+
+    def projector(self, tier: int) -> Projector | None:
+        return self.projectors[tier] if tier < len(self.projectors) else None
+
+    def tier_estimate(self, tier: int, estimate: ModelEstimate) -> ModelEstimate:
+        """``estimate`` of tier ``tier``'s model with its projector's memory on the serving node."""
+        projector = self.projector(tier)
+        return estimate if projector is None else dataclasses.replace(estimate,
+                                                                      projector_bytes=projector.memory_bytes)
 
 
 @dataclass(frozen=True)
@@ -249,6 +261,7 @@ class ServingSupervisor:
         self._metrics = host.metrics
         self._say = host.say
         self.model = options.models[0][0]  # the tier in service (or last planned)
+        self.projector = options.projector(0)  # its --mmproj projector, if it has one
         self._in_service: Path | None = None  # the tier llama-server was last started on
         self._step_up = StepUpGate(options.step_up)
         self._recheck_at: float | None = None  # loop time to look again at a step up that must wait
@@ -289,8 +302,9 @@ class ServingSupervisor:
 
     def _snapshot(self) -> ServingSnapshot:
         """This node's share of the connected members, the tiers and the plan in service, at the loop's time now."""
-        tiers = tuple(Tier(path, cached_estimate(path, self._options.ctx_size, kv_cache=self._options.kv_cache))
-                      for path, _ in self._options.models)
+        tiers = tuple(Tier(path, self._options.tier_estimate(
+                          i, cached_estimate(path, self._options.ctx_size, kv_cache=self._options.kv_cache)))
+                      for i, (path, _) in enumerate(self._options.models))
         self._round = planning_members(self._mesh, self._identity, self._host.name, self._own_for_planning(), tiers,
                                        since=self.since, spread=self._options.spread, by=self._options.plan_by,
                                        slowdowns=self.slowdowns())
@@ -328,7 +342,8 @@ class ServingSupervisor:
             alone_bytes=needs.alone_bytes if needs else 0, margin_bytes=needs.margin_bytes if needs else 0,
             layer_bytes=needs.layer_bytes if needs else 0, spread=self._options.spread,
             members=self.plan.rpc_nodes()[:MAX_SERVED_MEMBERS] if self.plan else (),
-            by_speed=self._options.plan_by is PlanBy.SPEED)
+            by_speed=self._options.plan_by is PlanBy.SPEED,
+            projector_sha256=self.projector.sha256 if self.projector is not None else "")
 
     def _set_state(self, state: str) -> None:
         if state != self._state:
@@ -528,6 +543,8 @@ class ServingSupervisor:
         self.plan, self.outage = dataclasses.replace(choice.plan, roles=roles), None
         self._set_state(LOADING)
         path, sha256 = self._options.models[choice.tier]
+        projector = self._options.projector(choice.tier)
+        self.projector = projector
         if choice.switch is not None and self._in_service is not None:
             self._say(f"Switching model {choice.switch}: {self._in_service.name} -> {path.name} "
                       f"(the largest tier that {'has fitted long enough' if choice.switch == 'up' else 'fits now'})")
@@ -550,7 +567,7 @@ class ServingSupervisor:
             [] if alone else [self._endpoint(node_id) for node_id in self.plan.rpc_nodes()], self.llama_port,
             tensor_split=() if alone else self.plan.tensor_split(), api_key_file=self._upstream_key_file,
             extra=["--ctx-size", str(self._options.ctx_size), *self._options.kv_cache.llama_server_args(),
-                   *self.speculation.llama_server_args()],
+                   *self.speculation.llama_server_args()], projector=None if projector is None else projector.path,
         )
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(self.plan.rpc_nodes())
@@ -626,7 +643,9 @@ class ServingSupervisor:
             in_service=self.model, plan=self.plan, draft=(draft, self._draft_sha256) if draft is not None else None,
             speculation=self.speculation.to_json() if self.speculation else None,
             peer_views=self._mesh.peer_views(), now=time.time(), continued_at=generation.continued_at,
-            shards=self._shards)
+            shards=self._shards, projectors={sha256: (projector.path, projector.sha256)
+                                             for i, (_, sha256) in enumerate(self._options.models)
+                                             if (projector := self._options.projector(i)) is not None})
         self._options.receipts.mkdir(parents=True, exist_ok=True)
         # Receipts hold the prompt: readable by this user only.
         write_private_file(self._options.receipts / name, text)
@@ -634,6 +653,7 @@ class ServingSupervisor:
     def status(self) -> dict[str, Any]:
         return {
             "model": str(self.model),  # the tier in service, or the last one planned
+            "projector": str(self.projector.path) if self.projector is not None else None,  # its --mmproj
             "step_up": ({"model": self.step_up_pending[0],
                          "in_s": round(max(0.0, self.step_up_pending[1] - asyncio.get_running_loop().time()), 1)}
                         if self.step_up_pending else None),

@@ -77,9 +77,9 @@ MAX_ADDRESS_CHARS = 259  # a 253-char DNS name, ":" and a 5-digit port
 MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
-# The largest mesh gossip can describe: 189 members at every field's limit take about
-# 1046 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
-MAX_MEMBERS_PER_LIST = 189
+# The largest mesh gossip can describe: 187 members at every field's limit take about
+# 1048 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
+MAX_MEMBERS_PER_LIST = 187
 # An rpc-server lists its GPUs (or its CPU): a few a machine. Names as ggml gives them: CPU, Vulkan0, CUDA1.
 MAX_DEVICES_PER_MEMBER = 4
 MAX_DEVICE_NAME_CHARS = 16
@@ -213,18 +213,22 @@ class ServedModel:
     spread: bool = False  # --spread: it takes every free worker
     members: tuple[bytes, ...] = ()  # its plan's members in --rpc order (the first MAX_SERVED_MEMBERS)
     by_speed: bool = True  # --plan-by speed: it takes workers fastest first (False: --plan-by memory)
+    # sha256 of its --mmproj projector: the model takes images. "" (the key left out): text only, so
+    # nodes of the same wire version without projectors still read each other.
+    projector_sha256: str = ""
 
     def to_body(self) -> dict[str, Any]:
         return {"model": self.model, "state": self.state, "since": self.since, "in_flight": self.in_flight,
                 "alone_bytes": self.alone_bytes, "margin_bytes": self.margin_bytes,
                 "layer_bytes": self.layer_bytes, "spread": self.spread,
-                "members": [node_id.hex() for node_id in self.members], "by_speed": self.by_speed}
+                "members": [node_id.hex() for node_id in self.members], "by_speed": self.by_speed,
+                **({"projector_sha256": self.projector_sha256} if self.projector_sha256 else {})}
 
     @classmethod
     def from_body(cls, body: Any, what: str) -> ServedModel:
         keys = ("model", "state", "since", "in_flight", "alone_bytes", "margin_bytes", "layer_bytes", "spread",
                 "members", "by_speed")
-        fields = json_object(body, what, keys)
+        fields = json_object(body, what, keys, optional=("projector_sha256",))
         state = fields["state"]
         if state not in SERVED_STATES:
             raise field_error(f"{what}.state", f"one of {', '.join(SERVED_STATES)}")
@@ -236,7 +240,9 @@ class ServedModel:
                for key in ("alone_bytes", "margin_bytes", "layer_bytes")},
             spread=boolean(fields["spread"], f"{what}.spread"),
             members=node_ids(fields["members"], f"{what}.members", MAX_SERVED_MEMBERS),
-            by_speed=boolean(fields["by_speed"], f"{what}.by_speed"))
+            by_speed=boolean(fields["by_speed"], f"{what}.by_speed"),
+            projector_sha256=matching(fields.get("projector_sha256", ""), f"{what}.projector_sha256", _SHA256_RE,
+                                      "64 lowercase hex digits"))
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,8 @@ async def test_the_state_has_members_plan_live_figures_and_events_but_no_secrets
         ("worker", 0, 14, False), ("server", 14, 30, True)]
     assert state["live"] == {"tokens_per_second_now": 21.5, "last_request_tokens_per_second": 19.0}
     assert state["counters"]["requests"] == 3
-    assert state["models"] == [{"id": "SmolLM2-135M-Instruct.Q4_1", "state": "ready", "default": True, "replicas": [
+    assert state["models"] == [{"id": "SmolLM2-135M-Instruct.Q4_1", "state": "ready", "default": True,
+                                "vision": False, "replicas": [
         {"node": {"id": SERVER_ID, "name": "server"}, "local": True, "state": "ready", "in_flight": 2,
          "members": [{"id": WORKER_ID, "name": "worker"}, {"id": SERVER_ID, "name": "server"}]}]}]
     assert [e["message"] for e in state["events"]] == [

@@ -431,7 +431,7 @@ def test_the_largest_member_list_fits_in_one_frame() -> None:
         * MAX_JUDGED_MEMBERS,
         serves=ServedModel("\U0001f600" * MAX_MODEL_ID_CHARS, "unavailable", -sys.float_info.max, MAX_IN_FLIGHT,
                            MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE, True,
-                           tuple(i.to_bytes(32, "big") for i in range(MAX_SERVED_MEMBERS))),
+                           tuple(i.to_bytes(32, "big") for i in range(MAX_SERVED_MEMBERS)), projector_sha256="e" * 64),
         devices=(OfferedDevice("W" * MAX_DEVICE_NAME_CHARS, MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE,
                                MAX_BYTES_PER_S, MAX_BYTES_PER_S),)
         * MAX_DEVICES_PER_MEMBER,

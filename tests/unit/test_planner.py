@@ -367,6 +367,7 @@ def test_to_json():
         "memory_plan_tokens_per_s": None,
         "model": "",
         "kv_cache_type": "f16/f16",
+        "projector_bytes": 0,
         "tiers": [],
         "assignment": [],
     }

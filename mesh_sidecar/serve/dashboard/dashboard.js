@@ -180,6 +180,7 @@ function drawModels(models) {
       if (index === 0) {
         name.append(el("span", model.id, "mono"));
         if (model.default && models.length > 1) name.append(el("span", "default", "self-tag"));
+        if (model.vision) name.append(el("span", "images", "self-tag"));
       }
       const state = replica ? replica.state : model.state;
       const servedBy = el("td");
