@@ -61,6 +61,10 @@ class BuildError(SetupError):
     """Fetching or compiling the pinned llama.cpp failed."""
 
 
+class SourceUnavailableError(BuildError):
+    """The pinned llama.cpp source is in the cache neither here nor on PyPI (a member may have it)."""
+
+
 class BinariesMissingError(SetupError):
     """A llama.cpp binary directory lacks ggml-rpc-server or llama-server."""
 

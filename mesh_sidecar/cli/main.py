@@ -284,10 +284,11 @@ def setup(
                       highlight=False)
     else:
         chosen = backend_named(backend)
-    from .prepare import prepare, prepare_data_relay
+    from .prepare import keep_source, prepare, prepare_data_relay
 
     binaries, model_path, _, _ = prepare(llama_bin, model, b2b=b2b, backend=chosen)
     relay = prepare_data_relay(lambda line: console.print(line, highlight=False))
+    source = keep_source(lambda line: console.print(line, highlight=False))
     if chosen is None:
         console.print("backend: your own build (--llama-bin)", highlight=False)
     else:
@@ -295,6 +296,8 @@ def setup(
         console.print(f"backend: {chosen.name}{' (detected)' if backend == AUTO else ''}", highlight=False)
     console.print(f"model: {model_path}", highlight=False)
     console.print(f"data relay: {relay or 'missing (tunnels use QUIC)'}", highlight=False)
+    console.print(f"llama.cpp source, offered to members without package access: {source or 'not kept'}",
+                  highlight=False)
     print(binaries.directory)
 
 

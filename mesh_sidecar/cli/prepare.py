@@ -15,7 +15,7 @@ from ..errors import SetupError, UsageError
 from ..home import NodeHome
 from ..llama import weight_cache
 from ..llama.backends import Backend, recorded_backend
-from ..llama.build import B2B, STOCK, ensure_binaries
+from ..llama.build import B2B, STOCK, ensure_binaries, ensure_source_archive
 from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..llama.model_files import read_model_header
 from ..llama.projector import Projector, check_pair, read_projector
@@ -112,12 +112,13 @@ def identify_projectors(projectors: Sequence[Projector | None],
     return tuple(identified)
 
 
-def draft_for(model: Path, draft: str | None, serving: bool) -> Path | None:
+def draft_for(model: Path | None, draft: str | None, serving: bool) -> Path | None:
     """The draft model --draft-model names (checked against the model's tokenizer), or None."""
     if draft is None:
         return None
     if not serving:
         raise UsageError("--draft-model works on the serving node only: add --serve PORT.")
+    assert model is not None  # a serving node has its model
     path = speculation.find_draft(model) if draft == speculation.AUTO else check_gguf(Path(draft))
     speculation.check_pair(model, path)
     return path
@@ -148,6 +149,18 @@ def device_names(devices: str | None) -> tuple[str, ...]:
     if len(names) > MAX_DEVICES_PER_MEMBER:
         raise UsageError(f"--devices names {len(names)} devices; a node offers at most {MAX_DEVICES_PER_MEMBER}.")
     return names
+
+
+def keep_source(say: Callable[[str], None]) -> Path | None:
+    """The pinned llama.cpp source, kept so members without package access can build from it (mesh/
+    source_fetch.py); None (said why) if it cannot be had."""
+    try:
+        with setup_progress() as progress:
+            return ensure_source_archive(progress)
+    except SetupError as exc:
+        say(f"The llama.cpp source is not kept here, so members without package access cannot take it from "
+            f"this machine: {exc}")
+        return None
 
 
 def prepare_data_relay(say: Callable[[str], None]) -> Path | None:

@@ -14,12 +14,14 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..errors import UsageError
+from ..errors import SourceUnavailableError, UsageError
 from ..home import NodeHome
 from ..identity import load_or_create_identity, short_id
+from ..llama.build import LlamaBinaries
 from ..llama.kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
 from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME
 from ..mesh.saved import SavedMesh
+from ..mesh.source_fetch import fetch_source_archive
 from ..net.discovery import LAN_BROWSE_S, browse_lan
 from ..node.lifecycle import ApiOptions, Node, NodeOptions
 from ..ports import DEFAULT_API_PORT, LOOPBACK, check_tcp_port_free
@@ -38,6 +40,7 @@ from .prepare import (
     prepare_data_relay,
     prepare_weight_cache,
     read_projectors,
+    setup_progress,
 )
 from .views import plan_view
 
@@ -71,9 +74,22 @@ def start_node(*, serve: int | None, api_port: int | None, no_api: bool, model: 
     projectors = read_projectors(mmproj or [], len(model or [None]), serving=serve is not None)
     # A worker without --model fetches no model and hashes none: the serving node sends what it holds.
     uses_model = serve is not None or bool(model)
-    binaries, model_path, sha256, more_models = prepare(
-        llama_bin, model[0] if model else None, uses_model=uses_model, identify_model=uses_model, b2b=b2b,
-        more_models=model[1:] if model else ())
+
+    def ready() -> tuple[LlamaBinaries, Path | None, str, tuple[tuple[Path, str], ...]]:
+        return prepare(llama_bin, model[0] if model else None, uses_model=uses_model, identify_model=uses_model,
+                       b2b=b2b, more_models=model[1:] if model else ())
+
+    try:
+        binaries, model_path, sha256, more_models = ready()
+    except SourceUnavailableError:
+        if ticket is None:
+            raise  # its message says what to do
+        node_home.create()
+        console.print("No llama.cpp build here, and PyPI is out of reach: taking the llama.cpp source from the "
+                      "member the ticket names, to build it here.", highlight=False, soft_wrap=True)
+        with setup_progress() as progress:
+            asyncio.run(fetch_source_archive(ticket, load_or_create_identity(node_home.root), progress))
+        binaries, model_path, sha256, more_models = ready()
     if data_path not in ("auto", "quic"):
         raise UsageError(f"--data-path takes 'auto' or 'quic', not {data_path!r}.")
     if speculation_mode not in ("auto", "off"):
@@ -91,13 +107,16 @@ def start_node(*, serve: int | None, api_port: int | None, no_api: bool, model: 
     console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
     cache, tool = prepare_weight_cache(node_home, model_path, sha256, _say) if use_weight_cache else (None, None)
     data_relay = prepare_data_relay(_say) if data_path == "auto" else None
-    models = ((model_path, sha256), *more_models)
-    serving = ServeOptions(models=models, projectors=identify_projectors(projectors, [path for path, _ in models]),
-                           ctx_size=ctx_size,
-                           min_peers=min_peers, step_up=StepUpRules(step_up_after_s, step_up_interval_s),
-                           spread=spread, plan_by=PlanBy(plan_by), draft_model=draft_path,
-                           receipts=receipt.expanduser().resolve() if receipt else None,
-                           speculate=speculation_mode == "auto", kv_cache=kv_cache) if serve is not None else None
+    serving = None
+    if serve is not None:
+        assert model_path is not None  # prepare fetched or checked it: a serving node uses a model
+        models = ((model_path, sha256), *more_models)
+        serving = ServeOptions(models=models, projectors=identify_projectors(projectors, [p for p, _ in models]),
+                               ctx_size=ctx_size, min_peers=min_peers,
+                               step_up=StepUpRules(step_up_after_s, step_up_interval_s),
+                               spread=spread, plan_by=PlanBy(plan_by), draft_model=draft_path,
+                               receipts=receipt.expanduser().resolve() if receipt else None,
+                               speculate=speculation_mode == "auto", kv_cache=kv_cache)
     options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,
                           serving=serving,
                           join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,

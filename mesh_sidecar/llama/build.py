@@ -1,8 +1,10 @@
 """The pinned llama.cpp: find a user's build, or fetch and build ours once.
 
 Our pin is the ``vendor/llama.cpp`` tree inside the ``llama-cpp-python`` sdist on
-PyPI (RPC protocol 7.0.0). ``ensure_binaries`` builds the two targets we run,
-``ggml-rpc-server`` and ``llama-server``, into
+PyPI (RPC protocol 7.0.0), checked by its sha256 and kept in ``<cache>/sources``:
+members offer it over the mesh to a member that cannot reach PyPI
+(``offered_source``; mesh/source_fetch.py fetches it). ``ensure_binaries`` builds the
+two targets we run, ``ggml-rpc-server`` and ``llama-server``, into
 ``<cache>/llama.cpp-<pin>/bin`` and is instant once that directory is complete.
 
 Two builds of the pin (``BuildVariant``): ``stock``, as published, and ``b2b``
@@ -45,13 +47,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import environment
-from ..errors import BinariesMissingError, BuildError
+from ..errors import BinariesMissingError, BuildError, SourceUnavailableError
 from ..home import cache_root
 from ..progress import ProgressCallback
 from .backends import CPU, Backend, check_toolkit
+from .model import file_sha256
 
 LLAMA_CPP_PYTHON_PIN = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}.tar.gz"
+# The sdist as PyPI serves it: what a download, or a fetch from a member, must hash to.
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+SOURCES_DIR_NAME = "sources"
 SDIST_VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_PIN}/vendor/llama.cpp/"
 RPC_SERVER_BINARY = "ggml-rpc-server"
 LLAMA_SERVER_BINARY = "llama-server"
@@ -295,7 +301,7 @@ def _fetch_source(source: Path, progress: ProgressCallback, variant: BuildVarian
     if variant.patches() and (stock / "CMakeLists.txt").exists():
         shutil.copytree(stock, staging, symlinks=True)  # no second download
     else:
-        _download_source(staging, progress)
+        _unpack_source(staging, progress)
     # The sdist's tree carries a `.git` file pointing at a repository that is not there; git apply
     # would follow it and refuse to run.
     gitlink = staging / ".git"
@@ -313,7 +319,37 @@ def _fetch_source(source: Path, progress: ProgressCallback, variant: BuildVarian
     staging.rename(source)
 
 
-def _download_source(staging: Path, progress: ProgressCallback) -> None:
+def source_archive_path() -> Path:
+    """Where the pinned source's sdist is kept once downloaded or fetched (complete and checked, or absent)."""
+    return cache_root() / SOURCES_DIR_NAME / SDIST_NAME
+
+
+def offered_source(sha256: str) -> Path | None:
+    """The kept sdist, when ``sha256`` names it: what a member offers one that cannot download it."""
+    path = source_archive_path()
+    return path if sha256 == SDIST_SHA256 and path.is_file() else None
+
+
+def place_source_archive(candidate: Path) -> Path:
+    """Keep ``candidate`` as the pinned sdist once it hashes to SDIST_SHA256 (BuildError, and it is removed,
+    if it does not); its new path."""
+    actual = file_sha256(candidate)
+    if actual != SDIST_SHA256:
+        candidate.unlink()
+        raise BuildError(f"The llama.cpp source archive has sha256 {actual}, not the pinned {SDIST_SHA256}; it was "
+                         "discarded. Whoever served it does not serve llama-cpp-python=="
+                         f"{LLAMA_CPP_PYTHON_PIN} as published.")
+    path = source_archive_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate.replace(path)
+    return path
+
+
+def ensure_source_archive(progress: ProgressCallback) -> Path:
+    """The pinned sdist: kept, else downloaded from PyPI and checked (SourceUnavailableError if it cannot be)."""
+    path = source_archive_path()
+    if path.is_file():
+        return path
     progress(f"Downloading llama-cpp-python=={LLAMA_CPP_PYTHON_PIN} source from PyPI", 0, 0)
     with tempfile.TemporaryDirectory(prefix="mesh-llama-src-") as tmp:
         result = subprocess.run(
@@ -323,16 +359,27 @@ def _download_source(staging: Path, progress: ProgressCallback) -> None:
         )
         sdist = Path(tmp) / SDIST_NAME
         if result.returncode != 0 or not sdist.exists():
-            raise BuildError(
+            raise SourceUnavailableError(
                 f"Could not download the llama.cpp source (llama-cpp-python=={LLAMA_CPP_PYTHON_PIN}) "
-                f"from PyPI:\n{result.stderr.strip()[-2000:]}\nCheck the network or pip's index "
-                "settings, or pass --llama-bin with your own llama.cpp build."
+                f"from PyPI:\n{result.stderr.strip()[-2000:]}\nFix the network or pip's index settings; or "
+                "join a mesh whose members built it (--join TICKET): the source is then taken from the member "
+                "the ticket names, checked by its sha256, and built here; or pass --llama-bin with your own "
+                "llama.cpp build."
             )
-        with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(SDIST_VENDOR_PREFIX)]
-            for i, member in enumerate(members):
-                member.name = member.name[len(SDIST_VENDOR_PREFIX):]
-                if member.name:
-                    tar.extract(member, staging, filter="data")
-                if i % UNPACK_REPORT_EVERY == 0 or i + 1 == len(members):
-                    progress("Unpacking llama.cpp source", i + 1, len(members))
+        progress("Checking the llama.cpp source's sha256", 0, 0)
+        staged = path.with_name(path.name + ".download")
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(sdist, staged)
+    return place_source_archive(staged)
+
+
+def _unpack_source(staging: Path, progress: ProgressCallback) -> None:
+    archive = ensure_source_archive(progress)
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(SDIST_VENDOR_PREFIX)]
+        for i, member in enumerate(members):
+            member.name = member.name[len(SDIST_VENDOR_PREFIX):]
+            if member.name:
+                tar.extract(member, staging, filter="data")
+            if i % UNPACK_REPORT_EVERY == 0 or i + 1 == len(members):
+                progress("Unpacking llama.cpp source", i + 1, len(members))

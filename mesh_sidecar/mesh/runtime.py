@@ -34,6 +34,7 @@ from .. import __version__
 from ..errors import ConnectionClosedError, MeshError, PortInUseError
 from ..home import NodeHome
 from ..identity import NodeIdentity, short_id
+from ..llama.build import offered_source
 from ..llama.capacity import Capacity
 from ..llama.model import offered_files
 from ..net.addresses import reachable_addresses
@@ -149,8 +150,9 @@ class Mesh:
         self._peers.native = self.data_paths
         self._streams = StreamServices(
             rpc_port, self._resolve_endpoint,
-            # Only the files of the model we announce, and only while we announce it.
-            lambda sha256: self._offered.get(sha256),
+            # Only the files of the model we announce, while we announce it, and the pinned llama.cpp
+            # source, which a member without package access builds from (mesh/source_fetch.py).
+            lambda sha256: self._offered.get(sha256) or offered_source(sha256),
             self._peers.open_relay_leg, self.relay_counters, self._transport.serve_circuit,
             local_api, forward_token)
         # A serving node's announcement of what it serves (serve/supervisor.py), read at each announcement.

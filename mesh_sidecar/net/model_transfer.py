@@ -202,9 +202,8 @@ async def fetch_model_file(open_stream: OpenStream, sha256: str, destination: Pa
     return destination
 
 
-async def fetch_model_over(connection: PeerConnection | None, sha256: str, source_name: str,
-                           progress: ProgressCallback) -> Path:
-    """:func:`fetch_model` over ``connection`` (None: not connected), a new MODEL_FILE stream per file."""
+def file_streams(connection: PeerConnection | None, source_name: str) -> OpenStream:
+    """A new MODEL_FILE stream over ``connection`` (None: not connected) at each call."""
     async def open_stream() -> tuple[MeshStreamReader, MeshStreamWriter]:
         if connection is None or connection.closed:
             raise ModelError(f"{source_name} is not connected; the model fetch will be retried.")
@@ -212,4 +211,10 @@ async def fetch_model_over(connection: PeerConnection | None, sha256: str, sourc
         writer.write(bytes([StreamKind.MODEL_FILE]))
         return reader, writer
 
-    return await fetch_model(open_stream, sha256, source_name, progress)
+    return open_stream
+
+
+async def fetch_model_over(connection: PeerConnection | None, sha256: str, source_name: str,
+                           progress: ProgressCallback) -> Path:
+    """:func:`fetch_model` over ``connection`` (None: not connected), a new MODEL_FILE stream per file."""
+    return await fetch_model(file_streams(connection, source_name), sha256, source_name, progress)

@@ -30,7 +30,17 @@ from mesh_sidecar.llama.backends import (
     record_backend,
     recorded_backend,
 )
-from mesh_sidecar.llama.build import B2B, CMAKE_OPTIONS, PATCHES_DIR, STOCK, ninja_reporter
+from mesh_sidecar.llama.build import (
+    B2B,
+    CMAKE_OPTIONS,
+    PATCHES_DIR,
+    SDIST_SHA256,
+    STOCK,
+    ninja_reporter,
+    offered_source,
+    place_source_archive,
+    source_archive_path,
+)
 
 GPU_OPTIONS = ("-DGGML_VULKAN=ON", "-DGGML_CUDA=ON", "-DGGML_METAL=ON")
 VULKAN_FILES = ("usr/include/vulkan/vulkan.hpp", "usr/lib/x86_64-linux-gnu/libvulkan.so.1",
@@ -198,3 +208,17 @@ def test_a_sub_builds_ninja_lines_are_not_the_builds_progress() -> None:
     for line in lines:
         report(line)
     assert seen == [(0, 2), (1, 534), (48, 534), (49, 534), (534, 534)]
+
+
+def test_only_the_pinned_source_is_kept_and_offered(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assert offered_source(SDIST_SHA256) is None  # none kept yet
+    stranger = tmp_path / "stranger.tar.gz"
+    stranger.write_bytes(b"not llama.cpp")
+    with pytest.raises(BuildError, match=r"has sha256 [0-9a-f]{64}, not the pinned .*; it was discarded"):
+        place_source_archive(stranger)
+    assert not stranger.exists() and not source_archive_path().exists()
+    source_archive_path().parent.mkdir(parents=True)
+    source_archive_path().write_bytes(b"as if checked")  # kept files were checked when placed
+    assert offered_source(SDIST_SHA256) == source_archive_path()
+    assert offered_source("0" * 64) is None  # nothing else is offered by this name
