@@ -56,7 +56,9 @@ def test_image_chats_through_a_split_are_llama_servers_own_and_survive_a_worker(
     assert served.argv[served.argv.index("--mmproj") + 1] == str(projector) and "--no-mmproj-offload" in served.argv
     reference = answer_over_tcp(served.argv, [RpcServer(binaries)] * 3, tmp_path, image_answer)
     assert served.answer == reference
-    assert image_answer(a.api_port) == reference  # a's API forwards it to c over the mesh
+    forwarded = image_answer(a.api_port)  # a's API forwards it to c over the mesh
+    assert forwarded == reference
+    print(f"\nimage chat answered through forwarding member a: {forwarded!r}")
     text_only = answer_text(ask(c.serve_port, CHAT_PATH, {**IMAGE_CHAT, "messages": [
         {"role": "user", "content": "What is in this image?"}]}))
     assert text_only != reference  # the image reached the model
@@ -64,7 +66,9 @@ def test_image_chats_through_a_split_are_llama_servers_own_and_survive_a_worker(
     # The plan counts the projector on the serving node, and says so.
     plan = json.loads(cli("plan", "--home", str(c.home), "--json").stdout)
     assert plan["projector_bytes"] >= read_projector(projector).memory_bytes > projector.stat().st_size
-    assert "Image projector (--mmproj)" in cli("plan", "--home", str(c.home), env={"COLUMNS": "200"}).stdout
+    shown = cli("plan", "--home", str(c.home), env={"COLUMNS": "120"}).stdout
+    assert "Image projector (--mmproj)" in shown
+    print(shown)
     # Every member lists the model as taking images.
     model = model_id(model_path.name)
     assert "multimodal" in listed_models(a.api_port)[model]["capabilities"]

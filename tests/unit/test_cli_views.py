@@ -246,6 +246,18 @@ def test_status_of_a_node_that_does_not_serve_and_of_an_older_node():
     nothing["models"] = []
     assert "none served now" in rendered(status_view(nothing), NARROW)
 
+    no_file = copy.deepcopy(worker)  # started without --model: it holds no model file
+    no_file["model"] = {"path": None, "bytes": 0, "ctx_size": 4096}
+    text = rendered(status_view(no_file), NARROW)
+    assert_fits(text, NARROW)
+    assert "model: none held (a worker" in text
+
+
+def test_status_marks_a_model_that_takes_images():
+    vision = copy.deepcopy(STATUS)
+    vision["models"][0]["vision"] = True
+    assert f"{vision['models'][0]['id']} (images)" in rendered(status_view(vision), WIDE)
+
 
 def test_api_line_says_off_fallback_and_key():
     assert api_line(None, None) == "API off"
