@@ -37,9 +37,13 @@ def test_cpu_build_lists_its_cpu(binaries) -> None:
 def test_setup_records_the_backend_and_a_node_runs_its_build(tmp_path, model_path) -> None:
     env = {CACHE_ENV: str(tmp_path / "cache")}
     bin_dir = fake_complete_build(tmp_path / "cache", STOCK.on(VULKAN).key())
-    result = cli("setup", "--backend", "vulkan", "--model", str(model_path), env=env)
+    # No index: setup cannot keep the llama.cpp source here, and says so without failing.
+    no_index = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_CONFIG_FILE": "/dev/null", "PIP_RETRIES": "0",
+                "PIP_TIMEOUT": "1"}
+    result = cli("setup", "--backend", "vulkan", "--model", str(model_path), env={**env, **no_index})
     assert result.returncode == 0, result.stderr
     assert "backend: vulkan\n" in result.stdout
+    assert "llama.cpp source, offered to members without package access: not kept" in result.stdout
     assert result.stdout.splitlines()[-1] == str(bin_dir)  # the bin dir last, for scripts
     assert (tmp_path / "cache" / BACKEND_CHOICE_NAME).read_text() == "vulkan\n"
     # The node run takes the build setup chose: here it is the one found broken.
