@@ -68,8 +68,10 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     model = f"{plan['model']}, " if plan.get("model") else ""
     kv_cache = f", KV cache {plan['kv_cache_type']}" if plan.get("kv_cache_type") else ""
     refused = [f"{node['name']} refused: {node['detail']}." for node in plan.get("refused", [])]
-    projector = (f"Image projector (--mmproj): {format_gib(plan['projector_bytes'])} GiB on the serving node's "
-                 "CPU, beside its layers." if plan.get("projector_bytes") else None)
+    projector_bytes = plan.get("projector_bytes") or 0
+    size = f"{format_gib(projector_bytes)} GiB" if projector_bytes >= GIB else f"{projector_bytes / MIB:.1f} MiB"
+    projector = (f"Image projector (--mmproj): {size} on the serving node's CPU, beside its layers."
+                 if projector_bytes else None)
     # Speeds once measured (every device of a plan by speed, or with --plan-by memory).
     speeds = any(node.get("decode_bytes_per_s") for node in plan["nodes"])
     headers = ["node", *(["id"] if wide else []), "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB",

@@ -314,3 +314,11 @@ def test_the_plan_command_prints_the_plan_and_its_members(monkeypatch, tmp_path)
     assert result.exit_code == 0, result.output
     assert_fits(result.output, NARROW)
     assert "Members" in result.output and "holds layers of tier-model" in result.output
+
+
+def test_plan_says_where_an_image_projector_sits_and_its_size():
+    assert "Image projector" not in rendered(plan_view(PLAN), WIDE)
+    small = " ".join(rendered(plan_view({**PLAN, "projector_bytes": 5 * 1024 * 1024}), WIDE).split())  # unwrapped
+    assert "Image projector (--mmproj): 5.0 MiB on the serving node's CPU, beside its layers." in small
+    large = " ".join(rendered(plan_view({**PLAN, "projector_bytes": 3 * 1024**3}), WIDE).split())
+    assert "Image projector (--mmproj): 3.00 GiB on the serving node's CPU" in large
