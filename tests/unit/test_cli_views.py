@@ -321,4 +321,4 @@ def test_plan_says_where_an_image_projector_sits_and_its_size():
     small = " ".join(rendered(plan_view({**PLAN, "projector_bytes": 5 * 1024 * 1024}), WIDE).split())  # unwrapped
     assert "Image projector (--mmproj): 5.0 MiB on the serving node's CPU, beside its layers." in small
     large = " ".join(rendered(plan_view({**PLAN, "projector_bytes": 3 * 1024**3}), WIDE).split())
-    assert "Image projector (--mmproj): 3.00 GiB on the serving node's CPU" in large
+    assert "Image projector (--mmproj): 3.0 GiB on the serving node's CPU" in large
