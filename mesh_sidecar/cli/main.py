@@ -139,10 +139,10 @@ LlamaBinOption = Annotated[Path | None, _llama_bin_option()]
 def run_node(
     ctx: typer.Context,
     serve: Annotated[int | None, typer.Option(
-        "--serve", metavar="PORT", rich_help_panel=SERVING_PANEL,
+        "--serve", min=1, max=65535, metavar="PORT", rich_help_panel=SERVING_PANEL,
         help="Serve a model (--model) here, with the API on this port.")] = None,
     api_port: Annotated[int | None, typer.Option(
-        "--api-port", metavar="PORT", rich_help_panel=SERVING_PANEL,
+        "--api-port", min=1, max=65535, metavar="PORT", rich_help_panel=SERVING_PANEL,
         help=f"The API's port on 127.0.0.1, on every node (default {DEFAULT_API_PORT}, else a free one).")] = None,
     no_api: Annotated[bool, typer.Option(
         "--no-api", metavar=FLAG, rich_help_panel=SERVING_PANEL,
