@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.wire.ticket import PeerAddress, Ticket, encode_ticket
 from tests.helpers.nodes import cli
 
@@ -44,7 +45,7 @@ def test_llama_bin_from_environment(tmp_path: Path) -> None:
 
 
 def test_plan_by_takes_speed_or_memory(tmp_path: Path) -> None:
-    result = cli("--home", str(tmp_path), "--serve", "0", "--plan-by", "fast")
+    result = cli("--home", str(tmp_path), "--serve", str(free_tcp_port()), "--plan-by", "fast")
     assert_clean_error(result, "--plan-by takes 'speed' or 'memory'", "'fast'")
 
 
