@@ -141,11 +141,15 @@ def llama_server_argv(
     return argv + list(extra)
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if the sidecar is SIGKILLed,
-    # the kernel sends the child SIGTERM instead of leaving it orphaned.
+def _prepare_child() -> None:
+    # Runs in the child between fork and exec. If the sidecar is SIGKILLed, the kernel sends the child
+    # SIGTERM instead of leaving it orphaned. A write to a socket whose reader is gone fails with EPIPE
+    # instead of killing the writer: rpc-server replying to a llama-server killed at a failover (issue
+    # 42) lost its life to SIGPIPE, and the serving node with it. (subprocess restores SIGPIPE's default
+    # action in the child before this runs; ignored, it stays ignored across exec.)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
 
 class ChildProcess:
@@ -197,7 +201,7 @@ class ChildProcess:
                     stdout=write_fd,
                     stderr=write_fd,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=_prepare_child,
                     env=self.env,
                 )
             except BaseException:

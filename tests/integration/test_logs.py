@@ -39,6 +39,20 @@ async def test_child_output_is_rotated_with_the_latest_lines_current(tmp_path: P
     assert [line.split()[1] for line in last] == ["2997", "2998", "2999"]
 
 
+SIGPIPE_MASK = 1 << (13 - 1)  # /proc/PID/status' SigIgn: bit n-1 for signal n
+
+
+async def test_a_child_survives_writing_to_a_closed_socket(tmp_path: Path) -> None:
+    """rpc-server replying to a llama-server killed at a failover gets EPIPE, not SIGPIPE's death."""
+    path = tmp_path / "child.log"
+    # Not Python, which ignores SIGPIPE in itself: the shell's disposition is the one exec passed on.
+    child = ChildProcess("shell", ["/bin/sh", "-c", "grep SigIgn /proc/$$/status"], path)
+    await child.start()
+    assert await child.wait() == 0
+    ignored = int(lines_of(path)[-1].split()[1], 16)
+    assert ignored & SIGPIPE_MASK, f"SIGPIPE is not ignored: SigIgn {ignored:x}"
+
+
 async def test_header_line_and_argv(tmp_path: Path) -> None:
     path = tmp_path / "child.log"
     child = ChildProcess("hello", python_child("print('hi')"), path)
