@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import zeroconf
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
@@ -225,14 +226,23 @@ class LanPresence:
     @staticmethod
     async def _readvertise(zc: AsyncZeroconf, info: AsyncServiceInfo | None,
                            record: LanRecord | None) -> AsyncServiceInfo | None:
-        if info is not None:
-            await zc.async_unregister_service(info)
-        if record is None:
-            return None
-        info = _service_info(record)
-        await zc.async_register_service(info)
+        """Our record changed (a rotated mesh id, new addresses): the same instance, updated in place.
+        Unregistering and registering it again made zeroconf probe a name its own goodbye was still
+        answering for (NonUniqueNameException); the LAN is a convenience, so a failure here is logged,
+        never the node's end."""
+        try:
+            if record is None:
+                if info is not None:
+                    await zc.async_unregister_service(info)
+                return None
+            new = _service_info(record)
+            await (zc.async_update_service(new) if info is not None else zc.async_register_service(new))
+        except zeroconf.Error as exc:
+            log.warning("LAN: could not advertise the new record (%s: %s); members still join by ticket",
+                        type(exc).__name__, exc)
+            return info
         log.info("LAN: advertising mesh %s at %s", record.mesh_id, ", ".join(map(str, record.addresses)))
-        return info
+        return new
 
     async def _watch_browser(self, zc: AsyncZeroconf, browser: _Browser) -> None:
         own_node = self._own_record().node_id
