@@ -20,6 +20,9 @@ def test_a_worker_returning_nans_is_left_out_and_the_answer_is_unchanged(start_n
     b = start_node("b", "--join", a.ticket(), "--llama-bin", str(directory))
     c = start_node("c", "--join", a.ticket(), "--min-peers", "2", serve=True)
     assert {n["name"] for n in c.status()["serving"]["plan"]["nodes"]} == {"a", "b", "c"}
+    # Answered once undisturbed: the model is loaded and warmed up over b before b goes bad (a node's API
+    # answers /health before its first load ends, and a NaN in the warm-up is a failed start, not a retry).
+    assert complete(c.serve_port) == reference_text
     assert metrics(c.serve_port)["mesh_corrupt_outputs_total{}"] == 0
 
     trigger.touch()  # from now on b's layer outputs come back as NaN
