@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import MeshError, SourceUnavailableError
 from ..identity import NodeIdentity, short_id
-from ..llama.build import LLAMA_CPP_PYTHON_PIN, SDIST_SHA256, place_source_archive, source_archive_path
+from ..llama.build import LLAMA_CPP_PYTHON_PIN, SDIST_SHA256, source_archive_path
 from ..net.connection import PeerConnection
 from ..net.model_transfer import fetch_model_file, file_streams
 from ..net.transport import MeshTransport
@@ -34,9 +34,9 @@ async def fetch_source_archive(ticket: Ticket, identity: NodeIdentity, progress:
     await transport.start(LISTEN_HOST, 0)
     try:
         connection = await transport.connect([(a.host, a.port) for a in ticket.addresses], ticket.node_id)
-        staged = source_archive_path().with_name(source_archive_path().name + ".fetched")
-        fetched = await fetch_model_file(file_streams(connection, name), SDIST_SHA256, staged, name, progress,
-                                         what=f"Fetching the llama.cpp source from {name}")
+        # Checked against SDIST_SHA256 before it takes the kept archive's name: no second pass over it here.
+        return await fetch_model_file(file_streams(connection, name), SDIST_SHA256, source_archive_path(), name,
+                                      progress, what=f"Fetching the llama.cpp source from {name}")
     except MeshError as exc:
         raise SourceUnavailableError(
             f"Could not take the llama.cpp source (llama-cpp-python=={LLAMA_CPP_PYTHON_PIN}) from {name} either: "
@@ -44,4 +44,3 @@ async def fetch_source_archive(ticket: Ticket, identity: NodeIdentity, progress:
             "or give this machine PyPI access, or pass --llama-bin with your own llama.cpp build.") from exc
     finally:
         await transport.close()
-    return place_source_archive(fetched)
