@@ -401,7 +401,8 @@ def verify(
         if again != body["output"]["token_ids_sha256"]:
             raise ReceiptError(f"Replay gave other output (sha256 {again[:16]}... instead of "
                                f"{body['output']['token_ids_sha256'][:16]}...): a different model, plan or "
-                               "build, or a request that was not greedy.")
+                               "build, a request that was not greedy, or a prompt the answer took partly "
+                               "from llama-server's cache (send \"cache_prompt\": false for answers to replay).")
         console.print("Replay OK: the mesh reproduced the same output token ids.", highlight=False)
 
 

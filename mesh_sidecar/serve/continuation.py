@@ -63,7 +63,7 @@ UNCOVERED_KEYS = ("n", "n_cmpl", "grammar", "json_schema", "response_format", "t
 # Replaced in the continuation request: the prompt, the budget, the probabilities asked for.
 BUDGET_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")  # llama-server's order of precedence
 REPLACED_KEYS = frozenset({"messages", "prompt", "logprobs", "top_logprobs", "n_probs", "stream_options",
-                           *BUDGET_KEYS})
+                           "cache_prompt", *BUDGET_KEYS})
 
 
 def uncovered(path: str, request: dict[str, Any]) -> str | None:
@@ -207,7 +207,11 @@ class Continuation:
             parts = _prompt_parts(self.sent["prompt"]) or []
         ids = self.resume_ids
         body = {k: v for k, v in self.sent.items() if k not in REPLACED_KEYS}
-        body.update(prompt=[*parts, *ids], stream=True, n_probs=_probabilities_asked(self.path, self.sent))
+        # cache_prompt off: the prompt and the delivered ids are read afresh, as one batch, whether or not the
+        # slot that held them was freed in time to be reused (llama.cpp is not batch-invariant), so the text
+        # after the seam does not depend on that race, and a receipt's replay reproduces it.
+        body.update(prompt=[*parts, *ids], stream=True, n_probs=_probabilities_asked(self.path, self.sent),
+                    cache_prompt=False)
         budget = _budget(self.sent)
         if budget is not None:
             body["n_predict"] = budget - len(ids)

@@ -52,7 +52,10 @@ def test_a_continued_answers_receipt_says_where_and_its_replay_continues_there(s
         assert streamed.status_code == 200
         events = [line for line in streamed.iter_lines() if line.startswith("data: {")]
     assert sum(bool(json.loads(e[len("data: "):])["choices"][0].get("text")) for e in events) == N_PREDICT
-    plain = httpx.post(url, json=request, headers={CONTINUE_AT_HEADER: "20"}, timeout=120)
+    # The stream, first on a fresh node, read its prompt afresh; its continuations do too, whichever slot
+    # they land in. The plain request sets cache_prompt off, as docs/cli.md says for answers to replay:
+    # it would otherwise read its prompt from the slot the stream left (computed in another batch).
+    plain = httpx.post(url, json={**request, "cache_prompt": False}, headers={CONTINUE_AT_HEADER: "20"}, timeout=120)
     assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == N_PREDICT
     answered = sorted(receipts.glob("*.json"))
     assert sorted(json.loads(path.read_text())["body"].get("continued_at", []) for path in answered) == [[12, 30], [20]]

@@ -102,11 +102,11 @@ def test_chat_usage_is_left_out_unless_asked():
 
 
 def test_a_completion_continues_from_its_own_prompt_and_keeps_its_ids():
-    continuation = Continuation(COMPLETIONS_PATH, dict(COMPLETION))
+    continuation = Continuation(COMPLETIONS_PATH, {**COMPLETION, "cache_prompt": True})
     delivered(continuation, [completion_event(t, i) for t, i in PIECES[1:4]])
     request = continuation.request()
     assert request["prompt"] == ["Lighthouses", 102, 103, 104] and request["stop"] == ["\n\n"]
-    assert request["n_predict"] == 37 and request["n_probs"] == 1
+    assert request["n_predict"] == 37 and request["n_probs"] == 1 and request["cache_prompt"] is False
     [event] = continuation.reshape(completion_event(".", 105, id_="chatcmpl-new"))
     assert payloads([event])[0]["id"] == "cmpl-first" and payloads([event])[0]["choices"][0]["text"] == "."
 
