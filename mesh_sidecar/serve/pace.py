@@ -2,12 +2,13 @@
 
 Pure, on times the proxy passes in (``time.monotonic()``). :class:`TokenPace` keeps the
 expected time of one token, from the decode speed llama-server reported for recent
-requests, and never less than the plan's links' round trips (every token crosses each
-worker once). :class:`StreamPace` judges one stream from llama-server against it: over a
-window of at least STALL_FLOOR_S, and at least SLOW_FACTOR tokens' time, fewer than
-one token per SLOW_FACTOR expected token times is slow. That catches both a worker that
-stops answering (no token at all) and one that answers every RPC late (a token a second
-where one takes 50 ms), within a few seconds instead of the 60 s stall timer.
+requests (before the first: the plan's expected token time, PLANNED_SLACK times over), and
+never less than the plan's links' round trips (every token crosses each worker once).
+:class:`StreamPace` judges one stream from llama-server against it: over a window of at
+least STALL_FLOOR_S, and at least SLOW_FACTOR tokens' time, fewer than one token per
+SLOW_FACTOR expected token times is slow. That catches both a worker that stops
+answering (no token at all) and one that answers every RPC late (a token a second where
+one takes 50 ms), within a few seconds instead of the 60 s stall timer.
 
 Prompt processing, of this request or of another one batched with it, holds tokens back
 for as long as the prompt is long, so nothing is judged before a stream's first byte nor
@@ -25,6 +26,11 @@ SLOW_FACTOR = 10.0  # tokens this many times slower than expected are slow
 # of the window; when none did (the serving node's own layers, a busy llama-server), nobody is.
 SLOW_BLAME_SHARE = 0.5
 EXPECTED_WEIGHT = 0.3  # of the newest request, in the moving average of a token's time
+# Until a request has finished, a token is expected to take the plan's expected time this many times over:
+# that is a calibration's guess (10-35% off, docs/performance.md) on a machine that may be busier now. A
+# link that turns bad before the first answer would otherwise hold that answer up unjudged (a token every
+# few seconds is no stall).
+PLANNED_SLACK = 4.0
 # Arrival times kept per stream: more than any window can ask for (a window's threshold is
 # STALL_FLOOR_S / (SLOW_FACTOR x a token's time), 300 at 1 ms a token).
 MAX_ARRIVALS_KEPT = 1024
@@ -56,9 +62,14 @@ class TokenPace:
         self._token_s = token_s if self._token_s is None else (
             EXPECTED_WEIGHT * token_s + (1 - EXPECTED_WEIGHT) * self._token_s)
 
-    def expected_s(self, links_rtt_s: float) -> float | None:
-        """One token's expected time; None before any request has finished (nothing to judge by)."""
-        return None if self._token_s is None else max(self._token_s, links_rtt_s)
+    def expected_s(self, links_rtt_s: float, planned_token_s: float | None = None) -> float | None:
+        """One token's expected time; None before any request has finished when the plan's expected token
+        time (``planned_token_s``) is unknown too (nothing to judge by)."""
+        if self._token_s is not None:
+            return max(self._token_s, links_rtt_s)
+        if planned_token_s is not None and planned_token_s > 0:
+            return max(planned_token_s * PLANNED_SLACK, links_rtt_s)
+        return None
 
 
 class StreamPace:

@@ -139,6 +139,7 @@ class ServingHooks:
     # (the serving loop replans without it), False to go on waiting.
     on_slow: Callable[[Slow], bool] = lambda slow: False
     links_rtt_s: Callable[[], float] = lambda: 0.0  # the plan's workers' round trips, summed
+    planned_token_s: Callable[[], float | None] = lambda: None  # the plan's expected token time (None: unknown)
     # A request that ran alone ended its decode now: its tokens and llama-server's decode seconds
     # (the workers' speeds, speeds.py).
     on_decoded: Callable[[int, float], None] = lambda tokens, decode_s: None
@@ -527,6 +528,7 @@ class ApiProxy:
                 splitter = EventSplitter()
                 # A member's API judges its own llama-server's pace; here only its connection can fail.
                 watch = (self._stalls.watch(request.path, links_rtt_s=self._hooks.links_rtt_s,
+                                            planned_token_s=self._hooks.planned_token_s,
                                             on_slow=self._hooks.on_slow, on_stall=self._hooks.on_stall)
                          if at.node_id is None else contextlib.nullcontext(None))
                 async with watch as watched:

@@ -23,7 +23,7 @@ from ..errors import UpstreamLostError
 from .pace import Slow, StreamPace, TokenPace
 
 # Most stalls are judged sooner, against a token's expected time (pace.py); this covers prompts and
-# a node's first request.
+# a node's first request when its plan's speeds are unknown.
 STALL_TIMEOUT_S = 60.0
 PACE_CHECK_S = 0.5  # how often a stream with no new byte is judged against its pace (pace.py)
 
@@ -48,13 +48,14 @@ class StallWatch:
             self._prompts_waiting -= 1
 
     @contextlib.asynccontextmanager
-    async def watch(self, path: str, *, links_rtt_s: Callable[[], float], on_slow: Callable[[Slow], bool],
+    async def watch(self, path: str, *, links_rtt_s: Callable[[], float],
+                    planned_token_s: Callable[[], float | None], on_slow: Callable[[Slow], bool],
                     on_stall: Callable[[str], None]) -> AsyncIterator[WatchedStream]:
         """Watch one stream while the block reads it (calling ``arrived()`` for each chunk). When it falls
         far behind a token's expected time and ``on_slow`` finds a worker holding it up, or nothing comes
         for the stall timeout (``on_stall``), the block is cancelled: UpstreamLostError, the request fails
         over."""
-        stream = WatchedStream(self, path, links_rtt_s, on_slow, on_stall)
+        stream = WatchedStream(self, path, links_rtt_s, planned_token_s, on_slow, on_stall)
         self._prompts_waiting += 1
         try:
             async with asyncio.timeout(None) as deadline:
@@ -79,10 +80,12 @@ class WatchedStream:
     """One stream under watch: its pace (pace.py), judged every PACE_CHECK_S by a timer."""
 
     def __init__(self, watch: StallWatch, path: str, links_rtt_s: Callable[[], float],
-                 on_slow: Callable[[Slow], bool], on_stall: Callable[[str], None]) -> None:
+                 planned_token_s: Callable[[], float | None], on_slow: Callable[[Slow], bool],
+                 on_stall: Callable[[str], None]) -> None:
         self._watch = watch
         self._path = path
         self._links_rtt_s = links_rtt_s
+        self._planned_token_s = planned_token_s
         self._on_slow = on_slow
         self._on_stall = on_stall
         self._pace = StreamPace()
@@ -110,7 +113,7 @@ class WatchedStream:
     def _judge(self) -> None:
         now = time.monotonic()
         watch = self._watch
-        expected_s = watch.token_pace.expected_s(self._links_rtt_s())
+        expected_s = watch.token_pace.expected_s(self._links_rtt_s(), self._planned_token_s())
         if (slow := self._pace.judge(now, expected_s, watch._prompts_waiting > 0)) is not None:
             if self._on_slow(slow):
                 return self._cut(f"a worker held the stream up ({slow.describe()})")

@@ -277,6 +277,7 @@ class ServingSupervisor:
         self._proxy: ApiProxy = host.proxy
         self._proxy.attach(ServingHooks(on_stall=self.request_restart, on_slow=self._on_slow,
                                         links_rtt_s=self._links_rtt_s, catalog=self.tier_views,
+                                        planned_token_s=lambda: None if self.plan is None else self.plan.token_s,
                                         on_decoded=self._on_decoded,
                                         split=lambda: self.plan is not None and not self.plan.alone,
                                         on_generation=None if options.receipts is None else self._write_receipt),

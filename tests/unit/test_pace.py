@@ -12,7 +12,7 @@ from mesh_sidecar.errors import MalformedMessageError
 from mesh_sidecar.mesh.exclusion import CORRUPT_OUTPUT, SLOW, SLOW_EXCLUSION_S, exclusion_of
 from mesh_sidecar.mesh.verdicts import Verdicts
 from mesh_sidecar.net.reply_waits import REPLY_WAIT_HISTORY_S, ReplyWaits
-from mesh_sidecar.serve.pace import SLOW_FACTOR, STALL_FLOOR_S, StreamPace, TokenPace
+from mesh_sidecar.serve.pace import PLANNED_SLACK, SLOW_FACTOR, STALL_FLOOR_S, StreamPace, TokenPace
 from mesh_sidecar.wire.gossip import MAX_JUDGED_MEMBERS, CorruptOutput, MemberInfo, SlowWorker
 from mesh_sidecar.wire.rpc_outputs import NON_FINITE
 from tests.unit.test_gossip import info
@@ -38,6 +38,19 @@ def test_the_expected_token_time_comes_from_finished_requests_and_is_never_below
     assert pace.expected_s(0.2) == 0.2  # a token crosses every link once
     pace.finished(1 / (2 * TOKEN_S))  # a slower request moves the average, not all the way
     assert TOKEN_S < pace.expected_s(0.0) < 2 * TOKEN_S
+
+
+def test_before_any_answer_a_token_is_expected_to_take_the_plans_time_with_slack() -> None:
+    """The first request after a start is judged too: a link that turns bad before it would hold it up unjudged."""
+    pace = TokenPace()
+    assert pace.expected_s(0.01, None) is None  # a plan without speeds: nothing to judge by
+    assert pace.expected_s(0.0, TOKEN_S) == pytest.approx(PLANNED_SLACK * TOKEN_S)
+    assert pace.expected_s(1.0, TOKEN_S) == 1.0
+    pace.finished(1 / TOKEN_S)  # measured now: the plan's guess is no longer used
+    assert pace.expected_s(0.0, 10 * TOKEN_S) == pytest.approx(TOKEN_S)
+    stream = StreamPace()
+    start = streamed(stream, 100.0, 1.0, 3)  # a token a second, against a plan of 50 ms a token
+    assert stream.judge(start + STALL_FLOOR_S + 1, TokenPace().expected_s(0.0, TOKEN_S), False) is not None
 
 
 def test_a_stream_keeping_pace_is_never_slow() -> None:
