@@ -30,13 +30,17 @@ import httpx
 from ..errors import UpstreamLostError
 
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
-# A streamed answer is read from llama-server at most this often: tokens that come faster leave
+# A fast streamed answer is read from llama-server at most this often: tokens that come faster leave
 # together, one write to the client (one QUIC packet when forwarded) instead of one each. Each
 # token read and passed on costs the sidecar CPU that llama-server's threads lose; 50 writes a
 # second is smoother than a screen needs, and adds at most this much to when a token is seen.
 STREAM_FLUSH_INTERVAL_S = 0.02
 # Reads never held, so the first token never is: a chat stream's first event carries only the role.
 UNHELD_READS = 2
+# Reads are held only while events come fast enough for a hold to gather this many: fewer do not pay for
+# pausing and resuming the socket and a timer (a token a read costs less).
+EVENTS_PER_HOLD = 2
+SSE_EVENT_END = b"\n\n"
 UPSTREAM_WRITE_TIMEOUT_S = 60.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
 _MEMBER_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=UPSTREAM_WRITE_TIMEOUT_S,
@@ -87,16 +91,20 @@ class _LlamaAnswer:
         content = self._response.content
         loop = asyncio.get_running_loop()
         reads = 0
-        held_until = loop.time()
+        read_at = held_until = loop.time()
+        fast = False  # whether, at the pace of the last read, a hold gathers EVENTS_PER_HOLD events
         with _lost_on(_LLAMA_ERRORS, "llama-server's answer broke off"):
             while True:
-                if reads >= UNHELD_READS and (hold_s := held_until - loop.time()) > 0 and not content.is_eof():
+                if (fast and reads >= UNHELD_READS and (hold_s := held_until - loop.time()) > 0
+                        and not content.is_eof()):
                     await self._gather(hold_s)
                 chunk = await content.readany()
                 if not chunk:
                     return
                 reads += 1
-                held_until = loop.time() + STREAM_FLUSH_INTERVAL_S
+                now = loop.time()
+                fast = chunk.count(SSE_EVENT_END) * STREAM_FLUSH_INTERVAL_S >= EVENTS_PER_HOLD * (now - read_at)
+                read_at, held_until = now, now + STREAM_FLUSH_INTERVAL_S
                 yield chunk
 
     async def _gather(self, hold_s: float) -> None:

@@ -1,6 +1,6 @@
 """serve/upstream_http.py's client to this node's llama-server, against a real HTTP server on loopback:
 one error, UpstreamLostError, for no answer and for an answer that broke off; tokens that come faster
-than the flush interval are read together."""
+than the flush interval are read together, slower ones as they come."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ FAST_EVENTS = 20
 FAST_GAP_S = FLUSH_INTERVAL_S / 4  # four events come in each flush interval
 FIRST_ALONE_S = 3 * FLUSH_INTERVAL_S
 ROLE_GAP_S = 0.001
+SLOW_EVENTS = 8
+SLOW_GAP_S = FLUSH_INTERVAL_S * 0.8  # a hold would gather one event, sometimes two
 
 
 async def _stream(request: web.Request) -> web.StreamResponse:
@@ -54,6 +56,16 @@ async def _fast(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def _slow(request: web.Request) -> web.StreamResponse:
+    """SLOW_EVENTS events SLOW_GAP_S apart, each carrying the loop time it was sent at."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for _ in range(SLOW_EVENTS):
+        await response.write(f"data: {asyncio.get_running_loop().time()}\n\n".encode())
+        await asyncio.sleep(SLOW_GAP_S)
+    return response
+
+
 async def _echo(request: web.Request) -> web.Response:
     return web.json_response({"auth": request.headers.get("Authorization"), "body": await request.json()},
                              status=int(request.query.get("status", "200")))
@@ -64,6 +76,7 @@ async def server() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/stream", _stream)
     app.router.add_get("/fast", _fast)
+    app.router.add_get("/slow", _slow)
     app.router.add_post("/echo", _echo)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
     await runner.setup()
@@ -106,6 +119,24 @@ async def test_tokens_faster_than_the_flush_interval_are_read_together(server, m
     assert b"".join(fast) == b"".join(f"data: {n}\n\n".encode() for n in range(FAST_EVENTS))
     # Read as they come, the fast events would take FAST_EVENTS reads; held, about a quarter of that.
     assert len(fast) <= FAST_EVENTS // 2, [len(c) for c in fast]
+
+
+async def test_tokens_slower_than_a_hold_pays_for_are_read_as_they_come(server, monkeypatch) -> None:
+    """Events too far apart for a hold to gather two are not held: each is read when it comes, not up to a
+    flush interval later."""
+    monkeypatch.setattr(upstream_http, "STREAM_FLUSH_INTERVAL_S", FLUSH_INTERVAL_S)
+    client = LlamaServerHttp()
+    late_s = []
+    try:
+        answer = await client.send("GET", server + "/slow", {}, b"")
+        async for chunk in answer.aiter_raw():
+            now = asyncio.get_running_loop().time()
+            late_s += [now - float(event[len(b"data: "):]) for event in chunk.split(b"\n\n") if event]
+        await answer.aclose()
+    finally:
+        await client.aclose()
+    assert len(late_s) == SLOW_EVENTS
+    assert max(late_s) < FLUSH_INTERVAL_S / 2, late_s
 
 
 async def test_an_answer_cut_off_is_upstream_lost(server) -> None:
