@@ -28,6 +28,7 @@ import aiohttp
 import httpx
 
 from ..errors import UpstreamLostError
+from .replay import EVENT_SEPARATOR
 
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
 # A fast streamed answer is read from llama-server at most this often: tokens that come faster leave
@@ -40,7 +41,6 @@ UNHELD_READS = 2
 # Reads are held only while events come fast enough for a hold to gather this many: fewer do not pay for
 # pausing and resuming the socket and a timer (a token a read costs less).
 EVENTS_PER_HOLD = 2
-SSE_EVENT_END = b"\n\n"
 UPSTREAM_WRITE_TIMEOUT_S = 60.0
 # Generation can pause for long between tokens on a slow mesh: no read timeout.
 _MEMBER_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, write=UPSTREAM_WRITE_TIMEOUT_S,
@@ -91,11 +91,11 @@ class _LlamaAnswer:
         content = self._response.content
         loop = asyncio.get_running_loop()
         reads = 0
-        read_at = held_until = loop.time()
+        read_at = loop.time()
         fast = False  # whether, at the pace of the last read, a hold gathers EVENTS_PER_HOLD events
         with _lost_on(_LLAMA_ERRORS, "llama-server's answer broke off"):
             while True:
-                if (fast and reads >= UNHELD_READS and (hold_s := held_until - loop.time()) > 0
+                if (fast and reads >= UNHELD_READS and (hold_s := read_at + STREAM_FLUSH_INTERVAL_S - loop.time()) > 0
                         and not content.is_eof()):
                     await self._gather(hold_s)
                 chunk = await content.readany()
@@ -103,8 +103,8 @@ class _LlamaAnswer:
                     return
                 reads += 1
                 now = loop.time()
-                fast = chunk.count(SSE_EVENT_END) * STREAM_FLUSH_INTERVAL_S >= EVENTS_PER_HOLD * (now - read_at)
-                read_at, held_until = now, now + STREAM_FLUSH_INTERVAL_S
+                fast = chunk.count(EVENT_SEPARATOR) * STREAM_FLUSH_INTERVAL_S >= EVENTS_PER_HOLD * (now - read_at)
+                read_at = now
                 yield chunk
 
     async def _gather(self, hold_s: float) -> None:
