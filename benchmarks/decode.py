@@ -10,16 +10,23 @@ answer the same greedy prompt from host c:
   way, over TCP, only inside this private lab) and on c a ``llama-server`` with
   ``--rpc`` listing the same hosts in the order the mesh's own llama-server got.
 
-The mesh runs first (its order is only known once it runs: it sorts peers by
-node id, and the ids are new every run), and is stopped before the direct setup
-starts, so the two never share the CPU. Each setup gets one warm-up request, then
-``--reps`` repetitions of one plain ``/v1/completions`` request (llama-server's
-``timings``) and one streamed request (time to the first SSE chunk with text), all
-with ``cache_prompt: false`` so every request evaluates the prompt. With ``--streams N``
-(at most llama-server's 4 automatic slots) each setup then sends N different prompts at
-once, a warm-up round and ``--reps`` timed rounds: their generated tokens over the round's
-wall time is the aggregate decode rate. Each report entry holds the mesh/direct ratios of
-the medians (decode tok/s, TTFT, aggregate tok/s) and, with ``--b2b``, b2b over stock mesh.
+The mesh starts first (its order is only known once it runs: it sorts peers by
+node id, and the ids are new every run), then the direct setup beside it, and the
+two take turns: one warm-up request each, then ``--reps`` rounds, each a plain
+``/v1/completions`` request (llama-server's ``timings``) and a streamed request
+(time to the first SSE chunk with text) to one setup, then the same to the other,
+the first setup first in even rounds and last in odd ones (ABBA), so the machine's
+drift between minutes hits both alike; all with ``cache_prompt: false`` so every
+request evaluates the prompt. The idle setup stays up meanwhile: direct's idle
+processes only wait, the mesh's sidecars keep their heartbeats and gossip, and the
+report gives that CPU per direct token (``mesh_sidecar_cpu_ms_per_direct_token``).
+With ``--streams N`` (at most llama-server's 4 automatic slots) the two then take
+turns sending N different prompts at once, a warm-up round and ``--reps`` timed
+rounds: their generated tokens over the round's wall time is the aggregate decode
+rate. Each report entry holds the mesh/direct ratios of the medians (decode tok/s,
+TTFT, aggregate tok/s) and, with ``--b2b``, b2b over stock mesh. The setups of
+``--b2b`` and ``--quic`` run alone afterwards, each compared with the paired
+direct's figures.
 
 The comparison runs once per link profile (``--profiles``, names from
 ``tests/helpers/netns.py`` ``LINK_PROFILES``), each on a fresh lab: the plain bridge, tbf
@@ -94,27 +101,33 @@ _TICKET = re.compile(r"Node ticket: (meshinf[a-z2-7]+)")
 # --------------------------------------------------------------------------------------------
 
 def _client(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every setup in ``spec["sides"]`` (label -> port, optional status_home and cpu_pids), its
+    requests taking turns with the others' (ABBA: the first setup first in even rounds, last in odd
+    ones), so the machine's drift hits each alike; returns label -> that setup's result."""
+    from collections import Counter
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
-    base = f"http://127.0.0.1:{spec['port']}"
+    sides: dict[str, dict[str, Any]] = spec["sides"]
+    bases = {label: f"http://127.0.0.1:{side['port']}" for label, side in sides.items()}
     body = {"prompt": spec["prompt"], "max_tokens": spec["n_predict"], "cache_prompt": False, **GREEDY}
 
     deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{base}/health not 200 within {START_TIMEOUT_S} s")
-        time.sleep(0.2)
+    for base in bases.values():
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{base}/health not 200 within {START_TIMEOUT_S} s")
+            time.sleep(0.2)
 
-    def plain(prompt: str = spec["prompt"]) -> dict[str, Any]:
+    def plain(label: str, prompt: str = spec["prompt"]) -> dict[str, Any]:
         started = time.perf_counter()
-        r = httpx.post(f"{base}/v1/completions", json={**body, "prompt": prompt}, timeout=600)
+        r = httpx.post(f"{bases[label]}/v1/completions", json={**body, "prompt": prompt}, timeout=600)
         r.raise_for_status()
         data = r.json()
         timings = data.get("timings")
@@ -125,11 +138,12 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
                 "prompt_tokens": data["usage"]["prompt_tokens"], "timings": timings,
                 "elapsed_ms": (time.perf_counter() - started) * 1000}
 
-    def streamed() -> dict[str, Any]:
+    def streamed(label: str) -> dict[str, Any]:
         ttft = None
         pieces: list[str] = []
         started = time.perf_counter()
-        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=600) as r:
+        with httpx.stream("POST", f"{bases[label]}/v1/completions", json={**body, "stream": True},
+                          timeout=600) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith("data:"):
@@ -144,35 +158,73 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
                 pieces.append(text)
         return {"ttft_ms": ttft, "text": "".join(pieces)}
 
-    def status() -> dict[str, Any] | None:
-        if not spec.get("status_home"):
+    def status(label: str) -> dict[str, Any] | None:
+        if not sides[label].get("status_home"):
             return None
-        out = subprocess.run([sys.executable, "-m", "mesh_sidecar", "status", "--home", spec["status_home"],
-                              "--json"], capture_output=True, text=True, check=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "mesh_sidecar", "status", "--home",
+                              sides[label]["status_home"], "--json"],
+                             capture_output=True, text=True, check=True, timeout=60)
         return json.loads(out.stdout)
 
-    def concurrent(prompts: list[str]) -> dict[str, Any]:
+    def concurrent(label: str, prompts: list[str]) -> dict[str, Any]:
         """One plain request per prompt, all at once: the wall time until the last answer is in."""
         started = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(plain, prompts))
+            answers = list(pool.map(partial(plain, label), prompts))
         return {"wall_s": time.perf_counter() - started, "streams": answers}
 
-    if spec.get("stream_prompts"):  # the concurrent phase, a client call of its own (see _run_streams)
-        concurrent(spec["stream_prompts"])  # warm-up
-        return {"reps": [concurrent(spec["stream_prompts"]) for _ in range(spec["reps"])]}
+    # Each setup's processes' CPU (cpu_pids: name -> pid) over its own turns, and over the others'
+    # turns: what an idle setup took from the one measured.
+    own: dict[str, Counter[str]] = {label: Counter() for label in sides}
+    beside: dict[str, Counter[str]] = {label: Counter() for label in sides}
 
-    warmup = plain()
-    streamed()
-    before = status()
-    reps = []
-    for _ in range(spec["reps"]):
-        rep = plain()
-        s = streamed()
-        rep["ttft_ms"], rep["stream_text"] = s["ttft_ms"], s["text"]
-        reps.append(rep)
-    after = status()
-    return {"warmup_text": warmup["text"], "reps": reps, "status_before": before, "status_after": after}
+    def cpu_now() -> dict[str, dict[str, float]]:
+        return {label: {name: cpu_seconds(pid) for name, pid in side.get("cpu_pids", {}).items()}
+                for label, side in sides.items()}
+
+    def turn(label: str, request: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        before = cpu_now()
+        answer = request()
+        for other, after in cpu_now().items():
+            for name, seconds in after.items():
+                (own if other == label else beside)[other][name] += seconds - before[other][name]
+        return answer
+
+    def rounds() -> list[list[str]]:
+        labels = list(sides)
+        return [labels if i % 2 == 0 else labels[::-1] for i in range(spec["reps"])]
+
+    if spec.get("stream_prompts"):  # the concurrent phase, a client call of its own (see _run_streams)
+        prompts = spec["stream_prompts"]
+        for label in sides:
+            concurrent(label, prompts)  # warm-up
+        reps: dict[str, list[dict[str, Any]]] = {label: [] for label in sides}
+        for order in rounds():
+            for label in order:
+                reps[label].append(concurrent(label, prompts))
+        return {label: {"reps": reps[label]} for label in sides}
+
+    def warm_up(label: str) -> dict[str, Any]:
+        answer = plain(label)
+        streamed(label)
+        return answer
+
+    warmups = {label: turn(label, partial(warm_up, label)) for label in sides}
+    before = {label: status(label) for label in sides}
+    reps = {label: [] for label in sides}
+
+    def rep(label: str) -> dict[str, Any]:
+        answer = plain(label)
+        s = streamed(label)
+        return {**answer, "ttft_ms": s["ttft_ms"], "stream_text": s["text"]}
+
+    for order in rounds():
+        for label in order:
+            reps[label].append(turn(label, partial(rep, label)))
+    return {label: {"warmup_text": warmups[label]["text"], "reps": reps[label], "status_before": before[label],
+                    "status_after": status(label), "cpu_s": dict(own[label]),
+                    "cpu_s_beside": dict(beside[label])}
+            for label in sides}
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,9 +272,14 @@ class Started:
         self.extra_pids.clear()
 
 
-def _run_client(host, spec: dict[str, Any], watched: list[tuple[str, subprocess.Popen, Path]]) -> dict:
-    """Run the client in ``host``'s namespace; give up if a watched process dies meanwhile."""
-    argv = host.exec_argv(sys.executable, "-m", "benchmarks.decode", "--client", json.dumps(spec))
+Watched = list[tuple[str, subprocess.Popen, Path]]
+
+
+def _run_client(host, spec: dict[str, Any], sides: dict[str, dict[str, Any]], watched: Watched) -> dict:
+    """Run the client in ``host``'s namespace against ``sides`` (label -> port, optional status_home
+    and cpu_pids), their requests taking turns; label -> result. Gives up if a watched process dies."""
+    argv = host.exec_argv(sys.executable, "-m", "benchmarks.decode", "--client",
+                          json.dumps({**spec, "sides": sides}))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     try:
         while proc.poll() is None:
@@ -240,15 +297,14 @@ def _run_client(host, spec: dict[str, Any], watched: list[tuple[str, subprocess.
     return json.loads(out)
 
 
-def _run_streams(host, spec: dict[str, Any], port: int,
-                 watched: list[tuple[str, subprocess.Popen, Path]]) -> dict | None:
-    """With ``spec["streams"]``, that many prompts sent at once, ``spec["reps"]`` times after a warm-up
-    (None without). A client call after the single-stream one, so the tunnel, RPC command and CPU
-    counts per token stay those of one stream."""
+def _run_streams(host, spec: dict[str, Any], sides: dict[str, dict[str, Any]], watched: Watched) -> dict:
+    """With ``spec["streams"]``, that many prompts sent at once, ``spec["reps"]`` times after a warm-up,
+    per side (label -> result, or None without). A client call after the single-stream one, so the
+    tunnel, RPC command and CPU counts per token stay those of one stream."""
     if not spec.get("streams"):  # other benchmarks' specs (speculative.py) have none
-        return None
+        return dict.fromkeys(sides)
     prompts = list(STREAM_PROMPTS[:spec["streams"]])
-    return _run_client(host, {**spec, "port": port, "stream_prompts": prompts}, watched)
+    return _run_client(host, {**spec, "stream_prompts": prompts}, sides, watched)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -269,11 +325,43 @@ def _listening(host, port: int) -> bool:
     return bool(out.stdout.strip())
 
 
-def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
-             model: Path | None = None, serve_args: tuple[str, ...] = (),
-             label: str = "mesh", node_args: tuple[str, ...] = ()) -> tuple[dict, list[str], dict]:
+@dataclass
+class MeshSetup:
+    """Three running mesh nodes, c serving the API on :8080; what measuring it needs."""
+
+    hosts: dict[str, Any]
+    homes: dict[str, Path]
+    procs: dict[str, tuple[subprocess.Popen, Path]]
+    order: list[str]
+    info: dict[str, Any]
+    commands_before: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def watched(self) -> Watched:
+        return [(f"mesh node {n}", p, log) for n, (p, log) in self.procs.items()]
+
+    def side(self) -> dict[str, Any]:
+        """The client's view: the API, c's home for status, and the sidecars whose CPU to count
+        (Python QUIC, relaying: on a machine whose cores the llama.cpp processes share, it is time
+        their compute waits for)."""
+        # RPC commands are counted where they arrive: each worker's row for c.
+        self.commands_before = {n: _commands_from_c(_status(self.hosts[n], self.homes[n])) for n in "ab"}
+        return {"port": MESH_API_PORT, "status_home": str(self.homes["c"]),
+                "cpu_pids": {n: proc.pid for n, (proc, _) in self.procs.items()}}
+
+    def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """``result`` with the RPC commands c sent each worker since ``side()`` and the sidecars' CPU."""
+        result["rpc_commands"] = {n: _commands_from_c(_status(self.hosts[n], self.homes[n]))
+                                  - self.commands_before[n] for n in "ab"}
+        result["sidecar_cpu_s"] = result["cpu_s"]
+        return result
+
+
+def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = None,
+               serve_args: tuple[str, ...] = (), label: str = "mesh",
+               node_args: tuple[str, ...] = ()) -> MeshSetup:
     """Start a, b, c as in the netns test, each with ``node_args`` (c serves `model`, by default the
-    default one, with ``serve_args``); measure through c's :8080; return (client result, order, info)."""
+    default one, with ``serve_args``); returns once c's llama-server runs, with its rpc order."""
     homes = {name: workdir / label / name for name in "abc"}
 
     def start(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
@@ -320,25 +408,34 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
     by_port = {p["tunnel_port"]: p["name"] for p in status["peers"]}
     by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"
     order = [by_port[int(e.rsplit(":", 1)[1])] for e in rpc_list]
-
-    # RPC commands are counted where they arrive: each worker's row for c.
-    commands_before = {n: _commands_from_c(_status(lab_hosts[n], homes[n])) for n in "ab"}
-    # The sidecars' own CPU (Python QUIC, relaying): on a machine whose cores the llama.cpp
-    # processes share, it is time their compute waits for.
-    cpu_before = {n: cpu_seconds(proc.pid) for n, (proc, _) in procs.items()}
-    watched = [(f"mesh node {n}", p, log) for n, (p, log) in procs.items()]
-    result = _run_client(lab_hosts["c"], {**spec, "port": MESH_API_PORT, "status_home": str(homes["c"])}, watched)
-    # Over the warm-up and the timed repetitions: a plain and a streamed request each.
-    result["rpc_commands"] = {n: _commands_from_c(_status(lab_hosts[n], homes[n])) - commands_before[n]
-                              for n in "ab"}
-    result["sidecar_cpu_s"] = {n: cpu_seconds(proc.pid) - cpu_before[n] for n, (proc, _) in procs.items()}
-    result["concurrent"] = _run_streams(lab_hosts["c"], spec, MESH_API_PORT, watched)
-    info = {"rpc_list": rpc_list, "order": order}
-    return result, order, info
+    return MeshSetup(lab_hosts, homes, procs, order, {"rpc_list": rpc_list, "order": order})
 
 
-def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any], order: list[str],
-               binaries, model: Path) -> tuple[dict, dict]:
+def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
+             model: Path | None = None, serve_args: tuple[str, ...] = (),
+             label: str = "mesh", node_args: tuple[str, ...] = ()) -> tuple[dict, list[str], dict]:
+    """``start_mesh``, then measure it alone through c's :8080; (client result, order, info)."""
+    mesh = start_mesh(lab_hosts, started, workdir, model, serve_args, label, node_args)
+    sides = {"mesh": mesh.side()}
+    result = mesh.finish(_run_client(lab_hosts["c"], spec, sides, mesh.watched)["mesh"])
+    result["concurrent"] = _run_streams(lab_hosts["c"], spec, sides, mesh.watched)["mesh"]
+    return result, mesh.order, mesh.info
+
+
+@dataclass
+class DirectSetup:
+    """llama.cpp's own way: bare rpc-servers over TCP, llama-server on c serving :8081."""
+
+    watched: Watched
+    info: dict[str, Any]
+
+    def side(self) -> dict[str, Any]:
+        return {"port": DIRECT_API_PORT}
+
+
+def start_direct(lab_hosts, started: Started, workdir: Path, order: list[str], binaries,
+                 model: Path) -> DirectSetup:
+    """A plain rpc-server on each host and, on c, llama-server with the mesh's argv over TCP in ``order``."""
     from mesh_sidecar.llama.launch import llama_server_argv
 
     watched = []
@@ -354,9 +451,17 @@ def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
     argv = lab_hosts["c"].exec_argv(*llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT))
     log = workdir / "direct-llama-server.out"
     watched.append(("direct llama-server", started.popen("direct llama-server", argv, log), log))
-    result = _run_client(lab_hosts["c"], {**spec, "port": DIRECT_API_PORT}, watched)
-    result["concurrent"] = _run_streams(lab_hosts["c"], spec, DIRECT_API_PORT, watched)
-    return result, {"rpc_list": endpoints, "order": order}
+    return DirectSetup(watched, {"rpc_list": endpoints, "order": order})
+
+
+def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any], order: list[str],
+               binaries, model: Path) -> tuple[dict, dict]:
+    """``start_direct``, then measure it alone; (client result, info)."""
+    direct = start_direct(lab_hosts, started, workdir, order, binaries, model)
+    sides = {"direct": direct.side()}
+    result = _run_client(lab_hosts["c"], spec, sides, direct.watched)["direct"]
+    result["concurrent"] = _run_streams(lab_hosts["c"], spec, sides, direct.watched)["direct"]
+    return result, direct.info
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -469,6 +574,9 @@ def _print(report: dict[str, Any]) -> None:
         if key in report:
             console.print(f"{setup}: sidecar CPU ms per token " + ", ".join(
                 f"{name} {ms:.2f}" for name, ms in sorted(report[key].items())))
+    if "mesh_sidecar_cpu_ms_per_direct_token" in report:
+        console.print("the idle mesh's sidecars during direct's turns, CPU ms per direct token " + ", ".join(
+            f"{name} {ms:.2f}" for name, ms in sorted(report["mesh_sidecar_cpu_ms_per_direct_token"].items())))
     same = report["greedy_texts_identical"]
     console.print(f"greedy text direct == mesh: {'yes' if same else 'NO'}"
                   f" (every request within each setup identical: direct "
@@ -543,10 +651,17 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         hosts = {name: lab.add_host(name) for name in "abc"}
         print(f"[{profile}] mesh: starting a, b, c (logs in {workdir})...", flush=True)
         # Plain decoding on both sides: speculation has its own benchmark (speculative.py).
-        mesh_result, order, mesh_info = run_mesh(hosts, started, workdir, spec, model, ("--speculation", "off"))
-        started.stop_all()
-        print(f"[{profile}] direct: rpc-servers on a, b, c over TCP, order {','.join(order)}...", flush=True)
-        direct_result, direct_info = run_direct(hosts, started, workdir, spec, order, binaries, model)
+        mesh = start_mesh(hosts, started, workdir, model, ("--speculation", "off"))
+        order = mesh.order
+        print(f"[{profile}] direct beside it: rpc-servers on a, b, c over TCP, order {','.join(order)}; "
+              "the two take turns...", flush=True)
+        direct = start_direct(hosts, started, workdir, order, binaries, model)
+        sides, watched = {"mesh": mesh.side(), "direct": direct.side()}, mesh.watched + direct.watched
+        paired = _run_client(hosts["c"], spec, sides, watched)
+        mesh_result, direct_result = mesh.finish(paired["mesh"]), paired["direct"]
+        concurrent = _run_streams(hosts["c"], spec, sides, watched)
+        mesh_result["concurrent"], direct_result["concurrent"] = concurrent["mesh"], concurrent["direct"]
+        mesh_info, direct_info = mesh.info, direct.info
         if b2b:
             started.stop_all()
             print(f"[{profile}] mesh with --b2b: workers pass activations to each other...", flush=True)
@@ -571,6 +686,9 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         "mesh": {**_summary(mesh_result), **mesh_info},
         "mesh_tunnels": _tunnel_bytes(mesh_result),
         "mesh_sidecar_cpu_ms_per_token": _sidecar_cpu_ms_per_token(mesh_result),
+        # The idle mesh beside direct's turns (heartbeats, gossip): what it took from direct's CPU.
+        "mesh_sidecar_cpu_ms_per_direct_token": _sidecar_cpu_ms_per_token(
+            {**direct_result, "sidecar_cpu_s": mesh_result["cpu_s_beside"]}),
         "raw": {"direct": direct_result["reps"], "mesh": mesh_result["reps"]},
     }
     entry["decode_ratio_mesh_over_direct"] = _ratio(entry, "mesh", "direct", "decode_tok_s")

@@ -33,11 +33,11 @@ DEFAULT_JSON = Path("benchmarks/results/nat.json")
 
 def measure(mesh: NatMesh, reps: int, n_predict: int) -> dict[str, Any]:
     p = mesh.nodes["p"]
-    spec = {"port": API_PORT, "prompt": PROMPT, "n_predict": n_predict, "reps": reps, "status_home": None}
+    spec = {"prompt": PROMPT, "n_predict": n_predict, "reps": reps}
     relay_before = p.status()["mesh"]["relay"]["relayed_bytes"]
     cpu_before = cpu_seconds(p.proc.pid)
     watched = [(name, node.proc, node.output) for name, node in mesh.nodes.items()]
-    result = _run_client(mesh.homes[1].host, spec, watched)
+    result = _run_client(mesh.homes[1].host, spec, {"mesh": {"port": API_PORT}}, watched)["mesh"]
     cpu_s = cpu_seconds(p.proc.pid) - cpu_before
     relayed_bytes = p.status()["mesh"]["relay"]["relayed_bytes"] - relay_before
     row = peer(mesh.nodes["h2"], "h1")
