@@ -31,7 +31,15 @@ def test_a_stream_stays_a_stream_and_a_request_continuation_cannot_carry_is_left
 def test_receipts_ask_for_token_ids_even_without_continuation():
     prepared = prepare(COMPLETIONS_PATH, b'{"prompt": "Hi", "seed": 5}', receipts=True, continues=False)
     assert prepared.shape is Shape.WHOLE and prepared.continuation is None and prepared.tap is not None
-    assert json.loads(prepared.body) == {"prompt": "Hi", "seed": 5, "logprobs": 1}
+    assert json.loads(prepared.body) == {"prompt": "Hi", "seed": 5, "logprobs": 1, "post_sampling_probs": True}
+
+
+def test_a_client_asking_for_logprobs_gets_llama_servers_own():
+    """Only the logprobs we add are the sampler's (cheap); a client's are llama-server's default."""
+    prepared = prepare(COMPLETIONS_PATH, b'{"prompt": "Hi", "seed": 5, "logprobs": 2}', receipts=True,
+                       continues=False)
+    assert json.loads(prepared.body) == {"prompt": "Hi", "seed": 5, "logprobs": 2}
+    assert prepared.tap is not None
 
 
 def test_a_body_that_is_not_a_json_object_passes_as_it_is():
