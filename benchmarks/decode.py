@@ -560,6 +560,10 @@ def _print(report: dict[str, Any]) -> None:
                       *((f"{s['streams']['aggregate_tok_s']['median']:.1f}",
                          over_direct(name, s, "streams", "aggregate_tok_s")) if streams else ()))
     console.print(table)
+    if "rounds_mesh_over_direct" in report:
+        console.print("mesh/direct round by round (median, quartiles): " + "; ".join(
+            f"{name} {r['median']:.2f} ({r['q1']:.2f}-{r['q3']:.2f})"
+            for name, r in report["rounds_mesh_over_direct"].items()))
     if "b2b_over_stock" in report:
         console.print(f"decode mesh --b2b / stock mesh: {report['b2b_over_stock']:.2f}")
     tunnels = Table(title="mesh tunnels on c, over the timed repetitions")
@@ -693,6 +697,10 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
     }
     entry["decode_ratio_mesh_over_direct"] = _ratio(entry, "mesh", "direct", "decode_tok_s")
     entry["ttft_ratio_mesh_over_direct"] = _ratio(entry, "mesh", "direct", "ttft_ms")
+    # The two took turns: each round's own ratio, whose spread says how far the medians' ratio can be trusted.
+    entry["rounds_mesh_over_direct"] = {
+        "decode": _round_ratios(mesh_result, direct_result, lambda r: r["timings"]["predicted_per_second"]),
+        "ttft": _round_ratios(mesh_result, direct_result, lambda r: r["ttft_ms"])}
     entry["greedy_texts_identical"] = entry["direct"]["text"] == entry["mesh"]["text"]
     if spec["streams"]:
         entry["raw"]["direct_streams"] = direct_result["concurrent"]["reps"]
@@ -719,6 +727,13 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
     if lab.switch_stats is not None:
         entry["delay_switch"] = lab.switch_stats
     return entry
+
+
+def _round_ratios(setup: dict, over: dict, figure: Callable[[dict], float]) -> dict[str, float]:
+    """``figure`` of each round of ``setup`` over that of the same round of ``over``: median and quartiles."""
+    ratios = [figure(s) / figure(o) for s, o in zip(setup["reps"], over["reps"], strict=True)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"median": median, "q1": q1, "q3": q3}
 
 
 def _ratio(entry: dict[str, Any], setup: str, over: str, *figure: str) -> float:
