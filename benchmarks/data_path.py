@@ -15,8 +15,12 @@ watch passes the stream untouched.
 - bulk: ``--bulk-mb`` MB one way, ``--reps`` times; Gbit/s from the first byte sent to the
   target's count coming back (every byte arrived).
 
+With ``--cpu N`` every process runs on CPU N alone: no wake-up crosses cores (on a virtual machine
+each such wake-up costs tens of microseconds, direct TCP's own included), so the added time left is
+the relays' own work.
+
 Run: ``.venv/bin/python -m benchmarks.data_path [--round-trips N] [--bulk-mb N] [--reps N]
-[--json PATH]``. Needs the relay built (``mesh-inference setup``). Nothing is asserted.
+[--cpu N] [--json PATH]``. Needs the relay built (``mesh-inference setup``). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -119,6 +123,8 @@ def main() -> None:
     parser.add_argument("--bulk-mb", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--cpu", type=int, help="run every process of the measurement on this one CPU: no wake-up "
+                                                "crosses cores, so the added time is the relays' own work")
     args = parser.parse_args()
     if args.role == "target":
         target(args.port_file)
@@ -131,6 +137,10 @@ def main() -> None:
             time.sleep(0.05)
         target_port = int(port_file.read_text())
         relays = RelayPair(ensure_data_relay(lambda *_: None), target_port)
+        if args.cpu is not None:
+            # The relays are single-threaded; the target's connection threads start later and inherit it.
+            for pid in (proc.pid, relays.a.pid, relays.b.pid, 0):
+                os.sched_setaffinity(pid, {args.cpu})
         direct = lambda: socket.create_connection(("127.0.0.1", target_port))  # noqa: E731
         ids = iter(range(1, 1000))
         rt = {"direct": round_trips(direct(), args.round_trips)}
@@ -151,6 +161,7 @@ def main() -> None:
         "round_trip_us": {path: {"p50": percentile(t, 50), "p99": percentile(t, 99)} for path, t in rt.items()},
         "bulk_gbit_s": {path: statistics.median(v) for path, v in bulk.items()},
         "relays_cpu_us_per_round_trip": relay_cpu_us,
+        "cpu": args.cpu,
     }
     rtt = result["round_trip_us"]
     result["added_round_trip_us"] = {q: rtt["tunnel"][q] - rtt["direct"][q] for q in ("p50", "p99")}
