@@ -7,8 +7,14 @@ answer the same greedy prompt from host c:
 - mesh: three ``mesh_sidecar`` nodes as in ``tests/integration/test_mesh_netns.py`` (a works,
   b joins a, c joins b and serves the API on :8080 with ``--min-peers 2``);
 - direct: a plain ``ggml-rpc-server -H <host ip> -p 50052`` on every host (the stock
-  way, over TCP, only inside this private lab) and on c a ``llama-server`` with
-  ``--rpc`` listing the same hosts in the order the mesh's own llama-server got.
+  way, over TCP, only inside this private lab) and on c a ``llama-server`` with the
+  mesh's own llama-server argv (binary, ``--tensor-split``, context size, flags), its
+  ``--rpc`` listing the same hosts in the same order over TCP.
+
+With ``--loopback`` the three hosts are names on this machine's loopback instead
+(ports of their own, no namespaces, no root, unshaped only): for a machine lent
+for a GPU run, where the nodes use the backend ``setup --backend`` built and the
+direct rpc-servers the same build.
 
 The mesh starts first (its order is only known once it runs: it sorts peers by
 node id, and the ids are new every run), then the direct setup beside it, and the
@@ -35,7 +41,8 @@ hosts for a fixed time (both setups cross it alike).
 
 Run as root: ``.venv/bin/python -m benchmarks.decode [--reps N] [--n-predict N]
 [--profiles unshaped,1gbit,100mbit,5ms,20ms] [--model PATH|bench-1gb] [--json PATH] [--b2b]
-[--streams N]``. With ``--b2b`` a third setup runs: the mesh with every node on the b2b build.
+[--streams N]``, or without root with ``--loopback`` (instead of ``--profiles``). With
+``--b2b`` a third setup runs: the mesh with every node on the b2b build.
 Figures are printed and written as JSON; nothing is asserted.
 """
 
@@ -67,6 +74,7 @@ DEFAULT_PROFILES = "unshaped,1gbit,100mbit,5ms,20ms"
 QUIC_PORT = 47470
 MESH_API_PORT = 8080
 DIRECT_API_PORT = 8081
+WORKER_API_PORT = 8090  # a's (b's the next): every node has an API, and on --loopback they share 127.0.0.1
 DIRECT_RPC_PORT = 50052
 START_TIMEOUT_S = 180.0
 GREEDY = {"temperature": 0, "top_k": 1, "seed": 42}
@@ -325,6 +333,34 @@ def _listening(host, port: int) -> bool:
     return bool(out.stdout.strip())
 
 
+@dataclass(frozen=True)
+class LoopbackHost:
+    """A host of ``--loopback``: a name on this machine's loopback, no namespace (no root needed)."""
+
+    name: str
+    ip: str = "127.0.0.1"
+
+    def exec_argv(self, *argv: str) -> list[str]:
+        return list(argv)
+
+
+def host_port(base: int, name: str) -> int:
+    """``base`` for host a, the next for b, ...: hosts sharing loopback need ports of their own."""
+    return base + "abc".index(name)
+
+
+def direct_llama_argv(mesh_argv: list[str], endpoints: list[str], port: int) -> list[str]:
+    """The mesh's own llama-server argv (binary, split, flags), with ``endpoints`` over TCP instead of
+    the tunnels, ``port``, and no API key."""
+    argv = list(mesh_argv)
+    argv[argv.index("--rpc") + 1] = ",".join(endpoints)
+    argv[argv.index("--port") + 1] = str(port)
+    if "--api-key-file" in argv:
+        at = argv.index("--api-key-file")
+        del argv[at:at + 2]
+    return argv
+
+
 @dataclass
 class MeshSetup:
     """Three running mesh nodes, c serving the API on :8080; what measuring it needs."""
@@ -334,6 +370,7 @@ class MeshSetup:
     procs: dict[str, tuple[subprocess.Popen, Path]]
     order: list[str]
     info: dict[str, Any]
+    llama_argv: list[str]  # c's llama-server's
     commands_before: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -369,7 +406,8 @@ def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = 
         log = workdir / f"{label}-{name}.out"
         # One rpc-server thread, as the bare rpc-servers of direct (their default): like for like.
         argv = lab_hosts[name].exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(homes[name]),
-                                         "--name", name, "--port", str(QUIC_PORT), "--threads", "1", *node_args,
+                                         "--name", name, "--port", str(host_port(QUIC_PORT, name)), "--threads", "1",
+                                         *node_args,
                                          *args)
         return started.popen(f"mesh node {name}", argv, log), log
 
@@ -377,9 +415,9 @@ def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = 
         return wait_until(lambda: _TICKET.search(log.read_text(errors="replace")), 60, "a ticket").group(1)
 
     procs = {}
-    procs["a"] = start("a")
+    procs["a"] = start("a", "--api-port", str(host_port(WORKER_API_PORT, "a")))
     t_a = ticket(procs["a"][1])
-    procs["b"] = start("b", "--join", t_a)
+    procs["b"] = start("b", "--join", t_a, "--api-port", str(host_port(WORKER_API_PORT, "b")))
     t_b = ticket(procs["b"][1])
     procs["c"] = start("c", "--join", t_b, "--serve", str(MESH_API_PORT), "--spread", "--min-peers", "2",
                        *(["--model", str(model)] if model is not None else []), *serve_args)
@@ -408,7 +446,8 @@ def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = 
     by_port = {p["tunnel_port"]: p["name"] for p in status["peers"]}
     by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"
     order = [by_port[int(e.rsplit(":", 1)[1])] for e in rpc_list]
-    return MeshSetup(lab_hosts, homes, procs, order, {"rpc_list": rpc_list, "order": order})
+    llama_argv = [arg.decode() for arg in argv if arg]
+    return MeshSetup(lab_hosts, homes, procs, order, {"rpc_list": rpc_list, "order": order}, llama_argv)
 
 
 def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
@@ -434,24 +473,28 @@ class DirectSetup:
 
 
 def start_direct(lab_hosts, started: Started, workdir: Path, order: list[str], binaries,
-                 model: Path) -> DirectSetup:
-    """A plain rpc-server on each host and, on c, llama-server with the mesh's argv over TCP in ``order``."""
+                 model: Path, mesh_argv: list[str] | None = None) -> DirectSetup:
+    """A plain rpc-server on each host and, on c, llama-server over TCP in ``order``: with ``mesh_argv``
+    (a running mesh's llama-server argv) that argv, its split included, else the one the mesh builds."""
     from mesh_sidecar.llama.launch import llama_server_argv
 
     watched = []
     for name in "abc":
         host = lab_hosts[name]
         log = workdir / f"direct-rpc-{name}.out"
-        argv = host.exec_argv(str(binaries.rpc_server), "-H", host.ip, "-p", str(DIRECT_RPC_PORT))
+        argv = host.exec_argv(str(binaries.rpc_server), "-H", host.ip, "-p", str(host_port(DIRECT_RPC_PORT, name)))
         watched.append((f"direct rpc-server {name}", started.popen(f"rpc {name}", argv, log), log))
     for name in "abc":
-        wait_until(partial(_listening, lab_hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name} listens")
-    endpoints = [f"{lab_hosts[n].ip}:{DIRECT_RPC_PORT}" for n in order]
+        wait_until(partial(_listening, lab_hosts[name], host_port(DIRECT_RPC_PORT, name)), 30,
+                   f"rpc-server on {name} listens")
+    endpoints = [f"{lab_hosts[n].ip}:{host_port(DIRECT_RPC_PORT, n)}" for n in order]
     # The very argv the mesh gives its llama-server, but with TCP endpoints instead of tunnels.
-    argv = lab_hosts["c"].exec_argv(*llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT))
+    llama_argv = (direct_llama_argv(mesh_argv, endpoints, DIRECT_API_PORT) if mesh_argv
+                  else llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT))
+    argv = lab_hosts["c"].exec_argv(*llama_argv)
     log = workdir / "direct-llama-server.out"
     watched.append(("direct llama-server", started.popen("direct llama-server", argv, log), log))
-    return DirectSetup(watched, {"rpc_list": endpoints, "order": order})
+    return DirectSetup(watched, {"rpc_list": endpoints, "order": order, "llama_server_argv": llama_argv})
 
 
 def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any], order: list[str],
@@ -643,23 +686,25 @@ def _resolve_model(given: str | None) -> Path:
 
 
 def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workdir: Path,
-                started: Started, b2b: bool = False, quic: bool = False) -> dict[str, Any]:
-    """The mesh, then the direct setup (and with ``b2b`` the mesh on the b2b build, with ``quic`` the mesh
-    with ``--data-path quic``), on a fresh lab with this link profile; its report entry."""
+                started: Started, b2b: bool = False, quic: bool = False, loopback: bool = False) -> dict[str, Any]:
+    """The mesh, then the direct setup beside it (and with ``b2b`` the mesh on the b2b build, with ``quic`` the
+    mesh with ``--data-path quic``), on a fresh lab with this link profile (``loopback``: every host on this
+    machine's loopback, unshaped); its report entry."""
     from tests.helpers.netns import LINK_PROFILES, Lab
 
     workdir.mkdir(parents=True)
     began = datetime.now(UTC).isoformat(timespec="seconds")
-    lab = Lab(**LINK_PROFILES[profile], sniff=False)  # the sniffer's per-frame loop would compete for the CPU
+    # The sniffer's per-frame loop would compete for the CPU.
+    lab = None if loopback else Lab(**LINK_PROFILES[profile], sniff=False)
     try:
-        hosts = {name: lab.add_host(name) for name in "abc"}
+        hosts = {name: lab.add_host(name) if lab is not None else LoopbackHost(name) for name in "abc"}
         print(f"[{profile}] mesh: starting a, b, c (logs in {workdir})...", flush=True)
         # Plain decoding on both sides: speculation has its own benchmark (speculative.py).
         mesh = start_mesh(hosts, started, workdir, model, ("--speculation", "off"))
         order = mesh.order
         print(f"[{profile}] direct beside it: rpc-servers on a, b, c over TCP, order {','.join(order)}; "
               "the two take turns...", flush=True)
-        direct = start_direct(hosts, started, workdir, order, binaries, model)
+        direct = start_direct(hosts, started, workdir, order, binaries, model, mesh.llama_argv)
         sides, watched = {"mesh": mesh.side(), "direct": direct.side()}, mesh.watched + direct.watched
         paired = _run_client(hosts["c"], spec, sides, watched)
         mesh_result, direct_result = mesh.finish(paired["mesh"]), paired["direct"]
@@ -678,10 +723,11 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
                                                  ("--speculation", "off"), "mesh-quic", ("--data-path", "quic"))
     finally:
         started.stop_all()
-        lab.close()
+        if lab is not None:
+            lab.close()
     entry = {
         "profile": profile,
-        "link": LINK_PROFILES[profile],
+        "link": "loopback" if loopback else LINK_PROFILES[profile],
         # To match against whatever else ran on the machine meanwhile.
         "began": began,
         "ended": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -724,7 +770,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         entry["greedy_texts_identical"] &= entry["mesh_b2b"]["text"] == entry["direct"]["text"]
         if spec["streams"]:
             entry["raw"]["mesh_b2b_streams"] = b2b_result["concurrent"]["reps"]
-    if lab.switch_stats is not None:
+    if lab is not None and lab.switch_stats is not None:
         entry["delay_switch"] = lab.switch_stats
     return entry
 
@@ -786,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--n-predict", type=int, default=128)
-    parser.add_argument("--profiles", default=DEFAULT_PROFILES,
+    parser.add_argument("--profiles",
                         help=f"comma-separated link profiles (default {DEFAULT_PROFILES}; also 0ms: the delay "
                              "switch with no delay)")
     parser.add_argument("--model", help="GGUF file, or a synthetic preset name such as bench-1gb "
@@ -801,26 +847,35 @@ def main(argv: list[str] | None = None) -> int:
                         metavar=f"0..{LLAMA_SERVER_AUTO_SLOTS}",
                         help="after the single-stream requests, also send this many different prompts at once, "
                              "--reps times, and report their aggregate decode tok/s (default 0: none)")
+    parser.add_argument("--loopback", action="store_true",
+                        help="every host on this machine's loopback instead of network namespaces: no root, "
+                             "no link profiles (unshaped only); for a machine lent for a GPU run")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
         print(json.dumps(_client(json.loads(args.client))))
         return 0
 
-    if lacks_root():
+    if not args.loopback and lacks_root():
         return 2
     sys.path.insert(0, str(REPO_ROOT))
-    from mesh_sidecar.llama.build import B2B, ensure_binaries
+    from mesh_sidecar.llama.backends import recorded_backend
+    from mesh_sidecar.llama.build import B2B, STOCK, ensure_binaries
     from tests.helpers.netns import LINK_PROFILES
 
-    profiles = args.profiles.split(",")
+    profiles = (args.profiles or ("unshaped" if args.loopback else DEFAULT_PROFILES)).split(",")
     unknown = [p for p in profiles if p not in LINK_PROFILES]
     if unknown:
         print(f"unknown profile(s) {', '.join(unknown)}; choose from {', '.join(LINK_PROFILES)}", file=sys.stderr)
         return 2
-    binaries = ensure_binaries(None, _quiet)
+    if args.loopback and profiles != ["unshaped"]:
+        print("--loopback shapes no link: leave --profiles out (or give unshaped)", file=sys.stderr)
+        return 2
+    # The backend the nodes use (the last `setup --backend`), so the direct rpc-servers compute alike.
+    backend = recorded_backend()
+    binaries = ensure_binaries(None, _quiet, STOCK.on(backend))
     if args.b2b:
-        ensure_binaries(None, _quiet, B2B)  # built now, not under a node's start timeout
+        ensure_binaries(None, _quiet, B2B.on(backend))  # built now, not under a node's start timeout
     model = _resolve_model(args.model)
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps, "streams": args.streams}
     report = {
@@ -844,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = False
         for profile in profiles:
             try:
-                entry = run_profile(profile, binaries, model, spec, workdir / profile, started, args.b2b, args.quic)
+                entry = run_profile(profile, binaries, model, spec, workdir / profile, started, args.b2b, args.quic,
+                                    args.loopback)
             except Exception as exc:  # noqa: BLE001 - a profile failing (timeout, crash) keeps the others' figures
                 print(f"[{profile}] failed: {exc!r}", file=sys.stderr, flush=True)
                 report["profiles"].append({"profile": profile, "error": repr(exc)})
