@@ -447,7 +447,8 @@ def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = 
     by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"
     order = [by_port[int(e.rsplit(":", 1)[1])] for e in rpc_list]
     llama_argv = [arg.decode() for arg in argv if arg]
-    return MeshSetup(lab_hosts, homes, procs, order, {"rpc_list": rpc_list, "order": order}, llama_argv)
+    info = {"rpc_list": rpc_list, "order": order, "llama_server_argv": llama_argv}
+    return MeshSetup(lab_hosts, homes, procs, order, info, llama_argv)
 
 
 def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
@@ -498,9 +499,9 @@ def start_direct(lab_hosts, started: Started, workdir: Path, order: list[str], b
 
 
 def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any], order: list[str],
-               binaries, model: Path) -> tuple[dict, dict]:
+               binaries, model: Path, mesh_argv: list[str] | None = None) -> tuple[dict, dict]:
     """``start_direct``, then measure it alone; (client result, info)."""
-    direct = start_direct(lab_hosts, started, workdir, order, binaries, model)
+    direct = start_direct(lab_hosts, started, workdir, order, binaries, model, mesh_argv)
     sides = {"direct": direct.side()}
     result = _run_client(lab_hosts["c"], spec, sides, direct.watched)["direct"]
     result["concurrent"] = _run_streams(lab_hosts["c"], spec, sides, direct.watched)["direct"]

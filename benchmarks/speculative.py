@@ -60,14 +60,17 @@ def run_profile(profile: str, binaries, target: Path, draft: Path, spec: dict[st
     try:
         hosts = {name: lab.add_host(name) for name in "abc"}
         print(f"[{profile}] mesh, plain...", flush=True)
-        plain, order, _ = run_mesh(hosts, started, workdir, spec, target, ("--speculation", "off"), "plain")
+        plain, order, plain_info = run_mesh(hosts, started, workdir, spec, target, ("--speculation", "off"),
+                                            "plain")
         started.stop_all()
         print(f"[{profile}] mesh + draft...", flush=True)
         drafted, _, _ = run_mesh(hosts, started, workdir, spec, target, ("--draft-model", str(draft)), "draft")
         speculation = drafted["status_after"]["serving"]["speculation"]
         started.stop_all()
         print(f"[{profile}] direct, plain...", flush=True)
-        direct, _ = run_direct(hosts, started, workdir, spec, order, binaries, target)
+        # The plain mesh's own llama-server argv (its split and context size), over TCP.
+        direct, _ = run_direct(hosts, started, workdir, spec, order, binaries, target,
+                               plain_info["llama_server_argv"])
         started.stop_all()
     finally:
         started.stop_all()
