@@ -12,8 +12,8 @@ answer the same greedy prompt from host c:
   ``--rpc`` listing the same hosts in the same order over TCP.
 
 With ``--loopback`` the three hosts are names on this machine's loopback instead
-(ports of their own, no namespaces, no root, unshaped only): for a machine lent
-for a GPU run, where the nodes use the backend ``setup --backend`` built and the
+(ports of their own, no namespaces, no root, unshaped only): for a GPU machine
+without namespaces, where the nodes use the backend ``setup --backend`` built and the
 direct rpc-servers the same build.
 
 The mesh starts first (its order is only known once it runs: it sorts peers by
@@ -850,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
                              "--reps times, and report their aggregate decode tok/s (default 0: none)")
     parser.add_argument("--loopback", action="store_true",
                         help="every host on this machine's loopback instead of network namespaces: no root, "
-                             "no link profiles (unshaped only); for a machine lent for a GPU run")
+                             "no link profiles (unshaped only); for a GPU machine without namespaces")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
