@@ -148,7 +148,9 @@ def test_replicas_share_a_model_and_a_stream_survives_one_dying(start_node, mode
     def two_replicas() -> dict[str, dict] | None:
         listed = listed_models(w.api_port)
         entry = listed.get(small, {})
-        return listed if entry.get("status") == "ready" and len(entry["replicas"]) == 2 else None
+        # Both ready: the model is "ready" as soon as one is, and the other may still be loading.
+        both = len(entry.get("replicas", [])) == 2 and all(r["state"] == "ready" for r in entry["replicas"])
+        return listed if entry.get("status") == "ready" and both else None
 
     listed = wait_until(two_replicas, READY_TIMEOUT_S, "w lists both replicas")
     assert list(listed) == [small]  # one entry for the model, however many serve it
