@@ -369,9 +369,8 @@ class MeshSetup:
     homes: dict[str, Path]
     procs: dict[str, tuple[subprocess.Popen, Path]]
     order: list[str]
-    info: dict[str, Any]
-    llama_argv: list[str]  # c's llama-server's
-    commands_before: dict[str, int] = field(default_factory=dict)
+    info: dict[str, Any]  # rpc_list, order, c's llama_server_argv
+    commands_before: dict[str, int]  # RPC commands each worker had from c once started
 
     @property
     def watched(self) -> Watched:
@@ -381,17 +380,18 @@ class MeshSetup:
         """The client's view: the API, c's home for status, and the sidecars whose CPU to count
         (Python QUIC, relaying: on a machine whose cores the llama.cpp processes share, it is time
         their compute waits for)."""
-        # RPC commands are counted where they arrive: each worker's row for c.
-        self.commands_before = {n: _commands_from_c(_status(self.hosts[n], self.homes[n])) for n in "ab"}
         return {"port": MESH_API_PORT, "status_home": str(self.homes["c"]),
                 "cpu_pids": {n: proc.pid for n, (proc, _) in self.procs.items()}}
 
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
-        """``result`` with the RPC commands c sent each worker since ``side()`` and the sidecars' CPU."""
-        result["rpc_commands"] = {n: _commands_from_c(_status(self.hosts[n], self.homes[n]))
-                                  - self.commands_before[n] for n in "ab"}
-        result["sidecar_cpu_s"] = result["cpu_s"]
+        """``result`` with the RPC commands c has sent each worker since the mesh started."""
+        result["rpc_commands"] = {n: _commands(self.hosts[n], self.homes[n]) - self.commands_before[n] for n in "ab"}
         return result
+
+
+def _commands(host, home: Path) -> int:
+    """The RPC commands a worker has had from c: counted where they arrive, its row for c."""
+    return _commands_from_c(_status(host, home))
 
 
 def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = None,
@@ -446,9 +446,8 @@ def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = 
     by_port = {p["tunnel_port"]: p["name"] for p in status["peers"]}
     by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"
     order = [by_port[int(e.rsplit(":", 1)[1])] for e in rpc_list]
-    llama_argv = [arg.decode() for arg in argv if arg]
-    info = {"rpc_list": rpc_list, "order": order, "llama_server_argv": llama_argv}
-    return MeshSetup(lab_hosts, homes, procs, order, info, llama_argv)
+    info = {"rpc_list": rpc_list, "order": order, "llama_server_argv": [arg.decode() for arg in argv if arg]}
+    return MeshSetup(lab_hosts, homes, procs, order, info, {n: _commands(lab_hosts[n], homes[n]) for n in "ab"})
 
 
 def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
@@ -552,10 +551,10 @@ def _tokens(result: dict) -> int:
     return sum(r["completion_tokens"] for r in result["reps"]) * 2
 
 
-def _sidecar_cpu_ms_per_token(result: dict) -> dict[str, float]:
-    """Each node's sidecar CPU per token, over the warm-up and the timed repetitions."""
+def _sidecar_cpu_ms_per_token(result: dict, cpu_s: dict[str, float]) -> dict[str, float]:
+    """Each node's sidecar CPU (``cpu_s``, over the warm-up and the timed repetitions of ``result``) per token."""
     tokens = _tokens(result) * (len(result["reps"]) + 1) / len(result["reps"])
-    return {name: 1000 * seconds / tokens for name, seconds in result["sidecar_cpu_s"].items()}
+    return {name: 1000 * seconds / tokens for name, seconds in cpu_s.items()}
 
 
 def _tunnel_bytes(result: dict) -> dict[str, Any]:
@@ -705,7 +704,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         order = mesh.order
         print(f"[{profile}] direct beside it: rpc-servers on a, b, c over TCP, order {','.join(order)}; "
               "the two take turns...", flush=True)
-        direct = start_direct(hosts, started, workdir, order, binaries, model, mesh.llama_argv)
+        direct = start_direct(hosts, started, workdir, order, binaries, model, mesh.info["llama_server_argv"])
         sides, watched = {"mesh": mesh.side(), "direct": direct.side()}, mesh.watched + direct.watched
         paired = _run_client(hosts["c"], spec, sides, watched)
         mesh_result, direct_result = mesh.finish(paired["mesh"]), paired["direct"]
@@ -736,10 +735,9 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         "direct": {**_summary(direct_result), **direct_info},
         "mesh": {**_summary(mesh_result), **mesh_info},
         "mesh_tunnels": _tunnel_bytes(mesh_result),
-        "mesh_sidecar_cpu_ms_per_token": _sidecar_cpu_ms_per_token(mesh_result),
+        "mesh_sidecar_cpu_ms_per_token": _sidecar_cpu_ms_per_token(mesh_result, mesh_result["cpu_s"]),
         # The idle mesh beside direct's turns (heartbeats, gossip): what it took from direct's CPU.
-        "mesh_sidecar_cpu_ms_per_direct_token": _sidecar_cpu_ms_per_token(
-            {**direct_result, "sidecar_cpu_s": mesh_result["cpu_s_beside"]}),
+        "mesh_sidecar_cpu_ms_per_direct_token": _sidecar_cpu_ms_per_token(direct_result, mesh_result["cpu_s_beside"]),
         "raw": {"direct": direct_result["reps"], "mesh": mesh_result["reps"]},
     }
     entry["decode_ratio_mesh_over_direct"] = _ratio(entry, "mesh", "direct", "decode_tok_s")
@@ -764,7 +762,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
     if b2b:
         entry["mesh_b2b"] = {**_summary(b2b_result), **b2b_info}
         entry["mesh_b2b_tunnels"] = _tunnel_bytes(b2b_result)
-        entry["mesh_b2b_sidecar_cpu_ms_per_token"] = _sidecar_cpu_ms_per_token(b2b_result)
+        entry["mesh_b2b_sidecar_cpu_ms_per_token"] = _sidecar_cpu_ms_per_token(b2b_result, b2b_result["cpu_s"])
         entry["raw"]["mesh_b2b"] = b2b_result["reps"]
         entry["decode_ratio_b2b_over_direct"] = _ratio(entry, "mesh_b2b", "direct", "decode_tok_s")
         entry["b2b_over_stock"] = _ratio(entry, "mesh_b2b", "mesh", "decode_tok_s")
