@@ -349,6 +349,14 @@ def host_port(base: int, name: str) -> int:
     return base + "abc".index(name)
 
 
+def direct_rpc_argv(mesh_argv: list[str], host: str, port: int) -> list[str]:
+    """A mesh node's own rpc-server argv (binary, threads, devices), listening on ``host``:``port``."""
+    argv = list(mesh_argv)
+    argv[argv.index("-H") + 1] = host
+    argv[argv.index("-p") + 1] = str(port)
+    return argv
+
+
 def direct_llama_argv(mesh_argv: list[str], endpoints: list[str], port: int) -> list[str]:
     """The mesh's own llama-server argv (binary, split, flags), with ``endpoints`` over TCP instead of
     the tunnels, ``port``, and no API key."""
@@ -446,8 +454,15 @@ def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = 
     by_port = {p["tunnel_port"]: p["name"] for p in status["peers"]}
     by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"
     order = [by_port[int(e.rsplit(":", 1)[1])] for e in rpc_list]
-    info = {"rpc_list": rpc_list, "order": order, "llama_server_argv": [arg.decode() for arg in argv if arg]}
+    info = {"rpc_list": rpc_list, "order": order, "llama_server_argv": [arg.decode() for arg in argv if arg],
+            "rpc_server_argv": {name: _rpc_server_argv(lab_hosts[name], homes[name]) for name in "abc"}}
     return MeshSetup(lab_hosts, homes, procs, order, info, {n: _commands(lab_hosts[n], homes[n]) for n in "ab"})
+
+
+def _rpc_server_argv(host, home: Path) -> list[str]:
+    """The argv of the rpc-server a mesh node runs, as its kernel has it."""
+    pid = next(p["pid"] for p in _status(host, home)["processes"] if p["name"] == "ggml-rpc-server")
+    return [arg.decode() for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if arg]
 
 
 def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
@@ -473,34 +488,38 @@ class DirectSetup:
 
 
 def start_direct(lab_hosts, started: Started, workdir: Path, order: list[str], binaries,
-                 model: Path, mesh_argv: list[str] | None = None) -> DirectSetup:
-    """A plain rpc-server on each host and, on c, llama-server over TCP in ``order``: with ``mesh_argv``
-    (a running mesh's llama-server argv) that argv, its split included, else the one the mesh builds."""
+                 model: Path, mesh_info: dict[str, Any] | None = None) -> DirectSetup:
+    """An rpc-server on each host and, on c, llama-server over TCP in ``order``. With ``mesh_info`` (a
+    running mesh's) every process runs the mesh's own argv (threads, devices, split) but over TCP, else
+    plain rpc-servers and the llama-server argv the mesh builds."""
     from mesh_sidecar.llama.launch import llama_server_argv
 
-    watched = []
+    watched, rpc_argvs = [], {}
     for name in "abc":
-        host = lab_hosts[name]
+        host, port = lab_hosts[name], host_port(DIRECT_RPC_PORT, name)
+        rpc_argvs[name] = (direct_rpc_argv(mesh_info["rpc_server_argv"][name], host.ip, port) if mesh_info
+                           else [str(binaries.rpc_server), "-H", host.ip, "-p", str(port)])
         log = workdir / f"direct-rpc-{name}.out"
-        argv = host.exec_argv(str(binaries.rpc_server), "-H", host.ip, "-p", str(host_port(DIRECT_RPC_PORT, name)))
-        watched.append((f"direct rpc-server {name}", started.popen(f"rpc {name}", argv, log), log))
+        watched.append((f"direct rpc-server {name}", started.popen(f"rpc {name}", host.exec_argv(*rpc_argvs[name]),
+                                                                    log), log))
     for name in "abc":
         wait_until(partial(_listening, lab_hosts[name], host_port(DIRECT_RPC_PORT, name)), 30,
                    f"rpc-server on {name} listens")
     endpoints = [f"{lab_hosts[n].ip}:{host_port(DIRECT_RPC_PORT, n)}" for n in order]
     # The very argv the mesh gives its llama-server, but with TCP endpoints instead of tunnels.
-    llama_argv = (direct_llama_argv(mesh_argv, endpoints, DIRECT_API_PORT) if mesh_argv
+    llama_argv = (direct_llama_argv(mesh_info["llama_server_argv"], endpoints, DIRECT_API_PORT) if mesh_info
                   else llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT))
     argv = lab_hosts["c"].exec_argv(*llama_argv)
     log = workdir / "direct-llama-server.out"
     watched.append(("direct llama-server", started.popen("direct llama-server", argv, log), log))
-    return DirectSetup(watched, {"rpc_list": endpoints, "order": order, "llama_server_argv": llama_argv})
+    return DirectSetup(watched, {"rpc_list": endpoints, "order": order, "llama_server_argv": llama_argv,
+                                 "rpc_server_argv": rpc_argvs})
 
 
 def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any], order: list[str],
-               binaries, model: Path, mesh_argv: list[str] | None = None) -> tuple[dict, dict]:
+               binaries, model: Path, mesh_info: dict[str, Any] | None = None) -> tuple[dict, dict]:
     """``start_direct``, then measure it alone; (client result, info)."""
-    direct = start_direct(lab_hosts, started, workdir, order, binaries, model, mesh_argv)
+    direct = start_direct(lab_hosts, started, workdir, order, binaries, model, mesh_info)
     sides = {"direct": direct.side()}
     result = _run_client(lab_hosts["c"], spec, sides, direct.watched)["direct"]
     result["concurrent"] = _run_streams(lab_hosts["c"], spec, sides, direct.watched)["direct"]
@@ -704,7 +723,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         order = mesh.order
         print(f"[{profile}] direct beside it: rpc-servers on a, b, c over TCP, order {','.join(order)}; "
               "the two take turns...", flush=True)
-        direct = start_direct(hosts, started, workdir, order, binaries, model, mesh.info["llama_server_argv"])
+        direct = start_direct(hosts, started, workdir, order, binaries, model, mesh.info)
         sides, watched = {"mesh": mesh.side(), "direct": direct.side()}, mesh.watched + direct.watched
         paired = _run_client(hosts["c"], spec, sides, watched)
         mesh_result, direct_result = mesh.finish(paired["mesh"]), paired["direct"]

@@ -68,9 +68,8 @@ def run_profile(profile: str, binaries, target: Path, draft: Path, spec: dict[st
         speculation = drafted["status_after"]["serving"]["speculation"]
         started.stop_all()
         print(f"[{profile}] direct, plain...", flush=True)
-        # The plain mesh's own llama-server argv (its split and context size), over TCP.
-        direct, _ = run_direct(hosts, started, workdir, spec, order, binaries, target,
-                               plain_info["llama_server_argv"])
+        # The plain mesh's own argv (its split and context size, its rpc-servers' flags), over TCP.
+        direct, _ = run_direct(hosts, started, workdir, spec, order, binaries, target, plain_info)
         started.stop_all()
     finally:
         started.stop_all()

@@ -1,8 +1,8 @@
-"""The decode benchmark's pure parts: the direct setup's llama-server argv, taken from the mesh's."""
+"""The decode benchmark's pure parts: the direct setup's argvs, taken from the mesh's."""
 
 import pytest
 
-from benchmarks.decode import LoopbackHost, _round_ratios, direct_llama_argv, host_port
+from benchmarks.decode import LoopbackHost, _round_ratios, direct_llama_argv, direct_rpc_argv, host_port
 
 
 def test_direct_runs_the_meshs_own_llama_server_argv_over_tcp():
@@ -14,6 +14,12 @@ def test_direct_runs_the_meshs_own_llama_server_argv_over_tcp():
                       "--rpc", "10.0.0.1:50052,10.0.0.2:50052,10.0.0.3:50052", "-ngl", "999",
                       "--tensor-split", "0,3,3,2", "--cache-ram", "0"]
     assert "--api-key-file" in mesh  # the mesh's own argv is left as it was
+
+
+def test_direct_rpc_servers_run_the_meshs_own_flags_on_their_host_address():
+    mesh = ["/cache/cuda/bin/ggml-rpc-server", "-H", "127.0.0.1", "-p", "40117", "-c", "-d", "CUDA0", "-t", "1"]
+    assert direct_rpc_argv(mesh, "10.0.0.2", 50053) == [
+        "/cache/cuda/bin/ggml-rpc-server", "-H", "10.0.0.2", "-p", "50053", "-c", "-d", "CUDA0", "-t", "1"]
 
 
 def test_hosts_on_one_loopback_get_ports_of_their_own():
