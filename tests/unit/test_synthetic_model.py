@@ -7,7 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.synthetic_model import BENCH_1GB, CACHE_TEST, MOE_TEST, TIER_TEST, tensor_plan
+from benchmarks.synthetic_model import (
+    BENCH_1GB,
+    BENCH_4GB,
+    CACHE_TEST,
+    MOE_TEST,
+    RPC_HASH_THRESHOLD_BYTES,
+    TIER_TEST,
+    tensor_plan,
+)
 
 N_VOCAB = 49152
 # The cache keys of the dense presets from before specs had expert fields: their files keep their names.
@@ -17,6 +25,16 @@ DENSE_DIGESTS = {CACHE_TEST: "eb41d75d9f7f", BENCH_1GB: "ec051e87375b", TIER_TES
 @pytest.mark.parametrize("spec", list(DENSE_DIGESTS), ids=lambda spec: spec.name)
 def test_dense_presets_keep_their_cache_keys(spec) -> None:
     assert spec.digest() == DENSE_DIGESTS[spec]
+
+
+@pytest.mark.parametrize(("spec", "low_gb", "high_gb"), [(BENCH_1GB, 1.1, 1.4), (BENCH_4GB, 3.6, 4.2)],
+                         ids=lambda value: getattr(value, "name", str(value)))
+def test_benchmark_presets_have_their_size_and_every_layer_matrix_goes_by_hash(spec, low_gb, high_gb) -> None:
+    plan = tensor_plan(spec, N_VOCAB)
+    assert low_gb * 1e9 < sum(t.n_bytes for t in plan) < high_gb * 1e9
+    matrices = [t for t in plan if t.name.startswith("blk.") and len(t.shape) == 2]
+    assert len(matrices) == 7 * spec.n_layers  # q, k, v, output, gate, up, down
+    assert all(t.n_bytes > RPC_HASH_THRESHOLD_BYTES for t in matrices)
 
 
 def test_expert_fields_are_part_of_the_cache_key() -> None:
