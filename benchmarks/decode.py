@@ -6,10 +6,11 @@ answer the same greedy prompt from host c:
 
 - mesh: three ``mesh_sidecar`` nodes as in ``tests/integration/test_mesh_netns.py`` (a works,
   b joins a, c joins b and serves the API on :8080 with ``--min-peers 2``);
-- direct: a plain ``ggml-rpc-server -H <host ip> -p 50052`` on every host (the stock
-  way, over TCP, only inside this private lab) and on c a ``llama-server`` with the
-  mesh's own llama-server argv (binary, ``--tensor-split``, context size, flags), its
-  ``--rpc`` listing the same hosts in the same order over TCP.
+- direct: a ``ggml-rpc-server`` on every host, listening on the host's address (the stock
+  way, over TCP, only inside this private lab) with that mesh node's own rpc-server argv
+  (binary, threads, devices, cache), and on c a ``llama-server`` with the mesh's own
+  llama-server argv (binary, ``--tensor-split``, context size, flags), its ``--rpc``
+  listing the same hosts in the same order over TCP.
 
 With ``--loopback`` the three hosts are names on this machine's loopback instead
 (ports of their own, no namespaces, no root, unshaped only): for a GPU machine
@@ -412,7 +413,7 @@ def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = 
     def start(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         homes[name].mkdir(parents=True)
         log = workdir / f"{label}-{name}.out"
-        # One rpc-server thread, as the bare rpc-servers of direct (their default): like for like.
+        # One rpc-server thread a node: the three share this machine's cores (direct's take the same argv).
         argv = lab_hosts[name].exec_argv(sys.executable, "-m", "mesh_sidecar", "--home", str(homes[name]),
                                          "--name", name, "--port", str(host_port(QUIC_PORT, name)), "--threads", "1",
                                          *node_args,
@@ -478,7 +479,7 @@ def run_mesh(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any],
 
 @dataclass
 class DirectSetup:
-    """llama.cpp's own way: bare rpc-servers over TCP, llama-server on c serving :8081."""
+    """llama.cpp's own way: rpc-servers over TCP, llama-server on c serving :8081."""
 
     watched: Watched
     info: dict[str, Any]
