@@ -17,10 +17,11 @@ watch passes the stream untouched.
 
 With ``--cpu N`` every process runs on CPU N alone: no wake-up crosses cores (on a virtual machine
 each such wake-up costs tens of microseconds, direct TCP's own included), so the added time left is
-the relays' own work.
+the relays' own work. With ``--host-cpus A,B`` the client and relay A run on CPU A, relay B and
+the target on CPU B: two one-CPU hosts, where only the hop between hosts crosses cores.
 
 Run: ``.venv/bin/python -m benchmarks.data_path [--round-trips N] [--bulk-mb N] [--reps N]
-[--cpu N] [--json PATH]``. Needs the relay built (``mesh-inference setup``). Nothing is asserted.
+[--cpu N | --host-cpus A,B] [--json PATH]``. Needs the relay built (``mesh-inference setup``). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -115,6 +116,14 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1]
 
 
+def _cpu_pair(text: str) -> tuple[int, int]:
+    try:
+        first, second = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two CPU numbers like 0,1, not {text!r}") from None
+    return first, second
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=("bench", "target"), default="bench")
@@ -123,8 +132,12 @@ def main() -> None:
     parser.add_argument("--bulk-mb", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--cpu", type=int, help="run every process of the measurement on this one CPU: no wake-up "
-                                                "crosses cores, so the added time is the relays' own work")
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument("--cpu", type=int, help="run every process of the measurement on this one CPU: no wake-up "
+                                                   "crosses cores, so the added time is the relays' own work")
+    placement.add_argument("--host-cpus", metavar="A,B", type=_cpu_pair,
+                           help="two one-CPU hosts: the client and relay A on CPU A, relay B and the target on CPU B; "
+                                "only the hop between hosts crosses cores, for direct and the tunnel alike")
     args = parser.parse_args()
     if args.role == "target":
         target(args.port_file)
@@ -137,10 +150,14 @@ def main() -> None:
             time.sleep(0.05)
         target_port = int(port_file.read_text())
         relays = RelayPair(ensure_data_relay(lambda *_: None), target_port)
+        # The relays are single-threaded; the target's connection threads start later and inherit its CPU.
         if args.cpu is not None:
-            # The relays are single-threaded; the target's connection threads start later and inherit it.
             for pid in (proc.pid, relays.a.pid, relays.b.pid, 0):
                 os.sched_setaffinity(pid, {args.cpu})
+        if args.host_cpus is not None:
+            for pid, cpu in ((0, args.host_cpus[0]), (relays.a.pid, args.host_cpus[0]),
+                             (relays.b.pid, args.host_cpus[1]), (proc.pid, args.host_cpus[1])):
+                os.sched_setaffinity(pid, {cpu})
         direct = lambda: socket.create_connection(("127.0.0.1", target_port))  # noqa: E731
         ids = iter(range(1, 1000))
         rt = {"direct": round_trips(direct(), args.round_trips)}
@@ -162,6 +179,7 @@ def main() -> None:
         "bulk_gbit_s": {path: statistics.median(v) for path, v in bulk.items()},
         "relays_cpu_us_per_round_trip": relay_cpu_us,
         "cpu": args.cpu,
+        "host_cpus": args.host_cpus,
     }
     rtt = result["round_trip_us"]
     result["added_round_trip_us"] = {q: rtt["tunnel"][q] - rtt["direct"][q] for q in ("p50", "p99")}
