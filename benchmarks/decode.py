@@ -378,7 +378,7 @@ class MeshSetup:
     homes: dict[str, Path]
     procs: dict[str, tuple[subprocess.Popen, Path]]
     order: list[str]
-    info: dict[str, Any]  # rpc_list, order, c's llama_server_argv
+    info: dict[str, Any]  # rpc_list, order, c's llama_server_argv, each node's rpc_server_argv
     commands_before: dict[str, int]  # RPC commands each worker had from c once started
 
     @property
@@ -438,31 +438,32 @@ def start_mesh(lab_hosts, started: Started, workdir: Path, model: Path | None = 
         return "API ready" in procs["c"][1].read_text(errors="replace")
 
     wait_until(api_ready, START_TIMEOUT_S, "c loads the model through the mesh")
+    rpc_server_argv = {}
     for name in "abc":
-        started.extra_pids += [p["pid"] for p in _status(lab_hosts[name], homes[name])["processes"]]
+        processes = _status(lab_hosts[name], homes[name])["processes"]
+        started.extra_pids += [p["pid"] for p in processes]
+        rpc_server_argv[name] = _cmdline(next(p["pid"] for p in processes if p["name"] == "ggml-rpc-server"))
 
-    def llama_server_running() -> tuple[dict, list[bytes]] | None:
+    def llama_server_running() -> tuple[dict, list[str]] | None:
         # A replan right after the first load (free memory moved) restarts llama-server: wait for the next.
         status = _status(lab_hosts["c"], homes["c"])
         llama = next((p for p in status["processes"] if p["name"] == "llama-server" and p["running"]), None)
         try:
-            return None if llama is None else (status, Path(f"/proc/{llama['pid']}/cmdline").read_bytes().split(b"\0"))
+            return None if llama is None else (status, _cmdline(llama["pid"]))
         except FileNotFoundError:
             return None
 
     status, argv = wait_until(llama_server_running, START_TIMEOUT_S, "c's llama-server running")
-    rpc_list = argv[argv.index(b"--rpc") + 1].decode().split(",")
+    rpc_list = argv[argv.index("--rpc") + 1].split(",")
     by_port = {p["tunnel_port"]: p["name"] for p in status["peers"]}
     by_port[next(p["port"] for p in status["processes"] if p["name"] == "ggml-rpc-server")] = "c"
     order = [by_port[int(e.rsplit(":", 1)[1])] for e in rpc_list]
-    info = {"rpc_list": rpc_list, "order": order, "llama_server_argv": [arg.decode() for arg in argv if arg],
-            "rpc_server_argv": {name: _rpc_server_argv(lab_hosts[name], homes[name]) for name in "abc"}}
+    info = {"rpc_list": rpc_list, "order": order, "llama_server_argv": argv, "rpc_server_argv": rpc_server_argv}
     return MeshSetup(lab_hosts, homes, procs, order, info, {n: _commands(lab_hosts[n], homes[n]) for n in "ab"})
 
 
-def _rpc_server_argv(host, home: Path) -> list[str]:
-    """The argv of the rpc-server a mesh node runs, as its kernel has it."""
-    pid = next(p["pid"] for p in _status(host, home)["processes"] if p["name"] == "ggml-rpc-server")
+def _cmdline(pid: int) -> list[str]:
+    """A running process's argv, as its kernel has it."""
     return [arg.decode() for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if arg]
 
 
@@ -488,18 +489,14 @@ class DirectSetup:
         return {"port": DIRECT_API_PORT}
 
 
-def start_direct(lab_hosts, started: Started, workdir: Path, order: list[str], binaries,
-                 model: Path, mesh_info: dict[str, Any] | None = None) -> DirectSetup:
-    """An rpc-server on each host and, on c, llama-server over TCP in ``order``. With ``mesh_info`` (a
-    running mesh's) every process runs the mesh's own argv (threads, devices, split) but over TCP, else
-    plain rpc-servers and the llama-server argv the mesh builds."""
-    from mesh_sidecar.llama.launch import llama_server_argv
-
+def start_direct(lab_hosts, started: Started, workdir: Path, order: list[str],
+                 mesh_info: dict[str, Any]) -> DirectSetup:
+    """An rpc-server on each host and, on c, llama-server over TCP in ``order``, every process on a
+    running mesh's own argv (``mesh_info``: binary, threads, devices, split), but over TCP."""
     watched, rpc_argvs = [], {}
     for name in "abc":
         host, port = lab_hosts[name], host_port(DIRECT_RPC_PORT, name)
-        rpc_argvs[name] = (direct_rpc_argv(mesh_info["rpc_server_argv"][name], host.ip, port) if mesh_info
-                           else [str(binaries.rpc_server), "-H", host.ip, "-p", str(port)])
+        rpc_argvs[name] = direct_rpc_argv(mesh_info["rpc_server_argv"][name], host.ip, port)
         log = workdir / f"direct-rpc-{name}.out"
         watched.append((f"direct rpc-server {name}", started.popen(f"rpc {name}", host.exec_argv(*rpc_argvs[name]),
                                                                     log), log))
@@ -508,8 +505,7 @@ def start_direct(lab_hosts, started: Started, workdir: Path, order: list[str], b
                    f"rpc-server on {name} listens")
     endpoints = [f"{lab_hosts[n].ip}:{host_port(DIRECT_RPC_PORT, n)}" for n in order]
     # The very argv the mesh gives its llama-server, but with TCP endpoints instead of tunnels.
-    llama_argv = (direct_llama_argv(mesh_info["llama_server_argv"], endpoints, DIRECT_API_PORT) if mesh_info
-                  else llama_server_argv(binaries, model, endpoints, DIRECT_API_PORT))
+    llama_argv = direct_llama_argv(mesh_info["llama_server_argv"], endpoints, DIRECT_API_PORT)
     argv = lab_hosts["c"].exec_argv(*llama_argv)
     log = workdir / "direct-llama-server.out"
     watched.append(("direct llama-server", started.popen("direct llama-server", argv, log), log))
@@ -518,9 +514,9 @@ def start_direct(lab_hosts, started: Started, workdir: Path, order: list[str], b
 
 
 def run_direct(lab_hosts, started: Started, workdir: Path, spec: dict[str, Any], order: list[str],
-               binaries, model: Path, mesh_info: dict[str, Any] | None = None) -> tuple[dict, dict]:
+               mesh_info: dict[str, Any]) -> tuple[dict, dict]:
     """``start_direct``, then measure it alone; (client result, info)."""
-    direct = start_direct(lab_hosts, started, workdir, order, binaries, model, mesh_info)
+    direct = start_direct(lab_hosts, started, workdir, order, mesh_info)
     sides = {"direct": direct.side()}
     result = _run_client(lab_hosts["c"], spec, sides, direct.watched)["direct"]
     result["concurrent"] = _run_streams(lab_hosts["c"], spec, sides, direct.watched)["direct"]
@@ -705,7 +701,7 @@ def _resolve_model(given: str | None) -> Path:
     return ensure_model(Path(given) if given is not None else None, _quiet)
 
 
-def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workdir: Path,
+def run_profile(profile: str, model: Path, spec: dict[str, Any], workdir: Path,
                 started: Started, b2b: bool = False, quic: bool = False, loopback: bool = False) -> dict[str, Any]:
     """The mesh, then the direct setup beside it (and with ``b2b`` the mesh on the b2b build, with ``quic`` the
     mesh with ``--data-path quic``), on a fresh lab with this link profile (``loopback``: every host on this
@@ -724,7 +720,7 @@ def run_profile(profile: str, binaries, model: Path, spec: dict[str, Any], workd
         order = mesh.order
         print(f"[{profile}] direct beside it: rpc-servers on a, b, c over TCP, order {','.join(order)}; "
               "the two take turns...", flush=True)
-        direct = start_direct(hosts, started, workdir, order, binaries, model, mesh.info)
+        direct = start_direct(hosts, started, workdir, order, mesh.info)
         sides, watched = {"mesh": mesh.side(), "direct": direct.side()}, mesh.watched + direct.watched
         paired = _run_client(hosts["c"], spec, sides, watched)
         mesh_result, direct_result = mesh.finish(paired["mesh"]), paired["direct"]
@@ -890,11 +886,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.loopback and profiles != ["unshaped"]:
         print("--loopback shapes no link: leave --profiles out (or give unshaped)", file=sys.stderr)
         return 2
-    # The backend the nodes use (the last `setup --backend`), so the direct rpc-servers compute alike.
+    # Built now, not under a node's start timeout: the backend the nodes use (the last `setup --backend`);
+    # the direct setup runs the nodes' own binaries.
     backend = recorded_backend()
-    binaries = ensure_binaries(None, _quiet, STOCK.on(backend))
+    ensure_binaries(None, _quiet, STOCK.on(backend))
     if args.b2b:
-        ensure_binaries(None, _quiet, B2B.on(backend))  # built now, not under a node's start timeout
+        ensure_binaries(None, _quiet, B2B.on(backend))
     model = _resolve_model(args.model)
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps, "streams": args.streams}
     report = {
@@ -918,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = False
         for profile in profiles:
             try:
-                entry = run_profile(profile, binaries, model, spec, workdir / profile, started, args.b2b, args.quic,
+                entry = run_profile(profile, model, spec, workdir / profile, started, args.b2b, args.quic,
                                     args.loopback)
             except Exception as exc:  # noqa: BLE001 - a profile failing (timeout, crash) keeps the others' figures
                 print(f"[{profile}] failed: {exc!r}", file=sys.stderr, flush=True)

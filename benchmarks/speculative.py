@@ -50,7 +50,7 @@ def _acceptance(result: dict[str, Any]) -> float | None:
     return accepted / drafted if drafted else None
 
 
-def run_profile(profile: str, binaries, target: Path, draft: Path, spec: dict[str, Any], workdir: Path,
+def run_profile(profile: str, target: Path, draft: Path, spec: dict[str, Any], workdir: Path,
                 started: Started) -> dict[str, Any]:
     from tests.helpers.netns import LINK_PROFILES, Lab
 
@@ -69,7 +69,7 @@ def run_profile(profile: str, binaries, target: Path, draft: Path, spec: dict[st
         started.stop_all()
         print(f"[{profile}] direct, plain...", flush=True)
         # The plain mesh's own argv (its split and context size, its rpc-servers' flags), over TCP.
-        direct, _ = run_direct(hosts, started, workdir, spec, order, binaries, target, plain_info)
+        direct, _ = run_direct(hosts, started, workdir, spec, order, plain_info)
         started.stop_all()
     finally:
         started.stop_all()
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from mesh_sidecar.llama.build import ensure_binaries
     from mesh_sidecar.llama.model import ensure_model
 
-    binaries = ensure_binaries(None, _quiet)
+    ensure_binaries(None, _quiet)  # built now, not under a node's start timeout
     draft = ensure_model(None, _quiet)
     target = ensure_padded_target(draft)
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps}
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         for profile in args.profiles.split(","):
-            report["profiles"].append(run_profile(profile, binaries, target, draft, spec, workdir / profile, started))
+            report["profiles"].append(run_profile(profile, target, draft, spec, workdir / profile, started))
         _print(report)
         write_report(report, args.json)
         return 0
