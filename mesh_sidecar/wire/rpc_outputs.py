@@ -90,10 +90,20 @@ class TensorMeasured:
     rms: float | None
     """Root mean square of the values (None when not finite): a norm independent of the batch size.
     Not NaN: a NaN field would make equal verdicts compare unequal."""
+    max_abs: float | None = None
+    """The largest absolute value (None when not finite, or not measured: a relay's report)."""
 
 
 NON_FINITE = "non_finite"  # a NaN or an Inf among the values
 NORM_OUTLIER = "norm_outlier"  # a norm far outside the worker's own recent range for that tensor
+ABSOLUTE_OUTLIER = "absolute_outlier"  # values beyond what any real model produces
+PROTOCOL_VIOLATION = "protocol"  # the worker's rpc-server broke the RPC protocol (no tensor to blame)
+# A PROTOCOL_VIOLATION's reason, one word (the native relay reports the same words).
+UNSOLICITED_REPLY = "unsolicited-reply"  # a reply to a command the client has not sent
+WRONG_REPLY_SIZE = "wrong-reply-size"  # a checked reply of another size than the GET_TENSOR asked for
+UNKNOWN_DIALECT = "unknown-dialect"  # a HELLO reply that fits no dialect of the client's HELLO request
+BAD_HELLO_REPLY = "bad-hello-reply"  # a first reply too big to be a HELLO reply
+PROTOCOL_REASONS = frozenset({UNSOLICITED_REPLY, WRONG_REPLY_SIZE, UNKNOWN_DIALECT, BAD_HELLO_REPLY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +111,7 @@ class Fault:
     """What a judge found wrong with a tensor."""
 
     kind: str
-    """NON_FINITE or NORM_OUTLIER: what gossip, status and scripts carry."""
+    """NON_FINITE, NORM_OUTLIER, ABSOLUTE_OUTLIER or PROTOCOL_VIOLATION: what gossip, status and scripts carry."""
     detail: str
     """The figures, for the log."""
 
@@ -110,8 +120,8 @@ class Fault:
 class OutputRejected:
     """The judge named a fault in a reply: it was kept back, and nothing more passes."""
 
-    tensor: TensorMeasured
-    """The tensor it was found in."""
+    tensor: TensorMeasured | None
+    """The tensor it was found in; None for a PROTOCOL_VIOLATION (no tensor was read)."""
     fault: Fault
     """What the judge found."""
 
@@ -128,6 +138,13 @@ class CheckOff:
 HISTORY_SAMPLES = 64  # healthy RMS values kept per worker and tensor name
 MIN_HISTORY_SAMPLES = 8  # norms are judged only with at least this many
 NORM_RATIO = 64.0  # an RMS this far outside the recent range (either way) is a fault
+# Absolute bounds, judged from the first reply on (the relative rule needs a history, and a worker
+# scaling every value by 1e30 from its first reply builds one): real residual streams reach |values| of
+# about 1e4 in the largest models ("massive activations") and RMS values of about 1e3 (a first token's
+# warm-up); a model run in F16 cannot exceed 65504 at all. Both limits sit orders of magnitude above,
+# so no healthy machine trips them: the RMS one catches dense garbage, the max-abs one a sparse spike.
+MAX_OUTPUT_RMS = 1e6
+MAX_OUTPUT_ABS = 1e8
 
 
 def non_finite_fault(tensor: TensorMeasured) -> Fault:
@@ -139,22 +156,36 @@ def norm_outlier_fault(tensor: TensorMeasured, low: float, high: float, samples:
                                f"its last {samples} ({low:.3g} to {high:.3g})")
 
 
+def absolute_outlier_fault(tensor: TensorMeasured) -> Fault:
+    largest = "unmeasured" if tensor.max_abs is None else f"{tensor.max_abs:.3g}"
+    return Fault(ABSOLUTE_OUTLIER, f"{tensor.name} has RMS {tensor.rms:.3g} and largest |value| {largest}, "
+                                   f"beyond any real model's (limits {MAX_OUTPUT_RMS:g} and {MAX_OUTPUT_ABS:g})")
+
+
+def protocol_fault(reason: str, detail: str = "") -> Fault:
+    """``reason``: one of PROTOCOL_REASONS; ``detail``: its figures, when known."""
+    return Fault(PROTOCOL_VIOLATION, f"its rpc-server broke the RPC protocol: {reason}"
+                                     + (f" ({detail})" if detail else ""))
+
+
 OutputEvent = OutputRejected | CheckOff
 Judge = Callable[[TensorMeasured], Fault | None]  # what is wrong with the tensor, or None
 
 
 def measure(name: str, data: bytes, ggml_type: int) -> TensorMeasured:
-    """All values finite, and their RMS, of a reply's raw bytes of a float tensor."""
+    """All values finite, their RMS and their largest absolute value, of a reply's raw bytes of a float tensor."""
     values = np.frombuffer(data, dtype=_FLOAT_DTYPES[ggml_type])
     if not values.size:
-        return TensorMeasured(name, 0, True, 0.0)
+        return TensorMeasured(name, 0, True, 0.0, 0.0)
     # One pass in float64: the sum of squares is NaN or Inf exactly when a value is (no float32
     # value squares past float64's range), so finiteness costs no second pass. einsum's own loop, not
     # np.dot: BLAS would start a thread per core for every reply (18 s of CPU in 9 s on 16 cores).
     square_sum = float(np.einsum("i,i->", values, values, dtype=np.float64))
     if not math.isfinite(square_sum):
         return TensorMeasured(name, values.size, False, None)
-    return TensorMeasured(name, values.size, True, math.sqrt(square_sum / values.size))
+    # max and min are plain reductions: no temporary (np.abs would copy the reply), no thread.
+    max_abs = max(float(values.max()), -float(values.min()))
+    return TensorMeasured(name, values.size, True, math.sqrt(square_sum / values.size), max_abs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,7 +217,7 @@ def test_a_reply_of_another_size_than_asked_is_not_measured() -> None:
 
 
 def test_measure_rms_and_limits() -> None:
-    assert measure("t", b"", GGML_TYPE_F32) == TensorMeasured("t", 0, True, 0.0)
+    assert measure("t", b"", GGML_TYPE_F32) == TensorMeasured("t", 0, True, 0.0, 0.0)
     big = np.full(1000, np.finfo(np.float32).max, dtype=np.float32)
     assert measure("t", big.tobytes(), GGML_TYPE_F32).finite  # squares past float32's range are not Inf
     assert measure("t", np.zeros(8, np.float32).tobytes(), GGML_TYPE_F32).rms == 0.0

@@ -75,15 +75,18 @@ static float half_to_float(uint16_t h) {
 
 void rw_measure(struct rw_measured *out, const uint8_t *data, uint64_t bytes, int ggml_type) {
     /* One pass in double: the sum of squares is NaN or Inf exactly when a value is (no float
-     * squares past double's range), so finiteness costs no second pass. */
-    double sum = 0.0;
+     * squares past double's range), so finiteness costs no second pass; the largest |value| rides
+     * along (a NaN never wins a comparison, and then it is not read). */
+    double sum = 0.0, max_abs = 0.0;
     uint64_t n = 0;
     if (ggml_type == RW_GGML_TYPE_F32) {
         n = bytes / 4;
         for (uint64_t i = 0; i < n; i++) {
             float f;
             memcpy(&f, data + 4 * i, 4);
-            sum += (double)f * (double)f;
+            double d = f;
+            sum += d * d;
+            max_abs = fabs(d) > max_abs ? fabs(d) : max_abs;
         }
     } else {
         static float table[65536];
@@ -96,11 +99,13 @@ void rw_measure(struct rw_measured *out, const uint8_t *data, uint64_t bytes, in
         for (uint64_t i = 0; i < n; i++) {
             double d = table[data[2 * i] | data[2 * i + 1] << 8];
             sum += d * d;
+            max_abs = fabs(d) > max_abs ? fabs(d) : max_abs;
         }
     }
     out->values = n;
     out->finite = isfinite(sum);
     out->rms = (n && out->finite) ? sqrt(sum / (double)n) : 0.0;
+    out->max_abs = out->finite ? max_abs : 0.0;
 }
 
 /* --- client -> server ----------------------------------------------------------------------- */

@@ -71,7 +71,8 @@ struct rw_measured {
     char name[RW_TENSOR_NAME_BYTES + 1];
     uint64_t values;
     int finite;
-    double rms; /* meaningful when finite */
+    double rms;     /* meaningful when finite */
+    double max_abs; /* the largest |value|, meaningful when finite */
 };
 
 /* What the owner of a watch decides about a measured tensor: 0 pass, else a fault. */
@@ -89,6 +90,9 @@ enum rw_event_kind {
     RW_EV_UNRESOLVED,  /* text: "<peer>": the endpoint was cleared */
     RW_EV_REJECTED,    /* a checked reply failed its judge; `measured` says which */
     RW_EV_BROKEN,      /* text: a frame over max_frame_bytes or too much sent before the HELLO reply */
+    RW_EV_VIOLATION,   /* text: "<reason> <details...>": the worker broke the protocol (check mode);
+                          reason: unsolicited-reply, wrong-reply-size, unknown-dialect or bad-hello-reply.
+                          The watch is RW_REJECTED after it, as for a rejected tensor */
 };
 
 struct rw_expected {
@@ -162,7 +166,8 @@ int rw_replies_owed(const struct rpc_watch *w);
 /* The oldest event, or RW_EV_NONE; `text` gets its text (valid until the next call). */
 enum rw_event_kind rw_next_event(struct rpc_watch *w, const char **text);
 
-/* All values finite, and their RMS (in double), of a float tensor's raw little-endian bytes. */
+/* All values finite, their RMS (in double) and largest |value|, of a float tensor's raw little-endian
+ * bytes, in one pass. */
 void rw_measure(struct rw_measured *out, const uint8_t *data, uint64_t bytes, int ggml_type);
 
 #endif
