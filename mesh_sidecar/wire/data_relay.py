@@ -18,6 +18,8 @@ line carries the accepted TCP socket beside it (SCM_RIGHTS)::
     probe NODE HOST PORT                                 refused ADDRESS WHY
                                                          error TEXT...
 
+Every report line is printable ASCII (the relay replaces any other byte with ``?``, so bytes a peer
+sent can never end a line or forge another); ``parse_report`` refuses a line that is not.
 NODE is a node id in hex (64 digits); "-" stands for "none" in optional fields. ``stats`` are
 deltas since the connection's last ``stats`` (every 100 ms while anything moved). Outbound ids
 (tunnels) are the sidecar's, below 2**31; inbound ids are the relay's, from 2**31 up.
@@ -189,7 +191,10 @@ def _node(word: str) -> bytes:
 def parse_report(line: bytes) -> Report:
     """One report line (without its newline); MalformedMessageError if it is none."""
     try:
-        words = line.decode("ascii").split(" ")
+        text = line.decode("ascii")
+        if not text.isprintable():
+            raise ValueError("not printable ASCII")
+        words = text.split(" ")
         verb, args = words[0], words[1:]
         match verb, len(args):
             case "stats", 7:

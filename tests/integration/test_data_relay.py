@@ -7,17 +7,19 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import subprocess
 import threading
 import time
 
 import pytest
 
 from mesh_sidecar.llama.launch import start_rpc_server
+from mesh_sidecar.net.data_relay import MAX_HANDSHAKES
 from mesh_sidecar.net.data_relay_build import ensure_data_relay
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.wire import data_relay as reports
 from mesh_sidecar.wire.rpc_framing import GET_TENSOR_CMD, RPC_TENSOR_BYTES, RPC_TENSOR_NAME_OFFSET
-from mesh_sidecar.wire.rpc_outputs import MIN_HISTORY_SAMPLES
+from mesh_sidecar.wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 from tests.helpers.relay_pair import RelayPair
 from tests.helpers.tunnels import DEVICE_COUNT_CMD, GET_DEVICE_MEMORY_CMD, HELLO_REQUEST, RPC_HEADER, U64
 
@@ -218,3 +220,75 @@ def test_each_connection_is_judged_against_its_own_outputs():
         finally:
             relays.close()
         server.join(10)
+
+
+def _replay(lines: list[str]) -> list[str]:
+    """``mesh-data-relay --replay`` over ``lines`` (configured first, as a relay is at its start): the
+    lines it printed that are not the bytes it released."""
+    config = [line for line in reports.configuration_lines(
+        b"", b"", handshake_timeout_s=5, max_connections=8, max_handshakes=4, history=HISTORY_SAMPLES,
+        min_history=MIN_HISTORY_SAMPLES, norm_ratio=NORM_RATIO) if not line.startswith("identity")]
+    out = subprocess.run([str(ensure_data_relay(lambda *_: None)), "--replay"],
+                         input="\n".join(config + lines) + "\n", capture_output=True, text=True, timeout=60,
+                         check=True).stdout.splitlines()
+    return [line for line in out if not line.startswith(("up ", "down "))]
+
+
+def test_an_endpoint_with_newlines_forges_no_report_line():
+    """A member chooses REGISTER_PEER's endpoint bytes, and the relay reports the endpoint it rewrote: newlines
+    in it once ended the "event" line and made the rest two reports of the member's choosing."""
+    node = bytes(range(32))
+    forged = b"x\nrejected 1 non_finite l_out-1 1 0 0 0 0\nstats 1 9 9 9 9 9 9\x00"
+    hello_reply_b2b = U64.pack(28) + bytes([7, 0, 2, 1]) + bytes(24)
+    register_peer = RPC_HEADER.pack(18, 132) + struct.pack("<I128s", 0, forged)
+    lines = _replay([f"member {node.hex()}", "endpoint 0 127.0.0.1:50052", f"watch 0 1 {node.hex()}",
+                     f"c {HELLO_REQUEST.hex()}", f"s {hello_reply_b2b.hex()}", f"c {register_peer.hex()}"])
+    parsed = [reports.parse_report(line.encode()) for line in lines]  # each one printable, known report
+    assert [type(r) for r in parsed] == [reports.Event, reports.Event], lines
+    assert parsed[1].what == "rewritten" and parsed[1].text.startswith("0 x?rejected 1 "), parsed[1]
+
+
+def _silent(port: int, source: str = "127.0.0.1") -> socket.socket:
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _held(socks: list[socket.socket]) -> list[bool]:
+    """Which of ``socks`` the relay keeps open (waiting for a handshake) rather than reset."""
+    time.sleep(0.5)  # the relay accepts each at once: a refused one's RST is here by now
+    held = []
+    for sock in socks:
+        sock.setblocking(False)
+        try:
+            held.append(sock.recv(1) != b"")
+        except BlockingIOError:
+            held.append(True)
+        except ConnectionError:
+            held.append(False)
+    return held
+
+
+@pytest.fixture
+def bare_pair():
+    """Two relays with no rpc-server behind B (what only the data port's front door needs)."""
+    relays = RelayPair(ensure_data_relay(lambda *_: None), free_tcp_port())
+    yield relays
+    relays.close()
+
+
+def test_probes_give_their_handshake_slot_back_once(bare_pair):
+    """A probe's slot among the connections not yet authenticated was given back twice (after its preamble,
+    and again as it was freed): after 20 probes, 36 silent strangers held the 16 slots."""
+    pair = bare_pair
+    for _ in range(20):
+        seen = len(pair.reports["a"])
+        pair.call(lambda: pair.a.probe(pair.b_id.node_id, "127.0.0.1", pair.b.port))
+        assert pair.wait_for("a", lambda r: isinstance(r, reports.ProbeResult), "a probe's result", seen).ok
+    silent = [_silent(pair.b.port) for _ in range(MAX_HANDSHAKES + 1)]
+    try:
+        assert _held(silent) == [True] * MAX_HANDSHAKES + [False]
+    finally:
+        for sock in silent:
+            sock.close()

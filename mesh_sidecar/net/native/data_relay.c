@@ -84,6 +84,10 @@ static void report(const char *fmt, ...) {
     va_end(ap);
     if (n < 0) return;
     if (n > (int)sizeof line - 2) n = (int)sizeof line - 2;
+    /* One call, one line: bytes a peer chose (an endpoint, a tensor name) can neither end it nor start
+     * another, whoever formatted them. */
+    for (int i = 0; i < n; i++)
+        if ((unsigned char)line[i] < 0x20 || (unsigned char)line[i] > 0x7e) line[i] = '?';
     line[n++] = '\n';
     if (control_out_len + (size_t)n > CONTROL_OUT_MAX_BYTES) return;
     if (control_out_len + (size_t)n > control_out_cap) {
@@ -228,6 +232,7 @@ struct pipe {
     int is_probe;                  /* reports "probe", never "closed" */
     int handed_back;               /* reported as "fallback", never "closed" */
     int announced;                 /* inbound: reported "inbound", so its end is reported too */
+    int holds_shake;               /* inbound: counted in n_handshakes until authenticated or freed */
     struct pipe *next;
 };
 
@@ -289,9 +294,17 @@ static void report_stats(struct pipe *p) {
     p->owed_ns = 0;
 }
 
+/* An inbound connection gives its handshake slot back exactly once: when its preamble is read, or when
+ * it is freed before that, whichever comes first. */
+static void release_shake(struct pipe *p) {
+    if (!p->holds_shake) return;
+    p->holds_shake = 0;
+    n_handshakes--;
+}
+
 static void free_pipe(struct pipe *p, int reset, const char *why) {
     if (p->state == P_RELAY) report_stats(p);
-    if (p->state == P_HANDSHAKE || p->state == P_PREAMBLE) n_handshakes -= !p->outbound;
+    release_shake(p);
     /* A probe reports its own end; an inbound connection refused before relaying was reported so. */
     if (!p->is_probe && !p->handed_back && (p->outbound || p->announced)) report("closed %u %s", p->id, why);
     close_side(&p->client, reset);
@@ -689,7 +702,7 @@ static void inbound_ready(struct pipe *p) {
             refuse(p, "bad-preamble");
             return;
         }
-        n_handshakes--;
+        release_shake(p);
         if (p->preamble[5] == KIND_PROBE) {
             uint8_t answer = PROBE_ANSWER;
             side_write(s, &answer, 1); /* fits any socket buffer */
@@ -749,6 +762,7 @@ static void accept_inbound(int listen_fd) {
         SSL_set_fd(p->client.ssl, fd);
         SSL_set_accept_state(p->client.ssl);
         p->state = P_HANDSHAKE;
+        p->holds_shake = 1;
         n_handshakes++;
         set_events(&p->client, EPOLLIN);
         inbound_ready(p);
