@@ -1,0 +1,26 @@
+/* Who the sidecar named: members (node keys), and REGISTER_PEER's endpoints on this machine. */
+#ifndef MESH_MEMBERS_H
+#define MESH_MEMBERS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "relay.h"
+
+struct member {
+    int used;
+    uint8_t id[NODE_ID_BYTES];
+    char hex[2 * NODE_ID_BYTES + 1];
+};
+
+
+extern struct member members[MAX_MEMBERS];
+extern char *endpoints[MAX_ENDPOINTS]; /* REGISTER_PEER peer index -> "127.0.0.1:port" */
+
+/* `hex`, exactly 2n digits, into `out`; -1 if it is not that. */
+int from_hex(uint8_t *out, size_t n, const char *hex);
+struct member *find_member(const uint8_t *id);
+/* REGISTER_PEER's peer index -> its endpoint here, or NULL (an rw_resolve_fn). */
+const char *resolve_endpoint(void *ctx, uint32_t index);
+
+#endif
