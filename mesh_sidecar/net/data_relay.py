@@ -101,6 +101,11 @@ class DataRelay:
             self._members.discard(node_id)
             self._tell(f"forget {node_id.hex()}")
 
+    def new_session(self) -> None:
+        """A llama-server session starts: the output judge's histories begin anew (a restarted relay's
+        are new anyway)."""
+        self._tell("new-session")
+
     def set_endpoints(self, endpoints: dict[int, str]) -> None:
         """REGISTER_PEER's peer index -> the endpoint that reaches that member from here."""
         for index in set(self._endpoints) - set(endpoints):

@@ -574,6 +574,8 @@ class ServingSupervisor:
         self._mesh.announce_rpc_order(self.plan.rpc_nodes())
         load_progress = self._host.load_progress
         self._guard.new_session()
+        if (relay := self._mesh.data_paths.relay) is not None:
+            relay.new_session()  # its judge keeps histories per worker too
         try:
             self.llama_server = await start_llama_server(
                 argv, self.llama_port, self._host.logs, load_progress() if load_progress else None)

@@ -7,12 +7,12 @@ line carries the accepted TCP socket beside it (SCM_RIGHTS)::
     sidecar -> relay                                     relay -> sidecar
     identity CERT_DER_HEX KEY_DER_HEX                    hello VERSION PORT
     limits FRAME HELD CHECKED HANDSHAKE_MS PIPES SHAKES  probe NODE ok RTT_US | probe NODE fail WHY
-    guard HISTORY MIN_HISTORY NORM_RATIO                 opened ID
+    guard HISTORY MIN_HISTORY NORM_RATIO MAX_RMS MAX_ABS opened ID
     dialect NAME MAJ MIN MAX REQ REPLY FLAGS REG PUSH    closed ID WHY
             LAST NO_REPLY ASYNC_PUSH                     inbound ID NODE
     rpc-port PORT                                        stats ID FROM_CLIENT FROM_SERVER FRAMES
     member NODE | forget NODE                                  ACTIVATION ALLOCATED OWED_US
-                                                         fallback ID WHY   (+ the tunnel's socket, unread)
+    new-session                                          fallback ID WHY   (+ the tunnel's socket, unread)
     endpoint INDEX HOST:PORT|-                           rejected ID KIND NAME VALUES RMS LOW HIGH COUNT
     tunnel ID NODE HOST PORT CHECK    (+ socket)         event ID WHAT TEXT...
     probe NODE HOST PORT                                 refused ADDRESS WHY
@@ -20,7 +20,13 @@ line carries the accepted TCP socket beside it (SCM_RIGHTS)::
 
 Every report line is printable ASCII (the relay replaces any other byte with ``?``, so bytes a peer
 sent can never end a line or forge another); ``parse_report`` refuses a line that is not.
-NODE is a node id in hex (64 digits); "-" stands for "none" in optional fields. ``stats`` are
+NODE is a node id in hex (64 digits); "-" stands for "none" in optional fields.
+The output judge keeps each worker's histories over all its connections, so a worker cannot start
+afresh by reconnecting; ``new-session`` (a llama-server starts) clears them. ``rejected`` KINDs:
+non_finite; absolute_outlier (over MAX_RMS or MAX_ABS, judged first; LOW is its largest |value|, HIGH
+and COUNT 0); norm_outlier (LOW HIGH COUNT: the history it fell outside); protocol (the worker broke
+the RPC protocol: NAME is the reason, the figures 0; an ``event ID violation REASON DETAILS...`` line
+comes first). ``stats`` are
 deltas since the connection's last ``stats`` (every 100 ms while anything moved). Outbound ids
 (tunnels) are the sidecar's, below 2**31; inbound ids are the relay's, from 2**31 up.
 Everything llama.cpp-specific the relay needs is told here, from the one place Python names it:
@@ -33,7 +39,15 @@ from dataclasses import dataclass
 
 from ..errors import MalformedMessageError
 from .rpc_framing import DIALECTS, MAX_HELD_BEFORE_REPLY_BYTES, MAX_RPC_FRAME_BYTES, RpcDialect
-from .rpc_outputs import LAST_CMD_MESH_B2B_7, LAST_CMD_UPSTREAM_7, MAX_CHECKED_REPLY_BYTES, NO_REPLY_CMDS_7
+from .rpc_outputs import (
+    ABSOLUTE_OUTLIER,
+    LAST_CMD_MESH_B2B_7,
+    LAST_CMD_UPSTREAM_7,
+    MAX_CHECKED_REPLY_BYTES,
+    MAX_OUTPUT_ABS,
+    MAX_OUTPUT_RMS,
+    NO_REPLY_CMDS_7,
+)
 
 MAX_REPORT_LINE_BYTES = 1024  # the relay writes no longer line
 # What the output check pairs for each dialect it follows (rpc_outputs.py): its last command, and
@@ -68,7 +82,7 @@ def configuration_lines(cert_der: bytes, key_der: bytes, *, handshake_timeout_s:
         f"identity {cert_der.hex()} {key_der.hex()}",
         f"limits {MAX_RPC_FRAME_BYTES} {MAX_HELD_BEFORE_REPLY_BYTES} {MAX_CHECKED_REPLY_BYTES} "
         f"{round(handshake_timeout_s * 1000)} {max_connections} {max_handshakes}",
-        f"guard {history} {min_history} {norm_ratio!r}",
+        f"guard {history} {min_history} {norm_ratio!r} {MAX_OUTPUT_RMS!r} {MAX_OUTPUT_ABS!r}",
         *(dialect_line(d) for d in DIALECTS),
     ]
 
@@ -141,16 +155,18 @@ class Stats:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """A float reply on tunnel ``id`` failed the output check: kept back, the connection reset."""
+    """A float reply on tunnel ``id`` failed the output check, or the worker broke the protocol: kept back,
+    the connection reset."""
 
     id: int
-    kind: str  # rpc_outputs.NON_FINITE or NORM_OUTLIER
-    name: str
+    kind: str  # rpc_outputs.NON_FINITE, ABSOLUTE_OUTLIER, NORM_OUTLIER or PROTOCOL_VIOLATION
+    name: str  # the tensor's; a protocol violation's reason (rpc_outputs.PROTOCOL_REASONS)
     values: int
     rms: float
-    low: float
+    low: float  # norm_outlier: the history's range and size
     high: float
     count: int
+    max_abs: float | None = None  # absolute_outlier: its largest |value|
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +229,9 @@ def parse_report(line: bytes) -> Report:
                 return HandedBack(int(args[0]), " ".join(args[1:]))
             case "inbound", 2:
                 return Inbound(int(args[0]), _node(args[1]))
+            case "rejected", 8 if args[1] == ABSOLUTE_OUTLIER:
+                return Rejected(int(args[0]), args[1], args[2], int(args[3]), float(args[4]), 0.0, 0.0, 0,
+                                float(args[5]))
             case "rejected", 8:
                 return Rejected(int(args[0]), args[1], args[2], int(args[3]), float(args[4]), float(args[5]),
                                 float(args[6]), int(args[7]))

@@ -194,14 +194,15 @@ def _serve_outputs(listener: socket.socket, sessions: list[list[float]], values:
                 conn.recv(1)
 
 
-def test_each_connection_is_judged_against_its_own_outputs():
-    """A llama-server session is one connection: a restarted one's warm-up (a first token, far from a
-    running session's outputs: RMS 882 where 5-8 ran) is not judged against the last session's, while
-    within a session the same value is an outlier (the connection is reset)."""
+def test_a_workers_outputs_are_judged_over_its_connections_until_a_new_session():
+    """A worker's history spans its connections, so a fresh connection is no fresh start: a value that is an
+    outlier within a session (RMS 882 where 5-8 ran) is one on the next connection too. A new llama-server
+    session (the sidecar's ``new-session``) starts the histories anew: its warm-up's first token, far from
+    a running session's outputs, passes."""
     values, running, warm_up = 64, [5.5, 8.4] * MIN_HISTORY_SAMPLES, 882.0
     with socket.create_server(("127.0.0.1", 0)) as listener:
         server = threading.Thread(target=_serve_outputs, daemon=True,
-                                  args=(listener, [[*running, warm_up], [warm_up]], values))
+                                  args=(listener, [[*running, warm_up], [warm_up], [warm_up]], values))
         server.start()
         relays = RelayPair(ensure_data_relay(lambda *_: None), listener.getsockname()[1])
         try:
@@ -209,14 +210,20 @@ def test_each_connection_is_judged_against_its_own_outputs():
             for _ in running:
                 first.sendall(_get_tensor_of(values))
                 read_exactly(first, 8 + 4 * values)
-            first.sendall(_get_tensor_of(values))
-            with pytest.raises((ConnectionError, AssertionError, TimeoutError)):
-                read_exactly(first, 8 + 4 * values)  # held back, the connection reset
-            first.close()
-            second = checked_tunnel(relays, 2)
-            second.sendall(_get_tensor_of(values))
-            assert read_exactly(second, 8 + 4 * values)[8:12] == struct.pack("<f", warm_up)
-            second.close()
+            for conn_id in (1, 2):  # the stand-in server takes one connection at a time
+                sock = first if conn_id == 1 else checked_tunnel(relays, conn_id)
+                sock.sendall(_get_tensor_of(values))
+                with pytest.raises((ConnectionError, AssertionError, TimeoutError)):
+                    read_exactly(sock, 8 + 4 * values)  # held back, the connection reset
+                sock.close()
+                rejected = relays.wait_for("a", lambda r, i=conn_id: isinstance(r, reports.Rejected) and r.id == i,
+                                           "the outlier rejected")
+                assert rejected.kind == "norm_outlier" and rejected.count == len(running)
+            relays.call(relays.a.new_session)
+            third = checked_tunnel(relays, 3)
+            third.sendall(_get_tensor_of(values))
+            assert read_exactly(third, 8 + 4 * values)[8:12] == struct.pack("<f", warm_up)
+            third.close()
         finally:
             relays.close()
         server.join(10)
@@ -292,3 +299,32 @@ def test_probes_give_their_handshake_slot_back_once(bare_pair):
     finally:
         for sock in silent:
             sock.close()
+
+
+def _checked_replay(server_bytes: bytes, values: int = 64) -> list[str]:
+    """A checked connection through --replay: HELLO, one GET_TENSOR, then ``server_bytes`` after the HELLO reply."""
+    node = bytes(range(32))
+    hello_reply = U64.pack(28) + bytes([7, 0, 0, 0]) + bytes(24)
+    return _replay([f"member {node.hex()}", f"watch 1 0 {node.hex()}", f"c {HELLO_REQUEST.hex()}",
+                    f"s {hello_reply.hex()}", f"c {_get_tensor_of(values).hex()}", f"s {server_bytes.hex()}"])
+
+
+def test_a_value_no_real_model_produces_is_rejected_from_the_first_reply():
+    """Judged before any history: a worker scaling its outputs from the first reply on builds no history to
+    be an outlier against."""
+    values = 64
+    dense = _checked_replay(U64.pack(4 * values) + struct.pack("<f", 1e7) * values)
+    spike = _checked_replay(U64.pack(4 * values) + struct.pack("<f", 1e9) + struct.pack("<f", 1.0) * (values - 1))
+    for lines, rms, largest in ((dense, 1e7, 1e7), (spike, 1e9 / 8, 1e9)):
+        rejected = [r for r in map(reports.parse_report, (line.encode() for line in lines))
+                    if isinstance(r, reports.Rejected)]
+        assert len(rejected) == 1 and rejected[0].kind == "absolute_outlier", lines
+        assert rejected[0].rms == pytest.approx(rms, rel=1e-3) and rejected[0].max_abs == pytest.approx(largest)
+
+
+def test_a_protocol_violation_is_rejected():
+    """A reply of another size than the GET_TENSOR asked for: the worker's fault, reported as a rejection."""
+    lines = _checked_replay(U64.pack(8) + bytes(8))
+    rejected = [reports.parse_report(line.encode()) for line in lines if line.startswith("rejected ")]
+    assert [(r.kind, r.name, r.values) for r in rejected] == [("protocol", "wrong-reply-size", 0)], lines
+    assert any(line.startswith("event 1 violation wrong-reply-size") for line in lines), lines

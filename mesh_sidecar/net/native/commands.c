@@ -60,10 +60,16 @@ void control_line(char *line) {
         max_handshakes = atoi(argv[6]);
         return;
     }
-    if (!strcmp(verb, "guard") && argc == 4) {
+    if (!strcmp(verb, "guard") && argc == 6) {
         guard_history = atoi(argv[1]) > 0 ? atoi(argv[1]) : 1;
         guard_min_history = atoi(argv[2]);
         guard_norm_ratio = strtod(argv[3], NULL);
+        guard_max_rms = strtod(argv[4], NULL);
+        guard_max_abs = strtod(argv[5], NULL);
+        return;
+    }
+    if (!strcmp(verb, "new-session") && argc == 1) {
+        for (int i = 0; i < MAX_MEMBERS; i++) forget_judged(&members[i].judged);
         return;
     }
     if (!strcmp(verb, "dialect") && argc == 13 && rules.n_dialects < RW_MAX_DIALECTS) {
@@ -101,6 +107,7 @@ void control_line(char *line) {
         if (!strcmp(verb, "forget")) {
             if (!m) return;
             close_member_pipes(m, "forgotten");
+            forget_judged(&m->judged);
             memset(m, 0, sizeof *m);
             return;
         }

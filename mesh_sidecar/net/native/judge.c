@@ -7,6 +7,7 @@
 
 int guard_history = 64, guard_min_history = 8;
 double guard_norm_ratio = 64.0;
+double guard_max_rms = 1e6, guard_max_abs = 1e8;
 
 void forget_judged(struct judged *j) {
     for (size_t i = 0; i < j->n; i++) free(j->items[i].rms);
@@ -19,6 +20,10 @@ int judge_tensor(struct judged *j, const struct rw_measured *t, struct verdict *
         *v = (struct verdict){"non_finite", 0, 0, 0};
         return 1;
     }
+    if (t->rms > guard_max_rms || t->max_abs > guard_max_abs) {
+        *v = (struct verdict){"absolute_outlier", t->max_abs, 0, 0};
+        return 1;
+    }
     struct history *h = NULL;
     for (size_t i = 0; i < j->n; i++)
         if (!strcmp(j->items[i].name, t->name)) h = &j->items[i];
@@ -29,7 +34,8 @@ int judge_tensor(struct judged *j, const struct rw_measured *t, struct verdict *
         h = &j->items[j->n++];
         memset(h, 0, sizeof *h);
         snprintf(h->name, sizeof h->name, "%s", t->name);
-        h->rms = calloc((size_t)guard_history, sizeof *h->rms);
+        h->cap = guard_history;
+        h->rms = calloc((size_t)h->cap, sizeof *h->rms);
         if (!h->rms) abort();
     }
     if (h->count >= guard_min_history) {
@@ -44,7 +50,7 @@ int judge_tensor(struct judged *j, const struct rw_measured *t, struct verdict *
         }
     }
     h->rms[h->next] = t->rms;
-    h->next = (h->next + 1) % guard_history;
-    if (h->count < guard_history) h->count++;
+    h->next = (h->next + 1) % h->cap;
+    if (h->count < h->cap) h->count++;
     return 0;
 }

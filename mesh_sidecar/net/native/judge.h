@@ -9,24 +9,26 @@
 struct history {                   /* recent healthy RMS of one tensor name (serve/output_guard.py) */
     char name[RW_TENSOR_NAME_BYTES + 1];
     double *rms;
-    int count, next;
+    int cap, count, next;
 };
 
-/* One connection's histories: a llama-server session's own, so a new one (its warm-up's outputs are
- * far from a running session's) starts unjudged, as the sidecar's guard does at each start. */
+/* One worker's histories, over all its connections (a worker cannot start afresh by reconnecting):
+ * cleared when the sidecar says a llama-server session starts (`new-session`: its warm-up's outputs
+ * are far from a running session's), as the sidecar's guard is. */
 struct judged {
     struct history *items;
     size_t n;
 };
 
-
 struct verdict { const char *kind; double low, high; int count; };
 
 extern int guard_history, guard_min_history;
 extern double guard_norm_ratio;
+extern double guard_max_rms, guard_max_abs; /* absolute bounds, judged before any history */
 
 void forget_judged(struct judged *j);
-/* 1 and `v` filled when `t` is a fault; 0 when it passes (and joins its name's history). */
+/* 1 and `v` filled when `t` is a fault (absolute_outlier: `low` is its largest |value|); 0 when it
+ * passes (and joins its name's history). */
 int judge_tensor(struct judged *j, const struct rw_measured *t, struct verdict *v);
 
 #endif

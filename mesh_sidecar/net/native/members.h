@@ -5,14 +5,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "judge.h"
 #include "relay.h"
 
 struct member {
     int used;
     uint8_t id[NODE_ID_BYTES];
     char hex[2 * NODE_ID_BYTES + 1];
+    struct judged judged;          /* the outputs its replies carried, over all its connections */
 };
-
 
 extern struct member members[MAX_MEMBERS];
 extern char *endpoints[MAX_ENDPOINTS]; /* REGISTER_PEER peer index -> "127.0.0.1:port" */

@@ -85,7 +85,6 @@ void free_pipe(struct pipe *p, int reset, const char *why) {
     close_side(&p->server, reset);
     free(p->up.data);
     free(p->down.data);
-    forget_judged(&p->judged);
     for (struct pipe **q = &pipes; *q; q = &(*q)->next)
         if (*q == p) {
             *q = p->next;
@@ -191,6 +190,12 @@ void watch_events(struct pipe *p) {
         case RW_EV_REWRITTEN: report("event %u rewritten %s", p->id, text); break;
         case RW_EV_UNRESOLVED: report("event %u unresolved %s", p->id, text); break;
         case RW_EV_BROKEN: report("event %u broken %s", p->id, text); break;
+        case RW_EV_VIOLATION: { /* "REASON DETAILS...": the worker's fault, as a rejected tensor is */
+            size_t reason = strcspn(text, " ");
+            report("event %u violation %s", p->id, text);
+            report("rejected %u protocol %.*s 0 0 0 0 0", p->id, (int)reason, text);
+            break;
+        }
         default: break; /* RW_EV_REJECTED is reported by the judge, with its figures */
         }
     }
@@ -271,7 +276,7 @@ reset:
 int judge_for_pipe(void *ctx, const struct rw_measured *t) {
     struct pipe *p = ctx;
     struct verdict v;
-    if (!p->member || !judge_tensor(&p->judged, t, &v)) return 0;
+    if (!p->member || !judge_tensor(&p->member->judged, t, &v)) return 0;
     report("rejected %u %s %s %llu %.6g %.6g %.6g %d", p->id, v.kind, t->name[0] ? t->name : "-",
            (unsigned long long)t->values, t->finite ? t->rms : 0.0, v.low, v.high, v.count);
     return 1;

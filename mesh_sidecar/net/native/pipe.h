@@ -39,7 +39,6 @@ struct pipe {
     struct side client, server;    /* who sends commands, who answers them */
     struct buf up, down;           /* client -> server, server -> client */
     struct rpc_watch watch;
-    struct judged judged;          /* the outputs this connection's replies carried (judge_tensor) */
     uint64_t deadline_ns, started_ns;
     uint8_t preamble[PREAMBLE_BYTES];
     size_t preamble_len;
