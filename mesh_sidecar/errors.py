@@ -34,6 +34,8 @@ turn it into a message or a close with a reason.
     │   └── RelayRefusedError         a member would not relay towards a peer (and said why)
     ├── ServingError            a request could not be served as asked
     │   ├── ServiceUnavailableError   no llama-server to take it (the API answers 503)
+    │   ├── UpstreamLostError         llama-server (or a member) did not answer, or its answer broke off
+    │   │   └── UpstreamCutError      the node cut the answer itself: llama-server stalled or was slow
     │   └── ReplayMismatchError       a failover's replay gave other text than was sent
     └── ReceiptError            a run receipt is damaged, altered or not reproduced
 """
@@ -167,6 +169,10 @@ class ServiceUnavailableError(ServingError):
 
 class UpstreamLostError(ServingError):
     """The llama-server or member a request was sent to could not be reached, or its answer broke off."""
+
+
+class UpstreamCutError(UpstreamLostError):
+    """The node cut the answer itself (llama-server stalled, or a worker held it up): a new one is coming."""
 
 
 class ReplayMismatchError(ServingError):

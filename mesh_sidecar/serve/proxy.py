@@ -30,6 +30,9 @@ machine (recovery.py, no I/O); ``_exchange`` carries out its decisions, for any
 failover: llama-server dead, or its stream stalled. A stream that falls far behind a token's expected time (pace.py)
 is a stall too, once a worker is found holding it up: the serving loop replans
 without that worker (``on_slow``) and the stream continues on the new plan.
+A broken connection alone is no failover: llama-server is declared failed only
+when it is gone or does not answer its health check; while it does, the request
+goes on there at once (retried, continued or replayed as above).
 When the next llama-server runs another model (a smaller tier, tiers.py), a
 stream that already sent text cannot continue: it ends with an error event
 saying so, while a plain request is answered whole by the new model.
@@ -67,7 +70,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .. import environment
-from ..errors import MeshError, ServiceUnavailableError, UpstreamLostError
+from ..errors import MeshError, ServiceUnavailableError, UpstreamCutError, UpstreamLostError
 from ..net.api_forward import mesh_url
 from ..ports import LOOPBACK
 from ..wire.api_forward import FORWARDED_TOKEN_HEADER, HOP_BY_HOP_HEADERS, openai_error_body
@@ -109,6 +112,9 @@ log = logging.getLogger(__name__)
 HOLD_TIMEOUT_S = 300.0  # a restart includes loading the model over the mesh
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SHUTDOWN_GRACE_S = 5.0  # running responses get this long to finish when the node stops
+# After a request's connection to llama-server broke: llama-server is declared failed unless /health answers 200 within
+# this (it answers at once, busy or not, from its HTTP threads).
+HEALTH_CHECK_TIMEOUT_S = 2.0
 MODELS_PATH = "/v1/models"
 
 
@@ -553,9 +559,13 @@ class ApiProxy:
             finally:
                 await upstream.aclose()
         except UpstreamLostError as exc:
+            self.metrics.retries.inc()
+            if await self._still_answers(at, exc):
+                log.info("the connection to llama-server broke under %s (%r), but llama-server answers its health "
+                         "check: the request goes on there", request.path, exc)
+                return Failed(repr(exc), upstream_alive=True)
             log.warning("%s failed under %s (%r); waiting for the next one",
                         "llama-server" if at.node_id is None else self._router.name_of(at.node_id), request.path, exc)
-            self.metrics.retries.inc()
             return Failed(repr(exc))
         except MeshError as exc:  # ReplayMismatchError, an oversized event
             return Broken(str(exc))
@@ -564,6 +574,17 @@ class ApiProxy:
             if client.response is None:
                 raise
             return client.response
+
+    async def _still_answers(self, at: Upstream, lost: UpstreamLostError) -> bool:
+        """Whether ``lost`` lost only the connection: ``at`` is this node's llama-server, still in service and not
+        cut by the node (UpstreamCutError), and it answers its health check. Else it is declared failed."""
+        if at.node_id is not None or isinstance(lost, UpstreamCutError) or at.epoch != self._upstream_epoch:
+            return False
+        try:
+            status, _ = await self._client.get(at.url + "/health", timeout_s=HEALTH_CHECK_TIMEOUT_S)
+        except UpstreamLostError:
+            return False
+        return status == 200 and at.epoch == self._upstream_epoch
 
     def _delivered(self, event: bytes, recovery: RequestRecovery, client: _ClientSide) -> bytes:
         """One event as the client is to get it (added to the assembly of a plain answer instead: b"")."""

@@ -8,6 +8,7 @@ and feeds back what happened, in h11's shape. Theory of operation:
     event                        what the client has / the request   decision
     (start)                                                          Ask the request
     Failed                       failovers left                      WaitForUpstream
+    Failed, llama-server alive   failovers left                      as UpstreamReady, on the same one
     Failed                       the MAX_FAILOVERS_PER_REQUEST-th +1   GiveUp 502 upstream_failed
     Unavailable                  (no llama-server in time, refused)  GiveUp 503 with its code
     UpstreamReady                nothing (no response begun)          Ask the request again (RETRIED)
@@ -74,9 +75,13 @@ class Step(enum.Enum):
 
 @dataclass(frozen=True)
 class Failed:
-    """The llama-server under the request died, stalled, or was found slow."""
+    """The llama-server under the request died, stalled, or was found slow; or only the request's connection
+    to it was lost."""
 
     reason: str
+    # The llama-server still answers its health check and the node did not cut it: only the connection was
+    # lost, and the request goes on on the same llama-server (no newer one is coming).
+    upstream_alive: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,12 +257,12 @@ class RequestRecovery:
 
     def handle(self, event: Event) -> Decision:
         match event:
-            case Failed(reason=reason):
+            case Failed(reason=reason, upstream_alive=alive):
                 self._failovers += 1
                 if self._failovers > self._max_failovers:
                     return GiveUp(UPSTREAM_FAILED_STATUS, f"llama-server failed again ({reason})",
                                   UPSTREAM_FAILED_CODE)
-                return WaitForUpstream()
+                return self._on_upstream(self._model) if alive else WaitForUpstream()
             case Unavailable(message=message, code=code):
                 return GiveUp(UPSTREAM_FAILED_STATUS if code == UPSTREAM_FAILED_CODE else UNAVAILABLE_STATUS,
                               message, code)

@@ -3,7 +3,7 @@
 A stream that falls far behind a token's expected time fails over once a worker is found holding
 it up (the serving loop replans without it); one with no byte for the stall timeout restarts
 llama-server (a member stopped answering without being lost yet). Either way the proxy's read
-ends with an UpstreamLostError, which its recovery treats like a dead llama-server. pace.py
+ends with an UpstreamCutError, which its recovery treats like a dead llama-server. pace.py
 judges (pure); this module judges each stream on a timer and counts the prompts in progress,
 whose processing explains other streams' pauses.
 
@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from ..errors import UpstreamLostError
+from ..errors import UpstreamCutError
 from .pace import Slow, StreamPace, TokenPace
 
 # Most stalls are judged sooner, against a token's expected time (pace.py); this covers prompts and
@@ -53,7 +53,7 @@ class StallWatch:
                     on_stall: Callable[[str], None]) -> AsyncIterator[WatchedStream]:
         """Watch one stream while the block reads it (calling ``arrived()`` for each chunk). When it falls
         far behind a token's expected time and ``on_slow`` finds a worker holding it up, or nothing comes
-        for the stall timeout (``on_stall``), the block is cancelled: UpstreamLostError, the request fails
+        for the stall timeout (``on_stall``), the block is cancelled: UpstreamCutError, the request fails
         over."""
         stream = WatchedStream(self, path, links_rtt_s, planned_token_s, on_slow, on_stall)
         self._prompts_waiting += 1
@@ -67,7 +67,7 @@ class StallWatch:
         except TimeoutError as exc:
             if stream.failed is None:
                 raise  # not ours: a timeout of the block's own
-            raise UpstreamLostError(stream.failed) from exc
+            raise UpstreamCutError(stream.failed) from exc
         finally:
             if stream.waiting:
                 self._prompts_waiting -= 1

@@ -3,7 +3,15 @@
 Both look alike to the proxy (``UpstreamClient``): a streamed exchange whose answer
 is read chunk by chunk as it comes (``UpstreamAnswer``), a JSON post for a
 continuation's preparation, and one error, ``UpstreamLostError``, for anything
-that means "nobody answered, or the answer broke off" (failover's cue).
+that means "nobody answered, or the answer broke off" (failover's cue, once the
+proxy has found llama-server gone or not answering its health check).
+
+A pooled connection llama-server closed is no failure: its HTTP library closes a
+connection idle for 5 s (cpp-httplib's keep-alive timeout), and a request written
+as it does gets "Server disconnected" before any byte of an answer. Such a request
+was never read, so it is sent again once, on a fresh connection
+(:func:`closed_before_answer` tells it from the rest); and idle connections are
+let go after LLAMA_KEEPALIVE_S, before llama-server would close them.
 
     LlamaServerHttp   aiohttp's client, over loopback TCP to our llama-server
     MemberApiHttp     httpx with net/api_forward.py's transport: an API_FORWARD stream
@@ -20,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
+import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -30,7 +40,14 @@ import httpx
 from ..errors import UpstreamLostError
 from .replay import EVENT_SEPARATOR
 
+log = logging.getLogger(__name__)
+
 UPSTREAM_CONNECT_TIMEOUT_S = 5.0
+# Under cpp-httplib's keep-alive timeout (CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND, 5 s): an idle pooled connection is
+# closed here first, so a request seldom meets one llama-server is closing.
+LLAMA_KEEPALIVE_S = 4.0
+# The errno of a write or read on a connection the server had closed, before its answer began.
+_CLOSED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 # A fast streamed answer is read from llama-server at most this often: tokens that come faster leave
 # together, one write to the client (one QUIC packet when forwarded) instead of one each. Each
 # token read and passed on costs the sidecar CPU that llama-server's threads lose; 50 writes a
@@ -47,6 +64,17 @@ _MEMBER_TIMEOUT = httpx.Timeout(connect=UPSTREAM_CONNECT_TIMEOUT_S, read=None, w
                                 pool=None)
 _LLAMA_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=UPSTREAM_CONNECT_TIMEOUT_S, sock_read=None)
 _LLAMA_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+
+
+def closed_before_answer(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while sending a request and waiting for its answer's head, means the pooled
+    connection was closed by the server before it read the request (send it again on a fresh one): aiohttp's
+    "Server disconnected", or a reset or broken pipe on an established connection. Not a refused connection
+    (nobody listens: llama-server is gone), nor a timeout."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return (isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
+            and exc.errno in _CLOSED_ERRNOS)
 _MEMBER_ERRORS = (httpx.TransportError,)
 
 
@@ -137,6 +165,7 @@ class LlamaServerHttp:
     def __init__(self, key: str | None = None) -> None:
         self._headers: dict[str, str] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None
         if key:
             self.authorize(key)
 
@@ -146,14 +175,26 @@ class LlamaServerHttp:
     def _opened(self) -> aiohttp.ClientSession:
         # Made on first use: a session belongs to the running event loop.
         if self._session is None:
-            # auto_decompress off: bytes pass through as llama-server sent them, with its Content-Encoding.
-            self._session = aiohttp.ClientSession(timeout=_LLAMA_TIMEOUT, auto_decompress=False,
-                                                  skip_auto_headers=("Accept-Encoding", "User-Agent"))
+            self._session = _llama_session(aiohttp.TCPConnector(keepalive_timeout=LLAMA_KEEPALIVE_S))
         return self._session
 
+    def _fresh(self) -> aiohttp.ClientSession:
+        """A session that keeps no connection: each request on a new one (the pool's may all be closing)."""
+        if self._fresh_session is None:
+            self._fresh_session = _llama_session(aiohttp.TCPConnector(force_close=True))
+        return self._fresh_session
+
     async def send(self, method: str, url: str, headers: Mapping[str, str], body: bytes) -> UpstreamAnswer:
+        headers = {**headers, **self._headers}
         with _lost_on(_LLAMA_ERRORS, "llama-server did not answer"):
-            response = await self._opened().request(method, url, headers={**headers, **self._headers}, data=body)
+            try:
+                response = await self._opened().request(method, url, headers=headers, data=body)
+            except _LLAMA_ERRORS as exc:
+                if not closed_before_answer(exc):
+                    raise
+                log.info("llama-server closed a pooled connection under a %s %s (%r); sending it again on a fresh "
+                         "one", method, url, exc)
+                response = await self._fresh().request(method, url, headers=headers, data=body)
         return _LlamaAnswer(response)
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
@@ -169,8 +210,15 @@ class LlamaServerHttp:
             raise UpstreamLostError(f"llama-server did not answer within {timeout_s:g} s") from exc
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh_session):
+            if session is not None:
+                await session.close()
+
+
+def _llama_session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    # auto_decompress off: bytes pass through as llama-server sent them, with its Content-Encoding.
+    return aiohttp.ClientSession(timeout=_LLAMA_TIMEOUT, auto_decompress=False, connector=connector,
+                                 skip_auto_headers=("Accept-Encoding", "User-Agent"))
 
 
 # --- a member's API, over the mesh ----------------------------------------------------------

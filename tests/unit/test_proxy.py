@@ -180,3 +180,76 @@ async def test_token_ids_are_asked_for_only_when_a_member_lost_could_fail_the_st
         await runner.cleanup()
     assert ("logprobs" in bodies[0]) is split
     assert "seed" in bodies[0]  # pinned either way: a replay gives the same text
+
+
+# Each API's stream as llama-server sends it (tools/server/server-common.cpp's SSE formats), opening event first.
+OPENING_STREAMS = {
+    "/v1/chat/completions": [
+        b'data: {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": '
+        b'{"role": "assistant", "content": null}, "finish_reason": null}]}\n\n',
+        b'data: {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": '
+        b'{"content": "Hi"}, "finish_reason": null}]}\n\n',
+        b'data: {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, '
+        b'"finish_reason": "stop"}]}\n\n',
+        b"data: [DONE]\n\n"],
+    "/v1/messages": [
+        b'event: message_start\ndata: {"type": "message_start", "message": {"id": "m1", "type": "message", '
+        b'"role": "assistant", "content": []}}\n\n',
+        b'event: content_block_start\ndata: {"type": "content_block_start", "index": 0, "content_block": '
+        b'{"type": "text", "text": ""}}\n\n',
+        b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, "delta": '
+        b'{"type": "text_delta", "text": "Hi"}}\n\n',
+        b'event: content_block_stop\ndata: {"type": "content_block_stop", "index": 0}\n\n',
+        b'event: message_stop\ndata: {"type": "message_stop"}\n\n'],
+    "/v1/responses": [
+        b'event: response.created\ndata: {"type": "response.created", "response": {"id": "r1", '
+        b'"object": "response", "status": "in_progress"}}\n\n',
+        b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "delta": "Hi"}\n\n',
+        b'event: response.completed\ndata: {"type": "response.completed", "response": {"id": "r1"}}\n\n'],
+}
+
+
+@pytest.mark.parametrize("path", sorted(OPENING_STREAMS))
+async def test_a_stream_whose_connection_broke_before_its_first_event_opens_with_its_apis_first_event(path):
+    """The connection to llama-server breaks after the answer's head, before any event (llama-server itself
+    still answers /health): the request goes on on the same llama-server at once (no newer one comes: the hold
+    would time out), and the client's stream is the whole answer, opening event first."""
+    asked = []
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        asked.append(await request.json())
+        if len(asked) == 1:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b"")
+            assert request.transport is not None
+            request.transport.abort()  # the head went out, then the connection broke
+            return response
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event_ in OPENING_STREAMS[path]:
+            await response.write(event_)
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post(path, generate)
+    app.router.add_get("/health", health)
+    stand_in, url = await start_stand_in(app)
+    proxy = ApiProxy(Metrics(lambda: ()), ProxyOptions(hold_timeout_s=5.0))
+    port = free_tcp_port()
+    await proxy.start(port)
+    proxy.serve(url)
+    body = {"model": "m", "stream": True, "max_tokens": 4,
+            **({"input": "x"} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "x"}]})}
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(f"http://127.0.0.1:{port}{path}", json=body)
+    finally:
+        await proxy.close()
+        await stand_in.cleanup()
+    assert response.status_code == 200
+    assert response.content == b"".join(OPENING_STREAMS[path])
+    assert len(asked) == 2 and proxy.metrics.registry.get_sample_value("mesh_retries_total") == 1

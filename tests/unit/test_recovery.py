@@ -122,6 +122,22 @@ def test_a_failure_waits_for_the_next_llama_server_until_the_failovers_are_spent
                                                             "upstream_failed")
 
 
+def test_a_lost_connection_to_a_live_llama_server_goes_on_there_without_waiting():
+    """Only the connection broke (llama-server answers its health check): no newer llama-server is coming, so
+    the request is asked again, continued or replayed on the same one at once; it still counts as a failover."""
+    recovery = machine()
+    recovery.start()
+    assert recovery.handle(Failed("ServerDisconnectedError()", upstream_alive=True)).step is Step.RETRIED
+    recovery = machine()
+    recovery.start()
+    recovery.began()
+    deliver(recovery, COMPLETIONS_PATH, "a", 0, 3)
+    prepare = recovery.handle(Failed("ReadError()", upstream_alive=True))
+    assert isinstance(prepare, Prepare) and prepare.detokenize == {"tokens": [100, 101, 102]}
+    assert recovery.handle(Failed("ReadError()", upstream_alive=True)) == prepare
+    assert isinstance(recovery.handle(Failed("ReadError()", upstream_alive=True)), GiveUp)
+
+
 def test_no_llama_server_in_time_gives_up_with_its_reason():
     recovery = machine()
     recovery.start()

@@ -1,19 +1,22 @@
 """serve/upstream_http.py's client to this node's llama-server, against a real HTTP server on loopback:
 one error, UpstreamLostError, for no answer and for an answer that broke off; tokens that come faster
-than the flush interval are read together, slower ones as they come."""
+than the flush interval are read together, slower ones as they come; a pooled connection the server
+closed is sent again on a fresh one, once."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from mesh_sidecar.errors import UpstreamLostError
 from mesh_sidecar.ports import LOOPBACK, free_tcp_port
 from mesh_sidecar.serve import upstream_http
-from mesh_sidecar.serve.upstream_http import LlamaServerHttp, post_json
+from mesh_sidecar.serve.upstream_http import LlamaServerHttp, closed_before_answer, post_json
 
 KEY = "llama-server-key"
 # Longer than the product's, so that a loaded machine's scheduling delays stay well inside it.
@@ -194,3 +197,83 @@ async def test_a_get_that_takes_too_long_is_upstream_lost(server) -> None:
             await client.get(server + "/stream", timeout_s=0.0)
     finally:
         await client.aclose()
+
+
+class KeepAliveCloser:
+    """A real HTTP/1.1 server that closes kept-alive connections as cpp-httplib (llama-server's) does when its
+    keep-alive timeout ends as a request arrives: the connection's first request is answered and kept alive; a
+    request after it on that connection is read and the connection closed with no byte of an answer
+    (``closes_first``: every request, the first too)."""
+
+    def __init__(self, *, closes_first: bool = False) -> None:
+        self.connections = 0
+        self.answered = 0
+        self._closes_first = closes_first
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if served or self._closes_first:
+                    return  # closed under the request: "Server disconnected" at the client
+                served += 1
+                self.answered += 1
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n"
+                             b"Connection: keep-alive\r\n\r\n{\"ok\": true}")
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def keep_alive_closer() -> AsyncIterator[tuple[KeepAliveCloser, str]]:
+    closer = KeepAliveCloser()
+    server = await asyncio.start_server(closer.handle, LOOPBACK, 0)
+    try:
+        yield closer, f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_a_pooled_connection_the_server_closed_is_sent_again_on_a_fresh_one(keep_alive_closer) -> None:
+    closer, url = keep_alive_closer
+    client = LlamaServerHttp()
+    try:
+        for _ in range(2):  # the 2nd meets the pooled connection, which the server closes under it
+            assert await post_json(client, url + "/v1/chat/completions", {"a": 1}) == {"ok": True}
+    finally:
+        await client.aclose()
+    assert (closer.answered, closer.connections) == (2, 2)  # the retry on a connection of its own
+
+
+async def test_a_server_that_closes_under_every_request_costs_one_retry_not_more() -> None:
+    closer = KeepAliveCloser(closes_first=True)
+    server = await asyncio.start_server(closer.handle, LOOPBACK, 0)
+    client = LlamaServerHttp()
+    try:
+        with pytest.raises(UpstreamLostError, match="Server disconnected"):
+            await post_json(client, f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}/x", {})
+    finally:
+        await client.aclose()
+        server.close()
+    assert (closer.answered, closer.connections) == (0, 2)
+
+
+@pytest.mark.parametrize(("exc", "retried"), [
+    (aiohttp.ServerDisconnectedError(), True),
+    (aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer"), True),
+    (aiohttp.ClientOSError(errno.EPIPE, "Broken pipe"), True),
+    (aiohttp.ClientConnectorError(aiohttp.client_reqrep.ConnectionKey(LOOPBACK, 1, False, True, None, None, None),
+                                  ConnectionRefusedError(errno.ECONNREFUSED, "refused")), False),
+    (aiohttp.ClientOSError(errno.ETIMEDOUT, "timed out"), False),
+    (TimeoutError(), False),
+    (aiohttp.ClientPayloadError("broke off"), False),
+])
+def test_only_a_connection_closed_before_the_answer_is_retried(exc: BaseException, retried: bool) -> None:
+    assert closed_before_answer(exc) is retried
