@@ -32,7 +32,18 @@ from ..net.data_relay import DataRelay
 from ..net.tunnel import OutputChecks, TunnelCounters, TunnelListener
 from ..wire import data_relay as reports
 from ..wire.rpc_framing import EndpointRewritten, EndpointUnresolved
-from ..wire.rpc_outputs import NON_FINITE, OutputRejected, TensorMeasured, non_finite_fault, norm_outlier_fault
+from ..wire.rpc_outputs import (
+    ABSOLUTE_OUTLIER,
+    NON_FINITE,
+    PROTOCOL_VIOLATION,
+    Fault,
+    OutputRejected,
+    TensorMeasured,
+    absolute_outlier_fault,
+    non_finite_fault,
+    norm_outlier_fault,
+    protocol_fault,
+)
 
 log = logging.getLogger(__name__)
 
@@ -248,9 +259,10 @@ class DataPaths:
         """Logged as the QUIC path logs the same event (rpc_framing.py's events), so one grep finds both."""
         inbound = self._inbound.get(event.id)
         words = event.text.split(" ")
-        if inbound is not None and event.what == "rewritten" and len(words) == 3:
+        if inbound is not None and event.what == "rewritten" and len(words) == 3 and words[0].isdigit():
+            # The original endpoint comes escaped (rpc_watch.c), as the QUIC path's event holds it.
             log.info("tunnel from %s: %s", short_id(inbound.node_id),
-                     EndpointRewritten(int(words[0]), "" if words[1] == "-" else words[1], words[2]))
+                     EndpointRewritten(int(words[0]), words[1], words[2]))
         elif inbound is not None and event.what == "unresolved" and words[0].isdigit():
             log.info("tunnel from %s: %s", short_id(inbound.node_id), EndpointUnresolved(int(words[0])))
         else:
@@ -264,8 +276,17 @@ class DataPaths:
         entry = self._tunnels.get(report.id)
         if entry is None:
             return
-        finite = report.kind != NON_FINITE
-        tensor = TensorMeasured(report.name, report.values, finite, report.rms if finite else None)
-        fault = (norm_outlier_fault(tensor, report.low, report.high, report.count) if finite
-                 else non_finite_fault(tensor))
+        tensor: TensorMeasured | None
+        fault: Fault
+        if report.kind == PROTOCOL_VIOLATION:  # no tensor: the name field carries the reason
+            tensor, fault = None, protocol_fault(report.name)
+        elif report.kind == NON_FINITE:
+            tensor = TensorMeasured(report.name, report.values, False, None)
+            fault = non_finite_fault(tensor)
+        elif report.kind == ABSOLUTE_OUTLIER:
+            tensor = TensorMeasured(report.name, report.values, True, report.rms, report.max_abs)
+            fault = absolute_outlier_fault(tensor)
+        else:
+            tensor = TensorMeasured(report.name, report.values, True, report.rms)
+            fault = norm_outlier_fault(tensor, report.low, report.high, report.count)
         self._checks.rejected(entry[0], OutputRejected(tensor, fault))

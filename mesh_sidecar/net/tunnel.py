@@ -22,8 +22,9 @@ peer_streams.py hands it to ``serve_inbound_stream`` on the other side.
 Given OutputChecks at construction (the serving node's, mesh/serving.py), a listener
 asks them for a check on each connection it accepts; a check measures the float tensors
 P's rpc-server returns (wire/rpc_outputs.py) before llama-server reads them, and on a fault
-the listener keeps the reply back, resets the connection (llama-server aborts rather
-than compute on garbage) and reports it through ``OutputChecks.rejected``.
+(a corrupt tensor, or P breaking the RPC protocol, which would otherwise stop the check) the
+listener keeps the reply back, resets the connection (llama-server aborts rather than
+compute on garbage) and reports it through ``OutputChecks.rejected``, which blames P.
 
 A listener also times how long the peer owes replies (reply_waits.py): when tokens stall,
 that names the worker holding them up.
@@ -161,7 +162,7 @@ async def _relay_checked(reader: Reader, writer: Writer, check: RpcOutputCheck,
                 case OutputRejected():
                     on_rejected(event)
                     raise OutputCheckFailed(event.fault.detail)
-                case CheckOff(reason=reason):
+                case CheckOff(reason=reason):  # llama-server's doing, never the worker's
                     log.info("output check off for this tunnel connection: %s", reason)
         await writer.drain()
     if writer.can_write_eof():

@@ -1,4 +1,5 @@
-"""Whether a worker's layer output is corrupt: NaN or Inf, or a norm far outside its own recent range.
+"""Whether a worker's layer output is corrupt: NaN or Inf, values no real model produces, or a norm far
+outside its own recent range.
 
 Pure: the serving node's tunnels measure every float tensor a worker's rpc-server returns
 (wire/rpc_outputs.py) and ask :meth:`OutputGuard.judge`; the serving loop acts on a fault
@@ -11,7 +12,14 @@ off by orders of magnitude. So each (worker, tensor name) keeps the RMS of its l
 HISTORY_SAMPLES healthy outputs, and once it has MIN_HISTORY_SAMPLES, an RMS more than
 NORM_RATIO above the largest or below the smallest of them is a fault. The bound is wide on
 purpose: a false alarm takes a healthy machine out of the mesh, while real garbage is off
-by far more. A member who returns plausible finite values is not caught (docs/security.md).
+by far more. The relative rule needs a history, so beside it absolute bounds (MAX_OUTPUT_RMS,
+MAX_OUTPUT_ABS in wire/rpc_outputs.py) judge from the very first reply: a worker returning every
+value scaled by 1e30 from the start would otherwise build its own history. A member who returns
+plausible finite values is not caught (docs/security.md).
+
+Whose history: one per worker and tensor name, kept across that worker's connections, so a worker
+cannot start afresh by dropping its tunnel connection. Only :meth:`OutputGuard.new_session`
+clears it, called when llama-server (our own process) starts again; nothing a worker does can.
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ from collections import deque
 
 from ..wire.rpc_outputs import (
     HISTORY_SAMPLES,
+    MAX_OUTPUT_ABS,
+    MAX_OUTPUT_RMS,
     MIN_HISTORY_SAMPLES,
     NORM_RATIO,
     Fault,
     TensorMeasured,
+    absolute_outlier_fault,
     non_finite_fault,
     norm_outlier_fault,
 )
@@ -41,6 +52,8 @@ class OutputGuard:
             return non_finite_fault(tensor)
         rms = tensor.rms
         assert rms is not None  # finite values have one
+        if rms > MAX_OUTPUT_RMS or (tensor.max_abs is not None and tensor.max_abs > MAX_OUTPUT_ABS):
+            return absolute_outlier_fault(tensor)
         history = self._history.setdefault((worker, tensor.name), deque(maxlen=HISTORY_SAMPLES))
         if len(history) >= MIN_HISTORY_SAMPLES:
             low, high = min(history), max(history)
@@ -51,5 +64,5 @@ class OutputGuard:
 
     def new_session(self) -> None:
         """llama-server starts again: its warm-up's outputs are far from a running session's (a first
-        token's), so the histories begin anew, as the native relay's do with each new connection."""
+        token's), so the histories begin anew. The one thing that clears them (module docstring)."""
         self._history.clear()

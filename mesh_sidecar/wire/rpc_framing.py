@@ -208,6 +208,29 @@ class DialectUnknown:
     """What did not match, for the log."""
 
 
+PRINTED_WORD_MAX_CHARS = 80  # a word of peer bytes in a log line or report: a real endpoint is far shorter
+
+
+def printable_word(data: bytes) -> str:
+    """Bytes from the wire as one word of printable ASCII, for a log line or report (rpc_watch.c's twin).
+
+    0x21-0x7e pass, but for the backslash; every other byte is written ``\\xNN``; empty is ``-``;
+    over PRINTED_WORD_MAX_CHARS, the whole escapes that fit in 3 fewer, then ``...``.
+    """
+    pieces = [chr(b) if 0x20 < b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in data]
+    if not pieces:
+        return "-"
+    if sum(map(len, pieces)) <= PRINTED_WORD_MAX_CHARS:
+        return "".join(pieces)
+    kept, chars = [], 0
+    for piece in pieces:
+        if chars + len(piece) > PRINTED_WORD_MAX_CHARS - 3:
+            break
+        kept.append(piece)
+        chars += len(piece)
+    return "".join(kept) + "..."
+
+
 @dataclass(frozen=True, slots=True)
 class EndpointRewritten:
     """A REGISTER_PEER endpoint was replaced."""
@@ -215,7 +238,7 @@ class EndpointRewritten:
     peer_id: int
     """The peer id in the frame."""
     original: str
-    """The endpoint the client sent."""
+    """The endpoint the client sent, as :func:`printable_word` writes it (a member's bytes reach no log raw)."""
     rewritten: str
     """The endpoint the server now sees."""
 
@@ -492,7 +515,7 @@ class RpcStreamFilter:
 
     def _rewrite(self, frame: bytearray) -> bytes:
         peer_id, field = _REGISTER_PEER.unpack_from(frame, RPC_HEADER_BYTES)
-        original = field.split(b"\0", 1)[0].decode("utf-8", "replace")
+        original = printable_word(field.split(b"\0", 1)[0])
         endpoint = self._resolve_endpoint(peer_id)
         # An endpoint we cannot map is cleared, never passed on: it means nothing on this machine,
         # and a b2b rpc-server would connect to whatever a member wrote there. The server answers

@@ -16,15 +16,21 @@ Replies are ``size u64 LE | payload[size]``, one per command that has one, in th
 commands (rpc-server serves one command at a time per connection), so a queue of what each
 pending command expects pairs every reply with its request. A GET_TENSOR reply of an F32 or
 F16 tensor (at most MAX_CHECKED_REPLY_BYTES) is held until it is whole, measured
-(:class:`TensorMeasured`: all values finite, root mean square) and handed to the ``judge``:
-passed on when the judge finds nothing, kept back for good when it names a fault
-(:class:`OutputRejected`; the caller closes the connection, so no corrupt value reaches
-llama-server). Every other reply passes as it arrives.
+(:class:`TensorMeasured`: all values finite, root mean square, largest absolute value) and
+handed to the ``judge``: passed on when the judge finds nothing, kept back for good when it
+names a fault (:class:`OutputRejected`; the caller closes the connection, so no corrupt value
+reaches llama-server). Every other reply passes as it arrives.
 
 Commands with no reply are upstream 7.x's (read from the pinned ``ggml-rpc.cpp``) and, in our
-b2b build, its asynchronous pushes (rpc_framing.py). Any other dialect, an unknown command or a reply
-nothing asked for switches the check off for the connection (:class:`CheckOff`): bytes then
-pass untouched, as in rpc_framing.py.
+b2b build, its asynchronous pushes (rpc_framing.py).
+
+Who may stop the check: the client (llama-server, our own) may lead it where it cannot follow
+(a HELLO request or dialect it does not check, an unknown command, a command before the HELLO
+reply) and switches it off for the connection (:class:`CheckOff`; bytes then pass untouched, as
+in rpc_framing.py). The server (a member's rpc-server) may not: a reply nothing asked for, a
+first reply too big for a HELLO reply, a HELLO reply that fits no dialect of the request, or a
+checked reply of another size than asked is a PROTOCOL_VIOLATION fault, kept back and blamed
+like a corrupt tensor, since a worker able to switch the check off could then send anything.
 
 Sans-I/O: bytes in, bytes and events out; no sockets, no clock. Payload bytes pass as
 memoryview slices of the caller's ``bytes``; only a header, a GET_TENSOR's first 312 bytes,
@@ -280,6 +286,9 @@ class RpcOutputCheck:
             if cmd != HELLO_CMD or self._hello_request_bytes is not None:
                 self._off(f"command {cmd} before the HELLO reply")
                 return
+            if not any(d.hello_request_bytes == size for d in DIALECTS):
+                self._off(f"the HELLO request has {size} bytes, no known dialect's size")
+                return
             self._hello_request_bytes = size
             self._pending.append(_HELLO)
         elif cmd > self._last_cmd:
@@ -335,18 +344,18 @@ class RpcOutputCheck:
                 self._on_reply(header)
 
     def _on_reply(self, header: bytes) -> None:
+        (size,) = REPLY_SIZE.unpack(header)
         if not self._pending:
-            self._off("a reply to no pending command")
-            self._out.append(header)
+            self._violation(UNSOLICITED_REPLY, f"a reply of {size} bytes to no command")
             return
         expected = self._pending.popleft()
-        (size,) = REPLY_SIZE.unpack(header)
-        if expected.ggml_type is not None and size != expected.size:
-            expected = _UNCHECKED  # not the tensor asked for; nothing to measure
-        (self._held if expected.ggml_type is not None else self._out).append(header)
         if expected.hello and size > MAX_HELLO_REPLY_BYTES:
-            self._off(f"a first reply of {size} bytes is no HELLO reply")
+            self._violation(BAD_HELLO_REPLY, f"a first reply of {size} bytes is no HELLO reply")
             return
+        if expected.ggml_type is not None and size != expected.size:
+            self._violation(WRONG_REPLY_SIZE, f"a reply of {size} bytes to a GET_TENSOR of {expected.size}")
+            return
+        (self._held if expected.ggml_type is not None else self._out).append(header)
         self._reply_expected, self._reply_left = expected, size
         if not size:
             self._reply_done()
@@ -362,16 +371,21 @@ class RpcOutputCheck:
         tensor = measure(expected.name, reply[REPLY_SIZE_BYTES:], expected.ggml_type)
         self.checked += 1
         if (fault := self._judge(tensor)) is not None:
-            self._phase = _Phase.REJECTED
-            self._events.append(OutputRejected(tensor, fault))
+            self._reject(OutputRejected(tensor, fault))
             return
         self._out.append(reply)
 
     def _on_hello_reply(self, reply: bytes) -> None:
         assert self._hello_request_bytes is not None
-        dialect = next((d for d in DIALECTS if d.matches(self._hello_request_bytes, reply)), None)
-        if dialect is None or dialect.name not in _LAST_CMD:
-            self._off(f"RPC dialect {dialect.name if dialect else 'unknown'} is not checked")
+        # The size first: matches() reads the version bytes, and a worker's reply may be shorter.
+        dialect = next((d for d in DIALECTS if len(reply) == d.hello_reply_bytes
+                        and d.matches(self._hello_request_bytes, reply)), None)
+        if dialect is None:  # the request's size named dialects (_on_command): the reply fits none of them
+            self._violation(UNKNOWN_DIALECT, f"the HELLO exchange ({self._hello_request_bytes}-byte request, "
+                                             f"{len(reply)}-byte reply) matches no known dialect")
+            return
+        if dialect.name not in _LAST_CMD:  # chosen by the client's request (the fork's is 0 bytes)
+            self._off(f"RPC dialect {dialect.name} is not checked")
             return
         self._last_cmd = _LAST_CMD[dialect.name]
         self._no_reply_cmds = _NO_REPLY_CMDS[dialect.name]
@@ -394,3 +408,16 @@ class RpcOutputCheck:
         self._events.append(CheckOff(reason))
         self._out.extend(self._held)
         self._held = []
+        if self._reply_header:  # a size field begun (the client went off the rails meanwhile)
+            self._out.append(bytes(self._reply_header))
+            self._reply_header.clear()
+
+    def _violation(self, reason: str, detail: str) -> None:
+        self._reject(OutputRejected(None, protocol_fault(reason, detail)))
+
+    def _reject(self, event: OutputRejected) -> None:
+        # Whatever this input carried before the fault stays back too (as in rpc_watch.c): the
+        # connection is reset, so nothing more of it is worth passing.
+        self._phase = _Phase.REJECTED
+        self._events.append(event)
+        self._held, self._out = [], []

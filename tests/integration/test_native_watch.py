@@ -10,22 +10,31 @@ from __future__ import annotations
 import struct
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import mesh_sidecar.net.native
+from mesh_sidecar.mesh.data_paths import DataPaths
 from mesh_sidecar.net.data_relay_build import ensure_data_relay
 from mesh_sidecar.serve.output_guard import OutputGuard
-from mesh_sidecar.wire.data_relay import configuration_lines
-from mesh_sidecar.wire.rpc_framing import RpcStreamFilter
+from mesh_sidecar.wire.data_relay import ProbeResult, configuration_lines, parse_report
+from mesh_sidecar.wire.rpc_framing import EndpointRewritten, RpcStreamFilter, printable_word
 from mesh_sidecar.wire.rpc_outputs import (
+    ABSOLUTE_OUTLIER,
+    GGML_TYPE_F16,
+    GGML_TYPE_F32,
     HISTORY_SAMPLES,
     MIN_HISTORY_SAMPLES,
     NORM_RATIO,
+    PROTOCOL_VIOLATION,
     OutputRejected,
     RpcOutputCheck,
+    measure,
+    protocol_fault,
 )
+from tests.unit.test_rpc_outputs import WORKER_VIOLATIONS
 
 NODE = bytes(range(32))
 HELLO = bytes([14]) + struct.pack("<Q", 24) + bytes(24)
@@ -116,6 +125,141 @@ def test_the_output_check_agrees_with_pythons(relay_binary, last, kind, every):
     assert down == python_down  # byte for byte: a rejected reply is kept back by both
     rejected = [e for e in events if e.startswith("rejected ")]
     assert [r.split()[2] for r in rejected] == [e.fault.kind for e in python_rejected] == ([kind] if kind else [])
+
+
+def violation_stream(name: str) -> list[tuple[str, bytes]]:
+    """A worker's protocol violation (tests/unit/test_rpc_outputs.py), then a NaN it would slip through."""
+    session, _ = WORKER_VIOLATIONS[name]
+    nan = np.full(64, np.nan)
+    return [("c" if side == "client" else "s", data) for side, data in session] + [
+        ("c", get_tensor("l_out-3", nan.size * 4)), ("s", reply(nan))]
+
+
+VIOLATION_STREAMS = {
+    **{name: violation_stream(name) for name in WORKER_VIOLATIONS},
+    # The finding itself: the early reply rides in the HELLO reply's segment.
+    "early-reply-with-hello-reply": [("c", HELLO), ("s", HELLO_REPLY_7 + struct.pack("<Q", 1) + b"x"),
+                                     ("c", get_tensor("l_out-3", 256)), ("s", reply(np.full(64, np.nan)))],
+}
+
+
+@pytest.mark.parametrize("name", VIOLATION_STREAMS)
+@pytest.mark.parametrize("every", [1, 7, 1 << 20])
+def test_a_worker_cannot_switch_the_check_off_in_either(relay_binary, name, every):
+    """A reply to no command, a first reply too big for HELLO, a HELLO reply of no dialect, a tensor of another
+    size: the watch stops and keeps the bytes back, byte for byte as Python's check, and never goes off."""
+    chunks = [piece for side, data in VIOLATION_STREAMS[name] for piece in splits(side, data, every)]
+    _, down, events = replay(relay_binary, True, False, chunks)
+    python_down, python_rejected = python_check(chunks)
+    assert down == python_down
+    assert [e.fault.kind for e in python_rejected] == [PROTOCOL_VIOLATION]
+    assert not any(" check-off " in e for e in events), events
+    assert not any(e.startswith("rejected ") and " protocol " not in e for e in events)  # the NaN never judged
+
+
+def sidecar_verdicts(relay_lines: list[str]) -> list[OutputRejected]:
+    """The relay's report lines as the sidecar turns them into verdicts (mesh/data_paths.py), for tunnel 1."""
+    relay = SimpleNamespace(port=1, running=True, member=lambda *_: None, probe=lambda *_: None,
+                            tunnel=lambda *_: True)
+    verdicts: list[OutputRejected] = []
+    paths = DataPaths(relay, SimpleNamespace(rejected=lambda _, event: verdicts.append(event)), lambda _: None)
+    paths.peer_seen(NODE, SimpleNamespace(relayed=False, remote_address=("10.0.0.2", 1)), 5000)
+    paths.on_report(ProbeResult(NODE, True, 1, ""))
+    assert paths.hand_over(NODE, None, True, SimpleNamespace(native_opened=lambda _: None))
+    for line in relay_lines:
+        paths.on_report(parse_report(line.encode()))
+    return verdicts
+
+
+@pytest.mark.parametrize("name", WORKER_VIOLATIONS)
+def test_the_relay_reports_a_workers_protocol_violation(relay_binary, name):
+    """...and the sidecar blames the worker for it as the QUIC path does."""
+    stream = violation_stream(name)
+    _, _, events = replay(relay_binary, True, False, stream)
+    reason = WORKER_VIOLATIONS[name][1]
+    assert [e for e in events if e.startswith("rejected ")] == [f"rejected 1 protocol {reason} 0 0 0 0 0"]
+    [python] = python_check(stream)[1]
+    [verdict] = sidecar_verdicts(events)
+    assert verdict.tensor is python.tensor is None and verdict.fault.kind == python.fault.kind == PROTOCOL_VIOLATION
+    assert reason in verdict.fault.detail
+    [text] = [e.removeprefix("event 1 violation ") for e in events if e.startswith("event 1 violation ")]
+    assert python.fault == protocol_fault(*text.split(" ", 1))  # the same words as the watch's event
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e7])
+def test_values_beyond_any_real_model_are_rejected_from_the_first_reply_by_both(relay_binary, scale):
+    """The relative rule needs a history; a worker scaling every value from its first reply builds its own."""
+    values = np.random.default_rng(5).normal(0, 1, 64) * scale
+    chunks = [("c", HELLO), ("s", HELLO_REPLY_7), ("c", get_tensor("l_out-3", 256)), ("s", reply(values))]
+    _, down, events = replay(relay_binary, True, False, chunks)
+    python_down, python_rejected = python_check(chunks)
+    assert [e.fault.kind for e in python_rejected] == [ABSOLUTE_OUTLIER]
+    assert down == python_down
+    assert [e.split()[2] for e in events if e.startswith("rejected ")] == [ABSOLUTE_OUTLIER]
+    [verdict] = sidecar_verdicts(events)
+    assert verdict.fault.kind == ABSOLUTE_OUTLIER and verdict.tensor is not None
+    assert verdict.tensor.max_abs == pytest.approx(python_rejected[0].tensor.max_abs, rel=1e-5)
+
+
+_MEASURE_MAIN = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "rpc_watch.h"
+int main(void) { /* lines "TYPE HEX" in, "FINITE RMS MAX_ABS" out */
+    int type;
+    static char hex[1 << 16];
+    static unsigned char data[1 << 15];
+    while (scanf("%d %65535s", &type, hex) == 2) {
+        size_t n = 0;
+        for (; hex[2 * n] && hex[2 * n] != '-'; n++) sscanf(hex + 2 * n, "%2hhx", &data[n]);
+        struct rw_measured m;
+        rw_measure(&m, data, n, type);
+        printf("%d %.17g %.17g\n", m.finite, m.rms, m.max_abs);
+    }
+    return 0;
+}
+"""
+
+
+def test_rw_measure_finds_the_largest_value_as_pythons_measure(tmp_path):
+    native = Path(mesh_sidecar.net.native.__file__).parent
+    (tmp_path / "measure_main.c").write_text(_MEASURE_MAIN)
+    binary = tmp_path / "measure"
+    subprocess.run(["cc", "-O2", "-I", str(native), str(tmp_path / "measure_main.c"), str(native / "rpc_watch.c"),
+                    "-lm", "-o", str(binary)], check=True, capture_output=True, timeout=120)
+    rng = np.random.default_rng(9)
+    samples = []
+    for dtype, ggml_type in ((np.float32, GGML_TYPE_F32), (np.float16, GGML_TYPE_F16)):
+        for values in (rng.normal(0, 1, 512), np.array([1.0, -300.0, 2.0]), rng.uniform(-6e4, 6e4, 8),
+                       np.array([1.0, np.nan]), np.zeros(0)):
+            samples.append((ggml_type, values.astype(dtype).tobytes()))
+    lines = "".join(f"{t} {data.hex() or '-'}\n" for t, data in samples)
+    out = subprocess.run([str(binary)], input=lines, capture_output=True, text=True, check=True).stdout.split("\n")
+    for (ggml_type, data), line in zip(samples, out, strict=False):
+        finite, rms, max_abs = line.split()
+        python = measure("t", data, ggml_type)
+        assert bool(int(finite)) == python.finite
+        if python.finite:  # else neither figure means anything
+            assert float(max_abs) == python.max_abs and float(rms) == pytest.approx(python.rms, rel=1e-12)
+
+
+FORGED_ENDPOINT = b"10.0.0.9:1\nrejected 7 non_finite l_out-1 1 0 0 0 0\r \\\x1b[31m\xff"
+
+
+def test_a_members_endpoint_is_reported_escaped_as_pythons_event_holds_it(relay_binary):
+    """The REGISTER_PEER endpoint is a member's bytes: one printable word in the report, the same word as the
+    QUIC path's EndpointRewritten, so no forged line reaches the sidecar and one grep finds both."""
+    chunks = [("c", HELLO), ("s", HELLO_REPLY_B2B), ("c", register_peer(0, FORGED_ENDPOINT))]
+    _, _, events = replay(relay_binary, False, True, chunks, endpoints=[(0, "127.0.0.1:40001")])
+    python = RpcStreamFilter(lambda index: "127.0.0.1:40001")
+    for side, data in chunks:
+        (python.receive_from_client if side == "c" else python.receive_from_server)(data)
+    python.data_to_server()
+    python_events = [e for e in iter(python.next_event, None) if isinstance(e, EndpointRewritten)]
+    assert python_events == [EndpointRewritten(0, printable_word(FORGED_ENDPOINT), "127.0.0.1:40001")]
+    assert [e for e in events if e.startswith("event 1 rewritten ")] == [
+        f"event 1 rewritten 0 {python_events[0].original} 127.0.0.1:40001"]
+    assert not any(e.startswith("rejected ") for e in events)
 
 
 @pytest.mark.parametrize("every", [1, 5, 1 << 20])

@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from mesh_sidecar.errors import MalformedMessageError
 from mesh_sidecar.mesh.exclusion import CORRUPT_OUTPUT, exclusion_of
 from mesh_sidecar.serve.output_guard import MIN_HISTORY_SAMPLES, NORM_RATIO, OutputGuard
 from mesh_sidecar.wire.gossip import MAX_JUDGED_MEMBERS, CorruptOutput, MemberInfo
-from mesh_sidecar.wire.rpc_outputs import NON_FINITE, NORM_OUTLIER, TensorMeasured
+from mesh_sidecar.wire.rpc_outputs import (
+    ABSOLUTE_OUTLIER,
+    GGML_TYPE_F32,
+    MAX_OUTPUT_ABS,
+    MAX_OUTPUT_RMS,
+    NON_FINITE,
+    NORM_OUTLIER,
+    OutputRejected,
+    RpcOutputCheck,
+    TensorMeasured,
+)
 from tests.unit.test_gossip import info
+from tests.unit.test_rpc_outputs import HELLO_REPLY, HELLO_REQUEST, get_tensor, reply
 
 WORKER, OTHER, SERVING = b"\x0b" * 32, b"\x0a" * 32, b"\x0c" * 32
 
@@ -38,6 +50,46 @@ def test_a_norm_far_outside_the_workers_own_range_is_a_fault_once_there_is_a_his
     # Each worker and tensor has its own history.
     assert guard.judge(OTHER, tensor(1e6)) is None
     assert guard.judge(WORKER, tensor(1e6, "l_out-20")) is None
+
+
+@pytest.mark.parametrize("rms, max_abs", [
+    (1e30, 1e30),  # every value scaled far up from the first reply: no history would ever flag it
+    (MAX_OUTPUT_RMS * 1.01, MAX_OUTPUT_RMS * 10),
+    (5.0, MAX_OUTPUT_ABS * 1.01),  # one wild value among sane ones
+])
+def test_values_no_real_model_produces_are_a_fault_from_the_first_reply(rms: float, max_abs: float) -> None:
+    guard = OutputGuard()
+    fault = guard.judge(WORKER, TensorMeasured("l_out-11", 576, True, rms, max_abs))
+    assert fault is not None and fault.kind == ABSOLUTE_OUTLIER and "l_out-11" in fault.detail
+    # Not learnt either: the next sane output is judged on its own.
+    assert guard.judge(WORKER, TensorMeasured("l_out-11", 576, True, 5.0, 40.0)) is None
+
+
+def test_the_largest_outputs_of_real_models_pass() -> None:
+    """A first token's warm-up (RMS 882 seen), a big model's massive activations (|value| ~1e4), F16's max."""
+    guard = OutputGuard()
+    for rms, max_abs in ((882.0, 2e4), (5e3, float(np.finfo(np.float16).max)), (1e5, 1e7)):
+        assert guard.judge(WORKER, TensorMeasured("l_out-11", 4096, True, rms, max_abs)) is None
+
+
+def test_a_workers_history_outlives_its_connections() -> None:
+    """Each tunnel connection gets a check of its own, but judged by the one guard: a worker that drops its
+    connection does not start afresh (only new_session, llama-server's restart, does)."""
+    guard = OutputGuard()
+    rng = np.random.default_rng(3)
+
+    def connection(values: list[np.ndarray]) -> list[OutputRejected]:
+        check = RpcOutputCheck(lambda tensor: guard.judge(WORKER, tensor))
+        check.receive_from_client(HELLO_REQUEST)
+        check.receive_from_server(HELLO_REPLY)
+        for v in values:
+            check.receive_from_client(get_tensor(GGML_TYPE_F32, "l_out-3", v.nbytes))
+            check.receive_from_server(reply(v.tobytes()))
+        return [e for e in iter(check.next_event, None) if isinstance(e, OutputRejected)]
+
+    assert connection([rng.normal(0, 1, 64).astype(np.float32) for _ in range(MIN_HISTORY_SAMPLES)]) == []
+    [rejected] = connection([rng.normal(0, 1e3, 64).astype(np.float32)])
+    assert rejected.fault.kind == NORM_OUTLIER
 
 
 def test_a_new_llama_server_session_starts_unjudged() -> None:

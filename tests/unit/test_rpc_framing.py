@@ -27,6 +27,7 @@ from mesh_sidecar.wire.rpc_framing import (
     EndpointUnresolved,
     RpcDialect,
     RpcStreamFilter,
+    printable_word,
 )
 
 RPC_TENSOR_BYTES = 296
@@ -104,7 +105,7 @@ class Case:
     @property
     def events(self) -> list[object]:
         return [self.detected] + [
-            EndpointRewritten(i.peer_id, i.endpoint, RESOLVED[i.peer_id])
+            EndpointRewritten(i.peer_id, printable_word(i.endpoint.encode()), RESOLVED[i.peer_id])
             for i in self.items
             if isinstance(i, Register)
         ]
@@ -421,6 +422,26 @@ def test_rewrite_clears_every_byte_of_the_old_endpoint() -> None:
     rewritten = frame(FORK30_REGISTER_PEER, register_payload(1, RESOLVED[1].encode()))
     assert flt.data_to_server() == rewritten
     assert flt.next_event() == EndpointRewritten(1, "10.9.8.7:50052", RESOLVED[1])
+
+
+FORGED_ENDPOINT = b"10.0.0.9:1\nevent 1 rewritten 0 x y\r \\\x1b[31m\xff"
+
+
+def test_a_members_endpoint_reaches_the_log_as_one_printable_word() -> None:
+    """A REGISTER_PEER endpoint can carry a newline and a forged report line: the event escapes it."""
+    flt = _after_handshake(HELLO_FORK, reply_fork(0))
+    flt.receive_from_client(frame(FORK30_REGISTER_PEER, register_payload(1, FORGED_ENDPOINT)))
+    flt.data_to_server()
+    event = flt.next_event()
+    escaped = r"10.0.0.9:1\x0aevent\x201\x20rewritten\x200\x20x\x20y\x0d\x20\x5c\x1b[31m\xff"
+    assert event == EndpointRewritten(1, escaped, RESOLVED[1])
+    assert all(0x20 <= ord(c) < 0x7F for c in str(event)) and " " not in event.original
+
+
+def test_printable_word_is_cut_at_an_escape_and_says_so() -> None:
+    assert printable_word(b"") == "-" and printable_word(b"a" * 80) == "a" * 80
+    assert printable_word(b"a" * 81) == "a" * 77 + "..."
+    assert printable_word(b"a" * 75 + b"\n" * 10) == "a" * 75 + "..."  # \x0a would end past 77
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,14 @@ import numpy as np
 import pytest
 
 from mesh_sidecar.wire.rpc_outputs import (
+    BAD_HELLO_REPLY,
     GGML_TYPE_F16,
     GGML_TYPE_F32,
     NON_FINITE,
+    PROTOCOL_VIOLATION,
+    UNKNOWN_DIALECT,
+    UNSOLICITED_REPLY,
+    WRONG_REPLY_SIZE,
     CheckOff,
     Fault,
     OutputRejected,
@@ -165,21 +170,71 @@ def test_once_off_a_chunk_passes_as_the_same_object() -> None:
     assert check.data_to_client() is chunk
 
 
+NAN = np.full(64, np.nan, "<f4")
+NAN_TAIL = [("client", get_tensor(GGML_TYPE_F32, "l_out-1", NAN.nbytes)), ("server", reply(NAN.tobytes()))]
+
+
 @pytest.mark.parametrize("session, reason", [
     ([("client", frame(HELLO, b"")), ("server", reply(bytes([3, 0, 0])))], "not checked"),  # the b2b fork
+    ([("client", frame(HELLO, bytes(5)))], "no known dialect's size"),
     ([("client", frame(GET_ALIGNMENT, bytes(4)))], "before the HELLO reply"),
     ([("client", HELLO_REQUEST), ("server", HELLO_REPLY), ("client", frame(40, b""))], "unknown command 40"),
-    ([("client", HELLO_REQUEST), ("server", HELLO_REPLY), ("server", reply(b"x"))], "no pending command"),
-    ([("client", HELLO_REQUEST), ("server", reply(bytes(100)))], "no HELLO reply"),
 ])
-def test_streams_it_cannot_follow_pass_untouched(session, reason: str) -> None:
-    values = GOOD.copy()
-    values[0] = math.nan
-    tail = [("client", get_tensor(GGML_TYPE_F32, "l_out-1", values.nbytes)), ("server", reply(values.tobytes()))]
-    to_client, events, judge = run(session + tail)
-    assert to_client == server_bytes(session + tail)
+def test_the_client_may_lead_the_check_where_it_cannot_follow(session, reason: str) -> None:
+    """llama-server is ours: what it alone does switches the check off, and every byte then passes."""
+    to_client, events, judge = run(session + NAN_TAIL)
+    assert to_client == server_bytes(session + NAN_TAIL)
     assert isinstance(events[0], CheckOff) and reason in events[0].reason
     assert judge.seen == []
+
+
+# What a worker's rpc-server may send to get its later outputs through unchecked, were it obeyed; the last
+# server message breaks the protocol.
+WORKER_VIOLATIONS = {
+    "early-reply": ([("client", HELLO_REQUEST), ("server", HELLO_REPLY), ("server", reply(b"x"))], UNSOLICITED_REPLY),
+    "reply-first": ([("server", reply(b"x"))], UNSOLICITED_REPLY),
+    "huge-hello-reply": ([("client", HELLO_REQUEST), ("server", reply(bytes(100)))], BAD_HELLO_REPLY),
+    "foreign-hello-reply": ([("client", HELLO_REQUEST), ("server", reply(bytes([9, 0, 0, 0]) + bytes(24)))],
+                            UNKNOWN_DIALECT),
+    "short-hello-reply": ([("client", HELLO_REQUEST), ("server", reply(b""))], UNKNOWN_DIALECT),
+    "short-tensor": ([("client", HELLO_REQUEST), ("server", HELLO_REPLY),
+                      ("client", get_tensor(GGML_TYPE_F32, "l_out-1", 64)), ("server", reply(bytes(8)))],
+                     WRONG_REPLY_SIZE),
+}
+
+
+@pytest.mark.parametrize("name", WORKER_VIOLATIONS)
+def test_a_worker_cannot_switch_the_check_off(name: str) -> None:
+    """A protocol violation by the server is a fault, blamed like a NaN: its reply and all after it stay back."""
+    session, reason = WORKER_VIOLATIONS[name]
+    to_client, events, judge = run(session + NAN_TAIL)
+    assert to_client == server_bytes(session[:-1])
+    [event] = events
+    assert isinstance(event, OutputRejected) and event.tensor is None
+    assert event.fault.kind == PROTOCOL_VIOLATION and reason in event.fault.detail
+    assert judge.seen == []
+
+
+def test_an_early_reply_sent_with_the_hello_reply_is_kept_back_with_it() -> None:
+    """The finding: the early reply came in the HELLO reply's segment; nothing of that input goes on."""
+    session = [("client", HELLO_REQUEST), ("server", HELLO_REPLY + reply(b"x"))] + NAN_TAIL
+    to_client, [event], _ = run(session)
+    assert to_client == b"" and isinstance(event, OutputRejected) and UNSOLICITED_REPLY in event.fault.detail
+
+
+@pytest.mark.parametrize("name", WORKER_VIOLATIONS)
+def test_every_split_gives_the_same_violation(name: str) -> None:
+    violation, reason = WORKER_VIOLATIONS[name]
+    session = violation + NAN_TAIL
+    whole = run(session)
+    before = server_bytes(violation[:-1])
+    for split in range(1, max(len(data) for _, data in session)):
+        to_client, events, judge = run(session, split)
+        assert events == whole[1] and judge.seen == []
+        if reason == UNKNOWN_DIALECT:  # the HELLO reply passes as it comes; its fault shows at its end
+            assert to_client.startswith(before) and server_bytes(violation).startswith(to_client)
+        else:  # found at the reply's size field, which is held until whole
+            assert to_client == before
 
 
 def test_a_b2b_servers_pushes_are_followed_and_its_outputs_checked() -> None:
@@ -209,18 +264,12 @@ def test_a_b2b_servers_pushes_are_followed_and_its_outputs_checked() -> None:
     assert owed == [True, False, True, False, True, False, False, False, True, True]
 
 
-def test_a_reply_of_another_size_than_asked_is_not_measured() -> None:
-    session = [("client", HELLO_REQUEST), ("server", HELLO_REPLY),
-               ("client", get_tensor(GGML_TYPE_F32, "l_out-1", 64)), ("server", reply(bytes(8)))]
-    to_client, events, judge = run(session)
-    assert to_client == server_bytes(session) and events == [] and judge.seen == []
-
-
 def test_measure_rms_and_limits() -> None:
     assert measure("t", b"", GGML_TYPE_F32) == TensorMeasured("t", 0, True, 0.0, 0.0)
     big = np.full(1000, np.finfo(np.float32).max, dtype=np.float32)
     assert measure("t", big.tobytes(), GGML_TYPE_F32).finite  # squares past float32's range are not Inf
     assert measure("t", np.zeros(8, np.float32).tobytes(), GGML_TYPE_F32).rms == 0.0
+    assert measure("t", np.full(8, np.nan, np.float32).tobytes(), GGML_TYPE_F32).max_abs is None
 
 
 @pytest.mark.parametrize(("dtype", "ggml_type", "scale"), [
@@ -229,12 +278,13 @@ def test_measure_rms_and_limits() -> None:
 ])
 def test_measure_matches_an_exact_sum_of_squares(dtype: type[np.floating], ggml_type: int, scale: float) -> None:
     values = (np.random.default_rng(7).uniform(-1, 1, 4096) * scale).astype(dtype)
-    values[0] = scale  # the largest value itself
+    values[0] = -scale  # the largest |value| itself, negative: max_abs must not take the plain max
     # Squares of f16 and f32 values are exact in float64, and fsum rounds their sum once.
     square_sum = math.fsum(float(v) ** 2 for v in values)
     got = measure("t", values.tobytes(), ggml_type)
     assert got.values == values.size and got.finite
     assert got.rms == pytest.approx(math.sqrt(square_sum / values.size), rel=1e-12)
+    assert got.max_abs == float(dtype(scale))
 
 
 # Other threads' CPU time in a fresh process, around replies measured. OpenBLAS starts its pool when

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #define NO_HOLD UINT64_MAX
+#define WORD_CHARS 80 /* a word of peer bytes in an event text: a real endpoint is far shorter */
 #define EVENT_SLOTS (sizeof ((struct rpc_watch *)0)->events / sizeof ((struct rpc_watch *)0)->events[0])
 
 static uint64_t le64(const uint8_t *p) {
@@ -45,6 +46,36 @@ static void go_off(struct rpc_watch *w, const char *why) {
 static void go_broken(struct rpc_watch *w, const char *why) {
     w->phase = RW_BROKEN;
     push_event(w, RW_EV_BROKEN, why);
+}
+
+/* The server broke the protocol where the check reads it: as for a rejected tensor, nothing more goes
+ * on and the relay resets the connection. Only the client (llama-server, trusted) may switch the check
+ * off; a worker that could would send garbage unchecked from then on. `why` starts with its reason. */
+static void go_violated(struct rpc_watch *w, const char *why) {
+    w->phase = RW_REJECTED;
+    push_event(w, RW_EV_VIOLATION, why);
+}
+
+static int plain_byte(uint8_t b) { return b > 0x20 && b < 0x7f && b != '\\'; }
+
+/* Bytes from the wire as one word of an event text (event texts are one line of printable ASCII:
+ * they end up in the sidecar's reports and logs). 0x21-0x7e pass, but for the backslash; every other
+ * byte is written \xNN; an empty input is "-"; over max_chars, the whole escapes that fit in
+ * max_chars - 3, then "...". `out` holds max_chars + 1. rpc_framing.py's printable_word is the same. */
+static void printable_word(char *out, size_t max_chars, const uint8_t *in, size_t len) {
+    size_t total = 0, n = 0;
+    for (size_t i = 0; i < len; i++) total += plain_byte(in[i]) ? 1 : 4;
+    size_t room = total > max_chars ? max_chars - 3 : max_chars;
+    for (size_t i = 0; i < len && n + (plain_byte(in[i]) ? 1 : 4) <= room; i++) {
+        if (plain_byte(in[i])) out[n++] = (char)in[i];
+        else n += (size_t)snprintf(out + n, 5, "\\x%02x", in[i]);
+    }
+    if (total > max_chars) {
+        memcpy(out + n, "...", 3);
+        n += 3;
+    }
+    if (!len) out[n++] = '-';
+    out[n] = '\0';
 }
 
 void rw_init(struct rpc_watch *w, const struct rw_rules *rules, int check, int rewrite,
@@ -217,7 +248,7 @@ static void on_header(struct rpc_watch *w) {
             go_off(w, why);
             return;
         }
-        if (w->rewrite && !hello_request_size_known(w->rules, size)) {
+        if (!hello_request_size_known(w->rules, size)) { /* the client's choice: no dialect to read */
             snprintf(why, sizeof why, "the HELLO request has %llu bytes, no known dialect's size",
                      (unsigned long long)size);
             go_off(w, why);
@@ -258,9 +289,10 @@ static void on_header(struct rpc_watch *w) {
 static void rewrite_register_peer(struct rpc_watch *w, uint8_t *frame) {
     uint8_t *field = frame + RW_HEADER_BYTES + 4;
     uint32_t peer = le32(frame + RW_HEADER_BYTES);
-    char original[RW_REGISTER_ENDPOINT_BYTES + 1], text[192];
-    memcpy(original, field, RW_REGISTER_ENDPOINT_BYTES);
-    original[RW_REGISTER_ENDPOINT_BYTES] = '\0';
+    char original[WORD_CHARS + 1], text[192];
+    /* the member's bytes, up to the NUL: escaped, as they go into a report line */
+    const uint8_t *nul = memchr(field, 0, RW_REGISTER_ENDPOINT_BYTES);
+    printable_word(original, WORD_CHARS, field, nul ? (size_t)(nul - field) : RW_REGISTER_ENDPOINT_BYTES);
     const char *endpoint = w->resolve ? w->resolve(w->ctx, peer) : NULL;
     /* An endpoint we cannot map is cleared, never passed on: it means nothing on this machine.
      * The server answers an empty endpoint with 0 and the client copies through the serving node. */
@@ -271,7 +303,7 @@ static void rewrite_register_peer(struct rpc_watch *w, uint8_t *frame) {
         return;
     }
     memcpy(field, endpoint, strlen(endpoint));
-    snprintf(text, sizeof text, "%u %.80s %.80s", peer, original[0] ? original : "-", endpoint);
+    snprintf(text, sizeof text, "%u %s %.80s", peer, original, endpoint);
     push_event(w, RW_EV_REWRITTEN, text);
 }
 
@@ -351,10 +383,10 @@ static void on_hello_reply(struct rpc_watch *w) {
     char text[160];
     const struct rw_dialect *d = w->hello_request_bytes >= 0
         ? match_dialect(w, w->hello_reply, w->hello_reply_len) : NULL;
-    if (d == NULL) {
-        snprintf(text, sizeof text, "the HELLO exchange (%lld-byte request, %zu-byte reply) matches no known dialect",
-                 (long long)w->hello_request_bytes, w->hello_reply_len);
-        go_off(w, text);
+    if (d == NULL) { /* checking, the request named dialects (on_header): the server's fault */
+        snprintf(text, sizeof text, "%sthe HELLO exchange (%lld-byte request, %zu-byte reply) matches no known dialect",
+                 w->check ? "unknown-dialect " : "", (long long)w->hello_request_bytes, w->hello_reply_len);
+        (w->check ? go_violated : go_off)(w, text);
         return;
     }
     w->dialect = d;
@@ -375,7 +407,7 @@ static int on_reply_done(struct rpc_watch *w, const uint8_t *reply) {
     memset(&w->reply, 0, sizeof w->reply);
     if (e.hello) {
         on_hello_reply(w);
-        return 1;
+        return w->phase != RW_REJECTED;
     }
     if (!e.checked) return 1;
     struct rw_measured m;
@@ -385,7 +417,9 @@ static int on_reply_done(struct rpc_watch *w, const uint8_t *reply) {
     if (w->judge && w->judge(w->ctx, &m)) {
         w->phase = RW_REJECTED;
         w->rejected = m;
-        push_event(w, RW_EV_REJECTED, m.name);
+        char name[WORD_CHARS + 1]; /* the client's bytes, but one line all the same */
+        printable_word(name, WORD_CHARS, (const uint8_t *)m.name, strlen(m.name));
+        push_event(w, RW_EV_REJECTED, name);
         return 0;
     }
     return 1;
@@ -393,34 +427,39 @@ static int on_reply_done(struct rpc_watch *w, const uint8_t *reply) {
 
 static void on_reply_header(struct rpc_watch *w) {
     uint64_t size = le64(w->reply_header);
-    char why[96];
+    char why[128];
+    if (!w->pending_count && w->check) {
+        snprintf(why, sizeof why, "unsolicited-reply a reply of %llu bytes to no command", (unsigned long long)size);
+        go_violated(w, why);
+        return;
+    }
     if (w->phase == RW_HELLO) {
         /* The first reply answers HELLO. */
         if (w->check) {
-            if (!w->pending_count) {
-                go_off(w, "a reply to no pending command");
-                return;
-            }
             w->pending_head = (w->pending_head + 1) % RW_MAX_PENDING;
             w->pending_count--;
         }
         if (size > RW_MAX_HELLO_REPLY_BYTES) {
-            snprintf(why, sizeof why, "a first reply of %llu bytes is no HELLO reply", (unsigned long long)size);
-            go_off(w, why);
+            snprintf(why, sizeof why, "%sa first reply of %llu bytes is no HELLO reply",
+                     w->check ? "bad-hello-reply " : "", (unsigned long long)size);
+            (w->check ? go_violated : go_off)(w, why);
             return;
         }
         w->reply = (struct rw_expected){.hello = 1};
         w->reply_left = size;
         return;
     }
-    if (!w->pending_count) {
-        go_off(w, "a reply to no pending command");
-        return;
-    }
-    w->reply = w->pending[w->pending_head];
+    /* Past the HELLO reply, only the check reads replies (rw_from_server). */
+    struct rw_expected e = w->pending[w->pending_head];
     w->pending_head = (w->pending_head + 1) % RW_MAX_PENDING;
     w->pending_count--;
-    if (w->reply.checked && size != w->reply.size) w->reply.checked = 0; /* not the tensor asked for */
+    if (e.checked && size != e.size) {
+        snprintf(why, sizeof why, "wrong-reply-size a reply of %llu bytes to a GET_TENSOR of %llu",
+                 (unsigned long long)size, (unsigned long long)e.size);
+        go_violated(w, why);
+        return;
+    }
+    w->reply = e;
     w->reply_left = size;
 }
 
@@ -448,9 +487,9 @@ uint64_t rw_from_server(struct rpc_watch *w, uint8_t *data, uint64_t len) {
             }
             continue;
         }
-        if (w->reply_header_len == 0 && w->check && w->phase == RW_FRAMES && w->pending_count
-            && w->pending[w->pending_head].checked)
-            hold = pos; /* a reply to measure: held from its size field until judged */
+        /* The check holds a size field until it is read (a reply it condemns goes nowhere), and a reply
+         * to measure from there until it is judged. */
+        if (w->reply_header_len == 0 && w->check) hold = pos;
         uint64_t take = min64(RW_REPLY_SIZE_BYTES - w->reply_header_len, len - pos);
         memcpy(w->reply_header + w->reply_header_len, data + pos, take);
         w->reply_header_len += take;
@@ -459,7 +498,7 @@ uint64_t rw_from_server(struct rpc_watch *w, uint8_t *data, uint64_t len) {
         w->reply_header_len = 0;
         on_reply_header(w);
         if (!w->reply.checked) hold = NO_HOLD;
-        if (!w->reply_left && w->phase != RW_OFF) {
+        if (!w->reply_left && (w->phase == RW_HELLO || w->phase == RW_FRAMES)) {
             if (!on_reply_done(w, hold == NO_HOLD ? NULL : data + hold)) break;
             hold = NO_HOLD;
         }

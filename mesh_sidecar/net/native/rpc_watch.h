@@ -14,8 +14,15 @@
  * Holding model: each direction's bytes sit in the caller's buffer; the watch is shown every
  * unreleased byte (the same bytes again, plus new ones, until it releases them) and answers how
  * many of them, from the front, may go on. It holds bytes only to rewrite a REGISTER_PEER frame
- * (141 bytes), client bytes sent before the HELLO reply (bounded), and a checked GET_TENSOR reply
- * until it is whole and judged (at most max_checked_bytes).
+ * (141 bytes), client bytes sent before the HELLO reply (bounded), a reply's size field until it
+ * is read (check mode), and a checked GET_TENSOR reply until it is whole and judged (at most
+ * max_checked_bytes).
+ *
+ * Who may stop the check (check mode): the client (llama-server, our own) may lead it where it
+ * cannot follow, and the watch goes RW_OFF. The server (a member's rpc-server) may not: a reply to
+ * no command, a first reply too big for a HELLO reply, a HELLO reply fitting no dialect of the
+ * request, or a checked reply of another size than asked is RW_EV_VIOLATION, handled as a rejected
+ * tensor. Event texts are one line of printable ASCII: wire bytes in them are escaped.
  */
 #ifndef MESH_RPC_WATCH_H
 #define MESH_RPC_WATCH_H
@@ -86,9 +93,10 @@ enum rw_event_kind {
     RW_EV_NONE,
     RW_EV_DIALECT,     /* text: "<name> <major.minor.patch>" */
     RW_EV_OFF,         /* text: why the watch stopped reading (bytes pass untouched) */
-    RW_EV_REWRITTEN,   /* text: "<peer> <original> <rewritten>" */
+    RW_EV_REWRITTEN,   /* text: "<peer> <original> <rewritten>"; original: the member's bytes, escaped
+                          as rpc_framing.printable_word does ("-": empty) */
     RW_EV_UNRESOLVED,  /* text: "<peer>": the endpoint was cleared */
-    RW_EV_REJECTED,    /* a checked reply failed its judge; `measured` says which */
+    RW_EV_REJECTED,    /* a checked reply failed its judge; `rejected` says which; text: its name, escaped */
     RW_EV_BROKEN,      /* text: a frame over max_frame_bytes or too much sent before the HELLO reply */
     RW_EV_VIOLATION,   /* text: "<reason> <details...>": the worker broke the protocol (check mode);
                           reason: unsolicited-reply, wrong-reply-size, unknown-dialect or bad-hello-reply.
