@@ -15,17 +15,19 @@ from dataclasses import dataclass
 
 from ..wire.gossip import LlamaBuild, MemberInfo
 from ..wire.rpc_hello import accepts
-from ..wire.rpc_outputs import NON_FINITE, NORM_OUTLIER
+from ..wire.rpc_outputs import ABSOLUTE_OUTLIER, NON_FINITE, NORM_OUTLIER, PROTOCOL_VIOLATION
 
 # Why a serving node leaves a member out: it holds a different model file...
 WEIGHTS_MISMATCH = "weights_mismatch"
 # ...or its rpc-server speaks an RPC version the serving node's llama-server refuses (and would abort on).
 LLAMA_BUILD_MISMATCH = "llama_build_mismatch"
-# ...or its rpc-server returned layer outputs that were NaN/Inf or far off their usual scale, in this run.
+# ...or its rpc-server returned layer outputs that were NaN/Inf or far off their usual scale, or broke the
+# RPC protocol on the way (a reply nobody asked for, one of the wrong size), in this run.
 CORRUPT_OUTPUT = "corrupt_output"
 # ...or its rpc-server's replies held the serving node's tokens up far past their usual time, lately.
 SLOW = "slow"
-FAULT_TEXT = {NON_FINITE: "NaN or Inf values", NORM_OUTLIER: "values far outside their own recent range"}
+FAULT_TEXT = {NON_FINITE: "NaN or Inf values", NORM_OUTLIER: "values far outside their own recent range",
+              ABSOLUTE_OUTLIER: "values far beyond any real model's", PROTOCOL_VIOLATION: "RPC protocol violations"}
 SHA256_SHOWN_CHARS = 12
 SLOW_EXCLUSION_S = 600.0  # a member left out as slow is given layers again after this long (verdicts.py)
 SAME_BUILD_REMEDY = ("Run one llama.cpp build on every machine: ./scripts/bootstrap.sh (the pinned build; leave "
@@ -72,6 +74,9 @@ def exclusion_of(member: MemberInfo, serving: MemberInfo) -> Exclusion | None:
             CORRUPT_OUTPUT,
             f"{serving.name} found {FAULT_TEXT.get(found.fault, found.fault)} in the layer outputs "
             f"{member.name}'s rpc-server returned",
+            f"Check that {member.name} runs the pinned llama.cpp build and nothing else answers on its rpc-server's "
+            "port, then restart mesh-inference there: a restarted member is given layers again."
+            if found.fault == PROTOCOL_VIOLATION else
             f"Check {member.name}'s GPU and memory (a driver reset, a memory test), then restart mesh-inference "
             "there: a restarted member is given layers again.")
     held = next((w for w in serving.slow_workers if w.node_id == member.node_id and w.run_id == member.run_id), None)

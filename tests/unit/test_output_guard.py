@@ -18,6 +18,7 @@ from mesh_sidecar.wire.rpc_outputs import (
     MAX_OUTPUT_RMS,
     NON_FINITE,
     NORM_OUTLIER,
+    PROTOCOL_VIOLATION,
     OutputRejected,
     RpcOutputCheck,
     TensorMeasured,
@@ -111,6 +112,15 @@ def test_both_sides_name_corrupt_output_until_the_member_restarts() -> None:
     assert "restart mesh-inference there" in found.message("b")
     assert exclusion_of(dataclasses.replace(worker, run_id=8), serving) is None  # restarted
     assert exclusion_of(info(OTHER, "a", run_id=7), serving) is None
+
+
+def test_a_protocol_violation_is_named_as_such_with_its_own_remedy() -> None:
+    worker = info(WORKER, "b", run_id=7)
+    serving = info(SERVING, "c", serving=True, corrupt_outputs=(CorruptOutput(WORKER, 7, PROTOCOL_VIOLATION),))
+    found = exclusion_of(worker, serving)
+    assert found is not None and found.reason == CORRUPT_OUTPUT
+    assert found.detail == "c found RPC protocol violations in the layer outputs b's rpc-server returned"
+    assert "pinned llama.cpp build" in found.message("b") and "GPU" not in found.message("b")
 
 
 def test_the_fields_are_optional_within_version_4() -> None:
