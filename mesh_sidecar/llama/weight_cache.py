@@ -1,32 +1,39 @@
-"""Zero-byte model loads: the rpc-server weight cache, filled from the node's own GGUF.
+"""Zero-byte model loads: the rpc-server weight cache, filled only from the node's own GGUF.
 
 llama.cpp's RPC client sends a weight tensor over HASH_THRESHOLD_BYTES as
 ``SET_TENSOR_HASH`` (its 64-bit FNV-1a hash) first; an rpc-server started with
 ``-c`` answers from the file named by that hash in ``$LLAMA_CACHE/rpc`` and the
-tensor's bytes never cross the network. Otherwise the client sends the bytes
-and the server saves them there, so a second load is free anyway.
+tensor's bytes never cross the network. Otherwise the client sends the bytes.
+Upstream's server would then save them under their FNV-1a name for later loads;
+ours does not (``llama.cpp-rpc-cache-read-only.patch``, patches/README.md):
+FNV-1a is no proof of content, so any member could have planted a tensor of its
+choosing under a weight's name. A worker without the model file therefore gets
+the weights over the network on every load, and keeps none of them.
 
 A node that holds the model file (same sha256 as the serving node's: see
-``weights_mismatch``) seeds that cache before its first load, so even the first
-load ships only hashes and the small tensors. Each node has its own cache in
-its home: one rpc-server writes it, so no reader sees another's half-written
-file. rpc-server itself trusts whatever file carries the right name and does
-not write atomically, so files it wrote are checked once (``verify``) before
-they are used again: a file torn by a crash is removed, not loaded as weights.
+``weights_mismatch``) seeds that cache before its first load, so every load
+ships only hashes and the small tensors. Seeding records each file's SHA-256 in
+``verified.json``; ``verify``, before rpc-server starts, removes every file
+that seeding did not write or that no longer matches its record. A name that
+two different tensors share (FNV-1a collides by chance, or by a model made to)
+is left empty for good: neither is served from the cache. Each node has its own
+cache in its home.
 
-Hashing gigabytes byte by byte is too slow in Python; ``native/tensor_cache.c``
-does it, built once with the system C compiler (the one llama.cpp needs).
+FNV-1a over gigabytes is too slow in Python; ``native/tensor_cache.c`` takes it
+(and the SHA-256) while copying, built once with the system C compiler (the one
+llama.cpp needs) against OpenSSL's libcrypto.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -35,6 +42,7 @@ from ..home import cache_root
 from ..progress import ProgressCallback
 from ..units import MIB
 from .gguf_file import read_header
+from .model import file_sha256
 from .model_files import model_files
 
 log = logging.getLogger(__name__)
@@ -45,8 +53,10 @@ CACHE_DIR_NAME = "weight-cache"  # in the node's home; rpc-server adds "rpc"
 LLAMA_CACHE_ENV = "LLAMA_CACHE"
 TOOL_SOURCE = "tensor_cache.c"
 TOOL_NAME = "mesh-tensor-cache"
-VERIFIED_FILE = "verified.json"  # name -> [size, mtime_ns] of files known good
-SEEDED_PREFIX = "seeded-"  # + model sha256: this model's tensors are all in the cache
+OPENSSL_PACKAGE = "libssl-dev"  # the tool's SHA-256 is libcrypto's
+VERIFIED_FILE = "verified.json"  # what seeding wrote: _Ledger
+SEEDED_PREFIX = "seeded-"  # + model sha256: this model's tensors were seeded, under the names it lists
+STAGING_DIR_NAME = "seeding"  # where the tool writes a tensor before it is let into the cache
 _HASH_NAME_CHARS = 16
 
 
@@ -62,7 +72,7 @@ class WeightCache:
 
     @property
     def tensors(self) -> Path:
-        """Where rpc-server reads and writes ``<16 hex digits>`` files."""
+        """Where rpc-server reads ``<16 hex digits>`` files."""
         return self.root / "rpc"
 
     def environment(self) -> dict[str, str]:
@@ -77,6 +87,51 @@ class WeightCache:
                       if len(p.name) == _HASH_NAME_CHARS and all(c in "0123456789abcdef" for c in p.name))
 
 
+@dataclass(frozen=True)
+class _Seeded:
+    """A tensor file as seeding wrote it."""
+
+    size: int
+    sha256: str
+    mtime_ns: int  # when it was last checked: a file with this size and mtime is not hashed again
+
+    def unchanged(self, path: Path) -> bool:
+        stat = path.stat()
+        return (stat.st_size, stat.st_mtime_ns) == (self.size, self.mtime_ns)
+
+
+@dataclass
+class _Ledger:
+    """``verified.json``: the files seeding wrote, by name (kept when a file is removed: the name stays that
+    tensor's), and the names two different tensors claimed."""
+
+    tensors: dict[str, _Seeded] = field(default_factory=dict)
+    contested: set[str] = field(default_factory=set)
+
+    @classmethod
+    def read(cls, cache: WeightCache) -> _Ledger:
+        """The ledger; an unreadable or older one is empty (its files are then not ours, and are removed)."""
+        data = _read_json(cache.root / VERIFIED_FILE)
+        contested, tensors = data.get("contested"), data.get("tensors")
+        ledger = cls(contested={name for name in (contested if isinstance(contested, list) else ())
+                                if isinstance(name, str)})
+        for name, entry in (tensors.items() if isinstance(tensors, dict) else ()):
+            try:
+                ledger.tensors[name] = _Seeded(int(entry["size"]), str(entry["sha256"]), int(entry["mtime_ns"]))
+            except (KeyError, TypeError, ValueError):
+                pass
+        return ledger
+
+    def settled(self, cache: WeightCache, name: str) -> bool:
+        """Whether seeding has nothing left to do for ``name``: its file is in the cache, or it is contested."""
+        return name in self.contested or (name in self.tensors and (cache.tensors / name).is_file())
+
+    def write(self, cache: WeightCache) -> None:
+        _write_json(cache.root / VERIFIED_FILE, {"tensors": {name: dataclasses.asdict(entry)
+                                                             for name, entry in sorted(self.tensors.items())},
+                                                 "contested": sorted(self.contested)})
+
+
 def hashed_tensor_ranges(model: Path) -> list[tuple[Path, int, int]]:
     """(file, offset in it, size) of every tensor the RPC client would send by hash: in every shard of
     a split model."""
@@ -85,7 +140,7 @@ def hashed_tensor_ranges(model: Path) -> list[tuple[Path, int, int]]:
 
 
 def ensure_tool(progress: ProgressCallback) -> Path:
-    """The compiled helper, built on first use; SetupError if there is no C compiler."""
+    """The compiled helper, built on first use; SetupError if there is no C compiler or no libcrypto."""
     source = resources.files("mesh_sidecar.llama.native").joinpath(TOOL_SOURCE).read_bytes()
     digest = hashlib.sha256(source).hexdigest()[:12]
     tool = cache_root() / "tools" / f"{TOOL_NAME}-{digest}"
@@ -94,62 +149,112 @@ def ensure_tool(progress: ProgressCallback) -> Path:
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise SetupError("No C compiler (cc) found to build the weight-cache helper. "
-                         "On Debian/Ubuntu: sudo apt-get install gcc")
+                         f"On Debian/Ubuntu: sudo apt-get install gcc {OPENSSL_PACKAGE}")
     progress("Building the weight-cache helper", 0, 0)
     tool.parent.mkdir(parents=True, exist_ok=True)
     source_path = tool.with_suffix(".c")
     source_path.write_bytes(source)
     partial = tool.with_name(tool.name + ".partial")
-    result = subprocess.run([compiler, "-O2", "-o", str(partial), str(source_path)], capture_output=True, text=True)
+    result = subprocess.run([compiler, "-O2", "-o", str(partial), str(source_path), "-lcrypto"],
+                            capture_output=True, text=True)
     if result.returncode != 0:
-        raise SetupError(f"Building the weight-cache helper failed:\n{result.stderr.strip()[-2000:]}")
+        hint = f" OpenSSL's headers are missing: sudo apt-get install {OPENSSL_PACKAGE}" if "openssl" in result.stderr \
+            else ""
+        raise SetupError(f"Building the weight-cache helper failed.{hint}\n{result.stderr.strip()[-2000:]}")
     partial.replace(tool)
     return tool
 
 
-def verify(cache: WeightCache, tool: Path, progress: ProgressCallback) -> int:
-    """Check every cached tensor file not yet known good; remove bad ones. Returns how many."""
+def verify(cache: WeightCache, progress: ProgressCallback) -> int:
+    """Remove every tensor file that seeding did not write, or whose SHA-256 is no longer what seeding
+    recorded; returns how many. Run before rpc-server starts: it serves whatever file has the right name.
+
+    A file with the size and mtime of its last check is not hashed again: whoever could change its bytes and
+    keep both can also rewrite the ledger, so hashing it on every start would buy nothing but minutes."""
     cache.create()
-    verified = _read_json(cache.root / VERIFIED_FILE)
+    ledger = _Ledger.read(cache)
     files = cache.tensor_files()
-    unchecked = [p for p in files if verified.get(p.name) != _fingerprint(p)]
-    removed = 0
-    total = sum(p.stat().st_size for p in unchecked)
+    unknown = [p for p in files if p.name not in ledger.tensors]
+    changed = [p for p in files if p.name in ledger.tensors and not ledger.tensors[p.name].unchanged(p)]
+    total = sum(p.stat().st_size for p in changed)
     done = 0
-    for path in unchecked:
-        outcome = _run_tool(tool, "verify", str(cache.tensors), path.name)
-        done += path.stat().st_size
-        progress("Checking the weight cache", done, total)
-        if outcome == [f"ok {path.name}"]:
-            verified[path.name] = _fingerprint(path)
+    altered = []
+    for path in changed:
+        seeded, stat = ledger.tensors[path.name], path.stat()
+        if stat.st_size == seeded.size and file_sha256(path) == seeded.sha256:
+            ledger.tensors[path.name] = dataclasses.replace(seeded, mtime_ns=stat.st_mtime_ns)
         else:
-            log.warning("removed torn or altered weight-cache file %s", path.name)
-            path.unlink()
-            removed += 1
-    present = {p.name for p in cache.tensor_files()}
-    _write_json(cache.root / VERIFIED_FILE, {k: v for k, v in verified.items() if k in present})
-    return removed
+            altered.append(path)
+        done += stat.st_size
+        progress("Checking the weight cache", done, total)
+    for path in unknown:
+        log.warning("removed weight-cache file %s: this node did not seed it", path.name)
+    for path in altered:
+        log.warning("removed weight-cache file %s: its bytes are not those this node seeded", path.name)
+    for path in unknown + altered:
+        path.unlink()
+    ledger.write(cache)
+    return len(unknown) + len(altered)
 
 
 def seed(cache: WeightCache, tool: Path, model: Path, sha256: str, progress: ProgressCallback) -> int:
-    """Put every by-hash tensor of ``model`` in the cache (once per model); returns bytes written."""
+    """Put every by-hash tensor of ``model`` in the cache: all of them the first time, then only those missing
+    (``verify`` removed them, or they were deleted); returns bytes written. ``sha256`` is the model's identity,
+    checked by whoever got the file."""
     cache.create()
-    stamp = cache.root / f"{SEEDED_PREFIX}{sha256}"
-    if stamp.exists():
-        return 0
     ranges = hashed_tensor_ranges(model)
-    total = sum(size for _, _, size in ranges)
-    verified = _read_json(cache.root / VERIFIED_FILE)
+    stamp = cache.root / f"{SEEDED_PREFIX}{sha256}"
+    names = _seeded_names(stamp, len(ranges))
+    ledger = _Ledger.read(cache)
+    todo = [i for i, name in enumerate(names) if name is None or not ledger.settled(cache, name)]
+    if not todo:
+        return 0
+    # The tool writes outside the cache, so that rpc-server never sees a tensor before it is checked here.
+    staging = cache.root / STAGING_DIR_NAME
+    shutil.rmtree(staging, ignore_errors=True)  # a crash's leftovers: one node seeds its cache at a time
+    staging.mkdir()
+    total = sum(ranges[i][2] for i in todo)
     done = 0
-    for file, offset, size in ranges:
-        (line,) = _run_tool(tool, "seed", str(file), str(cache.tensors), f"{offset}:{size}")
-        name = line.split()[0]
-        verified[name] = _fingerprint(cache.tensors / name)
-        done += size
-        progress(f"Seeding the weight cache from {model.name}", done, total)
-    _write_json(cache.root / VERIFIED_FILE, verified)
-    stamp.write_text(json.dumps({"model": str(model), "tensors": len(ranges), "bytes": total}))
+    try:
+        for i in todo:
+            file, offset, size = ranges[i]
+            (line,) = _run_tool(tool, "seed", str(file), str(staging), f"{offset}:{size}")
+            name, _, digest = line.split()
+            _admit(cache, ledger, staging / name, digest)
+            names[i] = name
+            done += size
+            progress(f"Seeding the weight cache from {model.name}", done, total)
+    finally:
+        ledger.write(cache)  # what was admitted stays known, even if a later tensor failed
+    staging.rmdir()
+    stamp.write_text(json.dumps({"model": str(model), "tensors": names}))
     return total
+
+
+def _seeded_names(stamp: Path, count: int) -> list[str | None]:
+    """The name each by-hash tensor of a model was seeded under, in order; None where not known."""
+    names = _read_json(stamp).get("tensors")
+    if isinstance(names, list) and len(names) == count and all(isinstance(name, str) for name in names):
+        return list(names)
+    return [None] * count
+
+
+def _admit(cache: WeightCache, ledger: _Ledger, staged: Path, sha256: str) -> None:
+    """Move a tensor the tool wrote to ``staged`` into the cache, unless its name is another tensor's."""
+    name, target = staged.name, cache.tensors / staged.name
+    seeded = ledger.tensors.get(name)
+    if name in ledger.contested or (seeded is not None and seeded.sha256 != sha256):
+        # Two different tensors with one FNV-1a name: by chance, or a model made to collide with another's
+        # weights. rpc-server would serve either for both, so neither is served from the cache, now or later.
+        log.warning("weight-cache name %s belongs to two different tensors: neither is cached", name)
+        staged.unlink()
+        target.unlink(missing_ok=True)
+        ledger.tensors.pop(name, None)
+        ledger.contested.add(name)
+        return
+    staged.replace(target)
+    stat = target.stat()
+    ledger.tensors[name] = _Seeded(stat.st_size, sha256, stat.st_mtime_ns)
 
 
 def _run_tool(tool: Path, *args: str) -> list[str]:
@@ -157,11 +262,6 @@ def _run_tool(tool: Path, *args: str) -> list[str]:
     if result.returncode != 0:
         raise SetupError(f"The weight-cache helper failed: {result.stderr.strip()[-2000:]}")
     return result.stdout.splitlines()
-
-
-def _fingerprint(path: Path) -> list[int]:
-    stat = path.stat()
-    return [stat.st_size, stat.st_mtime_ns]
 
 
 def _read_json(path: Path) -> dict:

@@ -50,11 +50,11 @@ def complete(port: int, prompt: str = PROMPT, *, ignore_eos: bool = False) -> st
 
 
 def start_bare_rpc_server(binaries: LlamaBinaries, port: int, log: Path, *, env: Mapping[str, str] | None = None,
-                          devices: Sequence[str] = ()) -> subprocess.Popen:
+                          devices: Sequence[str] = (), args: Sequence[str] = ()) -> subprocess.Popen:
     """A bare rpc-server, returned once it listens (llama-server aborts on a port not yet open); ``env`` adds
-    to the environment, ``devices`` are the ones it offers (its -d)."""
+    to the environment, ``devices`` are the ones it offers (its -d), ``args`` add to its command line."""
     proc = subprocess.Popen([str(binaries.rpc_server), "-H", "127.0.0.1", "-p", str(port),
-                             *(["-d", ",".join(devices)] if devices else [])],
+                             *(["-d", ",".join(devices)] if devices else []), *args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def listening() -> bool:  # its sockets, not a probe connection: that would be a client

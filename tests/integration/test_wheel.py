@@ -3,8 +3,8 @@
 ``pip install .`` (not editable) gets only what the wheel holds: every module of
 ``mesh_sidecar``, and the plain files it reads beside its modules: the native helper's
 C source (``llama/native/tensor_cache.c``), the native data relay's sources
-(``net/native/``), the /mesh dashboard (``serve/dashboard/*``) and the b2b build's patch
-(``llama/patches/llama.cpp-b2b.patch``). A file missing from
+(``net/native/``), the /mesh dashboard (``serve/dashboard/*``) and the llama.cpp patches
+(``llama/patches/*.patch``). A file missing from
 ``[tool.setuptools.package-data]`` works from a checkout and breaks once installed, so
 this builds the wheel and compares it with the source tree. Tests and benchmarks stay out.
 
@@ -35,7 +35,7 @@ NOT_SOURCE = (".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pyca
               ".hypothesis", "test-artifacts", "results")
 # What the package reads from beside its modules, relative to the package (each must match something).
 RUNTIME_DATA = ("llama/native/tensor_cache.c", "serve/dashboard/index.html", "serve/dashboard/*.js",
-                "serve/dashboard/*.css", "llama/patches/llama.cpp-b2b.patch",
+                "serve/dashboard/*.css", "llama/patches/*.patch",
                 "net/native/*.c", "net/native/*.h", "net/native/CMakeLists.txt")
 BUILD_TIMEOUT_S = 300
 

@@ -34,6 +34,7 @@ from mesh_sidecar.llama.build import (
     B2B,
     CMAKE_OPTIONS,
     PATCHES_DIR,
+    READ_ONLY_CACHE_PATCH,
     SDIST_SHA256,
     STOCK,
     ninja_reporter,
@@ -165,24 +166,26 @@ def test_cmake_options_per_backend() -> None:
 
 
 def test_cache_keys() -> None:
-    # The CPU builds keep the names they had before backends: existing caches stay valid.
-    assert STOCK.key() == "llama.cpp-0.3.36"
-    assert re.fullmatch(r"llama\.cpp-0\.3\.36-b2b-[0-9a-f]{12}", B2B.key())
+    # Every build carries the read-only cache patch's hash: a build from before it, or of an older patch, is
+    # never taken for one with it.
+    assert re.fullmatch(r"llama\.cpp-0\.3\.36-cache-ro-[0-9a-f]{12}", STOCK.key())
+    assert re.fullmatch(re.escape(STOCK.key()) + r"-b2b-[0-9a-f]{12}", B2B.key())
     assert STOCK.on(CPU) == STOCK and B2B.on(CPU).key() == B2B.key()
-    assert re.fullmatch(r"llama\.cpp-0\.3\.36-vulkan-[0-9a-f]{12}", STOCK.on(VULKAN).key())
-    assert STOCK.on(CUDA).key() == "llama.cpp-0.3.36-cuda"
-    assert STOCK.on(METAL).key() == "llama.cpp-0.3.36-metal"
+    assert re.fullmatch(re.escape(STOCK.key()) + r"-vulkan-[0-9a-f]{12}", STOCK.on(VULKAN).key())
+    assert STOCK.on(CUDA).key() == STOCK.key() + "-cuda"
+    assert STOCK.on(METAL).key() == STOCK.key() + "-metal"
     assert B2B.on(VULKAN).key() == STOCK.on(VULKAN).key() + B2B.key().removeprefix(STOCK.key())
     keys = {variant.on(backend).key() for variant in (STOCK, B2B) for backend in BACKENDS.values()}
     assert len(keys) == 2 * len(BACKENDS)
 
 
-def test_vulkan_build_applies_its_header_fix_first() -> None:
+def test_every_build_applies_the_read_only_cache_patch_first_and_vulkan_its_header_fix_next() -> None:
     fix = PATCHES_DIR / "llama.cpp-vulkan-headers.patch"
-    assert STOCK.on(VULKAN).patches() == (fix,)
-    assert B2B.on(VULKAN).patches() == (fix, B2B.patch)
-    assert STOCK.on(CUDA).patches() == () and STOCK.patches() == ()
+    assert STOCK.on(VULKAN).patches() == (READ_ONLY_CACHE_PATCH, fix)
+    assert B2B.on(VULKAN).patches() == (READ_ONLY_CACHE_PATCH, fix, B2B.patch)
+    assert STOCK.on(CUDA).patches() == STOCK.patches() == (READ_ONLY_CACHE_PATCH,)
     assert "#if defined(VK_EXT_layer_settings)" in fix.read_text()
+    assert "mesh-inference: cache_flag is ignored" in READ_ONLY_CACHE_PATCH.read_text()
 
 
 def test_setup_records_the_backend_the_nodes_run(tmp_path, monkeypatch) -> None:

@@ -1,1 +1,1 @@
-"""The C helper the weight cache compiles once: FNV-1a hashing and copying of tensor bytes."""
+"""The C helper the weight cache compiles once: copies tensor bytes, hashing them (FNV-1a, SHA-256) on the way."""
