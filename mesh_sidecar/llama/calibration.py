@@ -19,6 +19,16 @@ MAX_MEASURE_S per kind (and one sample more), everything at most DEVICE_TIMEOUT_
 (timeout, a closed connection, an answer we cannot read) is logged and leaves that device
 unmeasured (None): never an error of the node's. If rpc-server aborts on the graph (a backend that
 cannot run it), the node starts it again, unmeasured (node/lifecycle.py).
+
+One calibration is one sample of the machine as it was for a second: another program hashing a
+model on the same cores, or a CPU quota for a while, made two identical members measure 2.7 and
+14.7 GiB/s. Noise only ever slows a measurement, so :class:`SpeedRecord` keeps a device's last
+KEPT_CALIBRATIONS calibrations, taken at different times while its rpc-server has no client (the
+machine idle for it), and rates the device at the best of them; the speed is *settled* once two of
+them agree within AGREE_RATIO. Until then the node measures again after RECHECK_S, doubling the wait
+each time, and every IDLE_RECHECK_S once settled (so a device that became slower for good is rated
+so within a few rechecks). An unsettled speed is announced as such, and planning never weighs a
+device below another on it (serve/speeds.py).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import ProtocolVersionError, WireError
 from ..ports import LOOPBACK
@@ -70,6 +81,13 @@ MAX_MEASURE_S = 0.6  # per kind: then the samples so far decide
 STABLE_SPREAD = 0.1  # settled once the median sample is within this share of the mean
 DEVICE_TIMEOUT_S = 4.0  # everything on one device, connecting included
 TOTAL_TIMEOUT_S = 10.0  # every device; those not reached by then are unmeasured
+# Two calibrations agree when the faster is within this factor of the slower (a busy 2-core machine moves one by
+# tens of percent; the load that misled the issue's members, 5x).
+AGREE_RATIO = 1.25
+KEPT_CALIBRATIONS = 4  # a device's latest calibrations, the best of which rates it
+RECHECK_S = 5.0  # after a calibration that left the speed unsettled: the next, the wait doubling each time
+IDLE_RECHECK_S = 600.0  # after a settled one: the longest wait between two calibrations
+TCP_ESTABLISHED = "01"  # a connection's state in /proc/net/tcp
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +98,52 @@ class DeviceSpeed:
     """Weight bytes per second through one token's matrix-vector products."""
     prefill_bytes_per_s: int
     """Weight bytes per second per prompt token, in a batch of PREFILL_COLUMNS tokens."""
+
+
+@dataclass
+class SpeedRecord:
+    """One device's latest calibrations: it is as fast as the best of them, settled once two of them agree."""
+
+    taken: list[DeviceSpeed] = dataclasses.field(default_factory=list)  # oldest first
+
+    def add(self, speed: DeviceSpeed) -> None:
+        self.taken = [*self.taken, speed][-KEPT_CALIBRATIONS:]
+
+    def best(self) -> DeviceSpeed | None:
+        """The fastest calibration kept (by decode speed, what plans weigh); None before any."""
+        return max(self.taken, key=lambda speed: speed.decode_bytes_per_s, default=None)
+
+    def settled(self) -> bool:
+        """Whether two calibrations kept agree with the best (within AGREE_RATIO): one sample rates nothing."""
+        best = self.best()
+        return best is not None and sum(
+            speed.decode_bytes_per_s * AGREE_RATIO >= best.decode_bytes_per_s for speed in self.taken) >= 2
+
+    def recheck_after_s(self) -> float:
+        """How long after the last calibration to measure again (when the rpc-server has no client then)."""
+        if self.settled():
+            return IDLE_RECHECK_S
+        return min(IDLE_RECHECK_S, RECHECK_S * 2 ** max(0, len(self.taken) - 1))
+
+
+def has_client(port: int, tcp_tables: Sequence[str]) -> bool:
+    """Whether a connection to local TCP ``port`` is established, in the text of /proc/net/tcp and tcp6: the
+    rpc-server on it serves one client at a time, so a calibration then would wait for llama-server to let go."""
+    for table in tcp_tables:
+        for line in table.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == TCP_ESTABLISHED and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def rpc_server_has_client(port: int) -> bool:
+    """Whether the rpc-server on loopback ``port`` serves a client now (on a system without /proc/net: True,
+    so nothing is measured under a client)."""
+    try:
+        return has_client(port, [Path(f"/proc/net/{name}").read_text() for name in ("tcp", "tcp6")])
+    except OSError:
+        return True
 
 
 def passes_for(probe_s: float) -> int:

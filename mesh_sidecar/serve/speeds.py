@@ -20,6 +20,14 @@ slowdown, and the planner divides the announced speed by it; under SLOWDOWN_FLOO
 (noise). After a replan for speed a worker's new share starts at 1 again: the plan in service is
 then judged at the announced speeds, where it is no slower than the memory plan, so it stays
 (replan.py: a speed replan needs 15% and waits its interval).
+
+A speed from one calibration is one sample (llama/calibration.py: the member announces it as not
+settled until a second calibration agrees). :func:`weighable_speeds` keeps a plan from weighing a
+device below another on it: noise only slows a measurement, so an unsettled speed counts where no
+other member is more than SAME_SPEED_RATIO faster, and is unknown (the plan goes by memory, alike)
+where one is, until the member settles it or the traffic confirms it: a worker seen on
+MIN_REQUESTS requests runs at least as fast as its weight bytes over its time per token
+(``observed_bytes_per_s``, diluted by its link, so never an overstatement).
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+
+from .assignment import SAME_SPEED_RATIO
 
 if TYPE_CHECKING:
     from .planner import Plan
@@ -42,6 +52,29 @@ MIN_TOKENS_OBSERVED = 16
 RECENT_REQUESTS = 5
 MIN_REQUESTS = 3
 SLOWDOWN_FLOOR = 1.5  # slower than its baseline by less than this: as measured
+
+K = TypeVar("K")
+
+
+@dataclass(frozen=True)
+class AnnouncedSpeed:
+    """A member's fastest device as gossip announced it, and what the traffic showed of it."""
+
+    bytes_per_s: float  # 0: unknown
+    settled: bool  # two of its calibrations agreed (llama/calibration.py)
+    observed_bytes_per_s: float | None = None  # ObservedSpeeds.observed_bytes_per_s: confirmed by traffic
+
+
+def weighable_speeds(speeds: Mapping[K, AnnouncedSpeed]) -> dict[K, float]:
+    """Each member's speed as plans may weigh it: settled or confirmed by traffic, as fast as announced or
+    observed (the larger); unsettled, as announced where no other member is more than SAME_SPEED_RATIO faster,
+    else unknown (0)."""
+    confirmed = {key: max(speed.bytes_per_s, speed.observed_bytes_per_s or 0.0) for key, speed in speeds.items()
+                 if speed.settled or speed.observed_bytes_per_s is not None}
+    fastest = max((confirmed.get(key, speed.bytes_per_s) for key, speed in speeds.items()), default=0.0)
+    return {key: confirmed[key] if key in confirmed
+            else speed.bytes_per_s if fastest <= SAME_SPEED_RATIO * speed.bytes_per_s else 0.0
+            for key, speed in speeds.items()}
 
 
 @dataclass
@@ -90,13 +123,25 @@ class ObservedSpeeds:
     def slowdown(self, node_id: bytes) -> float:
         """How many times slower than its baseline ``node_id`` runs now, on its share of the last plan observed
         (1.0: as measured, or that share not yet seen MIN_REQUESTS times)."""
-        share = self._shares.get(node_id)
-        worker = None if share is None else self._workers.get((node_id, *share))
+        worker = self._on_last_share(node_id)
         now = None if worker is None else worker.now_s_per_byte()
         if worker is None or now is None:
             return 1.0
         ratio = now / worker.baseline_s_per_byte
         return ratio if ratio >= SLOWDOWN_FLOOR else 1.0
+
+    def observed_bytes_per_s(self, node_id: bytes) -> float | None:
+        """The weight bytes a second ``node_id`` ran at at its best on its share of the last plan observed (its
+        link included: at most its compute's pace); None before MIN_REQUESTS requests."""
+        worker = self._on_last_share(node_id)
+        if worker is None or worker.now_s_per_byte() is None:
+            return None
+        return 1.0 / worker.baseline_s_per_byte
+
+    def _on_last_share(self, node_id: bytes) -> _Worker | None:
+        """``node_id``'s figures on its share of the last plan observed (None: never observed)."""
+        share = self._shares.get(node_id)
+        return None if share is None else self._workers.get((node_id, *share))
 
     def to_json(self) -> dict[str, float]:
         """Each worker seen: its slowdown, for status."""

@@ -53,6 +53,8 @@ from .gossip_fields import (
 )
 from .rpc_hello import RpcVersion
 
+# 9: each of MemberInfo.devices gains whether its speed is settled (llama/calibration.py: two calibrations agree):
+# [name, total, free, decode, prefill, settled]; at most 186 members a list (was 187), to make room for it.
 # 8: each of MemberInfo.devices gains its measured speeds (decode and prefill bytes per second, 0: not
 # measured): [name, total, free, decode, prefill].
 # 7: MemberInfo.data_port (the TCP port of the member's native data relay, optional: absent means none).
@@ -66,7 +68,7 @@ from .rpc_hello import RpcVersion
 # keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
-GOSSIP_WIRE_VERSION = 8
+GOSSIP_WIRE_VERSION = 9
 MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
@@ -77,9 +79,9 @@ MAX_ADDRESS_CHARS = 259  # a 253-char DNS name, ":" and a 5-digit port
 MAX_CAPACITY_ENTRIES = 8
 MAX_CAPACITY_KEY_CHARS = 32
 MAX_CAPACITY_VALUE = 2**63 - 1  # fits an i64 for any peer that is not Python
-# The largest mesh gossip can describe: 187 members at every field's limit take about
-# 1048 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
-MAX_MEMBERS_PER_LIST = 187
+# The largest mesh gossip can describe: 186 members at every field's limit take about
+# 1047 KB, within one control frame (MAX_CONTROL_MESSAGE_BYTES, 1 MiB less its header).
+MAX_MEMBERS_PER_LIST = 186
 # An rpc-server lists its GPUs (or its CPU): a few a machine. Names as ggml gives them: CPU, Vulkan0, CUDA1.
 MAX_DEVICES_PER_MEMBER = 4
 MAX_DEVICE_NAME_CHARS = 16
@@ -257,21 +259,25 @@ class OfferedDevice:
     decode_bytes_per_s: int = 0
     # The same per prompt token, in a batch of prompt tokens; 0: not measured.
     prefill_bytes_per_s: int = 0
+    # Whether two calibrations agreed on those speeds; False: one sample, which planning weighs no device below.
+    settled: bool = True
 
     def to_body(self) -> list[Any]:
-        return [self.name, self.total_bytes, self.free_bytes, self.decode_bytes_per_s, self.prefill_bytes_per_s]
+        return [self.name, self.total_bytes, self.free_bytes, self.decode_bytes_per_s, self.prefill_bytes_per_s,
+                self.settled]
 
     @classmethod
     def from_body(cls, body: Any, what: str) -> OfferedDevice:
-        items = bounded_list(body, what, 5)
-        if len(items) != 5:
-            raise field_error(what, "[name, total bytes, free bytes, decode bytes/s, prefill bytes/s]")
+        items = bounded_list(body, what, 6)
+        if len(items) != 6:
+            raise field_error(what, "[name, total bytes, free bytes, decode bytes/s, prefill bytes/s, settled]")
         return cls(matching(items[0], f"{what}[0]", DEVICE_NAME_RE,
                             f"1 to {MAX_DEVICE_NAME_CHARS} letters, digits, '_', '.' or '-'"),
                    integer(items[1], f"{what}[1]", MAX_CAPACITY_VALUE),
                    integer(items[2], f"{what}[2]", MAX_CAPACITY_VALUE),
                    integer(items[3], f"{what}[3]", MAX_BYTES_PER_S),
-                   integer(items[4], f"{what}[4]", MAX_BYTES_PER_S))
+                   integer(items[4], f"{what}[4]", MAX_BYTES_PER_S),
+                   boolean(items[5], f"{what}[5]"))
 
 
 @dataclass(frozen=True)

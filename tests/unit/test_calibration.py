@@ -1,14 +1,22 @@
-"""The calibration's decisions, without a server: how many passes a sample takes, when to stop, the rate."""
+"""The calibration's decisions, without a server: how many passes a sample takes, when to stop, the rate; and
+across calibrations, the speed a device is rated at, when it is settled and when to measure again."""
 
 from __future__ import annotations
 
 import pytest
 
 from mesh_sidecar.llama.calibration import (
+    AGREE_RATIO,
+    IDLE_RECHECK_S,
+    KEPT_CALIBRATIONS,
     MAX_MEASURE_S,
     MIN_MEASURE_S,
     MIN_SAMPLES,
+    RECHECK_S,
     SAMPLE_TARGET_S,
+    DeviceSpeed,
+    SpeedRecord,
+    has_client,
     passes_for,
     rate,
     settled,
@@ -56,3 +64,67 @@ def test_a_settled_measurement_spends_at_most_the_budget_plus_one_sample(samples
             break
         taken.append(sample)
     assert sum(taken) <= MAX_MEASURE_S + max(samples)
+
+
+def speed(gib_per_s: float) -> DeviceSpeed:
+    return DeviceSpeed(round(gib_per_s * 2**30), round(gib_per_s * 2**30 * 8))
+
+
+def test_one_calibration_rates_a_device_but_settles_nothing() -> None:
+    record = SpeedRecord()
+    assert record.best() is None and not record.settled()
+    record.add(speed(2.7))
+    assert record.best() == speed(2.7) and not record.settled()
+    assert record.recheck_after_s() == RECHECK_S
+
+
+def test_a_calibration_taken_under_load_is_outrun_by_the_idle_ones() -> None:
+    """The issue's member: 2.7 GiB/s while another node hashed a model on its cores, 14.7 once idle. The faster
+    figure rates it at once; it settles when a second idle calibration agrees."""
+    record = SpeedRecord()
+    record.add(speed(2.7))
+    record.add(speed(14.7))
+    assert record.best() == speed(14.7) and not record.settled()  # 2.7 does not agree with 14.7
+    assert record.recheck_after_s() == 2 * RECHECK_S
+    record.add(speed(14.7 / AGREE_RATIO * 1.01))
+    assert record.best() == speed(14.7) and record.settled()
+    assert record.recheck_after_s() == IDLE_RECHECK_S
+
+
+def test_a_steady_slow_device_settles_slow() -> None:
+    """A CPU quota that stays is the device's pace: two calibrations at it agree."""
+    record = SpeedRecord()
+    record.add(speed(2.0))
+    record.add(speed(2.1))
+    assert record.settled() and record.best() == speed(2.1)
+
+
+def test_unsettled_rechecks_back_off_up_to_the_idle_interval() -> None:
+    record = SpeedRecord()
+    waits = []
+    for gib in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0):  # never two alike
+        record.add(speed(gib))
+        waits.append(record.recheck_after_s())
+    assert waits[:4] == [RECHECK_S, 2 * RECHECK_S, 4 * RECHECK_S, 8 * RECHECK_S]
+    assert max(waits) <= IDLE_RECHECK_S and not record.settled()
+
+
+def test_a_device_that_became_slower_for_good_is_rated_so_once_its_fast_calibrations_age_out() -> None:
+    record = SpeedRecord()
+    for _ in range(2):
+        record.add(speed(14.0))
+    for _ in range(KEPT_CALIBRATIONS):
+        record.add(speed(3.0))
+    assert record.best() == speed(3.0) and record.settled()
+
+
+TCP_TABLE = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0000000000000000 100 0
+   1: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0000000000000000 20 4
+"""
+
+
+def test_a_client_of_the_rpc_server_is_seen_in_the_tcp_table() -> None:
+    assert has_client(0x1F90, [TCP_TABLE])  # llama-server's connection, accepted on the rpc-server's port
+    listening_only = "\n".join(TCP_TABLE.splitlines()[:2])
+    assert not has_client(0x1F90, [listening_only, ""])  # listening is no client

@@ -186,10 +186,10 @@ def test_every_message_round_trips(msg: object) -> None:
 def test_known_frame_bytes() -> None:
     # Pins the layout, so a change to it fails here and not only between two releases.
     data = encode_message(Ping(nonce=7, sent_at=1.5))
-    assert data == b"\x08\x04" + b'{"nonce":7,"sent_at":1.5}'
-    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x08\x04"  # the transport's length, then ours
-    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x08\x02"
-    assert encode_message(Observed("203.0.113.5:47470")) == b"\x08\x07" + b'{"address":"203.0.113.5:47470"}'
+    assert data == b"\x09\x04" + b'{"nonce":7,"sent_at":1.5}'
+    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x09\x04"  # the transport's length, then ours
+    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x09\x02"
+    assert encode_message(Observed("203.0.113.5:47470")) == b"\x09\x07" + b'{"address":"203.0.113.5:47470"}'
 
 
 def test_node_ids_travel_as_lowercase_hex() -> None:
@@ -272,7 +272,7 @@ def test_each_frame_decodes_on_its_own() -> None:
 
 def test_other_wire_versions_are_refused() -> None:
     # 3 too: a version-3 node would close on our frames anyway (gossip.py says why).
-    for version in (v for v in (0, 1, 2, 3, 4, 5, 6, 7, 255) if v != GOSSIP_WIRE_VERSION):
+    for version in (v for v in (0, 1, 2, 3, 4, 5, 6, 7, 8, 255) if v != GOSSIP_WIRE_VERSION):
         with pytest.raises(ProtocolVersionError, match="wire version"):
             decode_message(body_frame(4, '{"nonce":1,"sent_at":2}', version=version))
 
@@ -433,7 +433,7 @@ def test_the_largest_member_list_fits_in_one_frame() -> None:
                            MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE, True,
                            tuple(i.to_bytes(32, "big") for i in range(MAX_SERVED_MEMBERS)), projector_sha256="e" * 64),
         devices=(OfferedDevice("W" * MAX_DEVICE_NAME_CHARS, MAX_CAPACITY_VALUE, MAX_CAPACITY_VALUE,
-                               MAX_BYTES_PER_S, MAX_BYTES_PER_S),)
+                               MAX_BYTES_PER_S, MAX_BYTES_PER_S, settled=False),)
         * MAX_DEVICES_PER_MEMBER,
         data_port=MAX_PORT,
     )
@@ -948,17 +948,20 @@ def test_devices_round_trip_and_bad_ones_are_refused() -> None:
             OfferedDevice("CPU", 24 * 2**30, 20 * 2**30))  # not measured: 0 and 0
     member = info(A_ID, devices=gpus)
     assert decode_message(encode_message(MemberList((member,)))) == MemberList((member,))
-    assert gpus[0].to_body() == ["Vulkan0", 2048 * 2**20, 2000 * 2**20, 200 * 10**9, 900 * 10**9]
-    assert gpus[1].to_body() == ["CPU", 24 * 2**30, 20 * 2**30, 0, 0]
+    assert gpus[0].to_body() == ["Vulkan0", 2048 * 2**20, 2000 * 2**20, 200 * 10**9, 900 * 10**9, True]
+    assert gpus[1].to_body() == ["CPU", 24 * 2**30, 20 * 2**30, 0, 0, True]
+    one_sample = info(A_ID, devices=(OfferedDevice("CPU", 1, 1, 2 * 10**9, 9 * 10**9, settled=False),))
+    assert decode_message(encode_message(MemberList((one_sample,)))) == MemberList((one_sample,))
     assert "devices" not in info(A_ID).to_body()  # none listed yet: left out
     body = info(A_ID).to_body()
-    for bad in (["Vulkan 0", 1, 1, 0, 0], ["GPU", -1, 1, 0, 0], ["GPU", 1, 1], ["GPU", 1], "GPU",
-                ["x" * (MAX_DEVICE_NAME_CHARS + 1), 1, 1, 0, 0], ["GPU", 1, 1, -1, 0], ["GPU", 1, 1, 0, 1.5],
-                ["GPU", 1, 1, MAX_BYTES_PER_S + 1, 0], ["GPU", 1, 1, 0, True], ["GPU", 1, 1, 0, 0, 0]):
+    for bad in (["Vulkan 0", 1, 1, 0, 0, True], ["GPU", -1, 1, 0, 0, True], ["GPU", 1, 1], ["GPU", 1], "GPU",
+                ["x" * (MAX_DEVICE_NAME_CHARS + 1), 1, 1, 0, 0, True], ["GPU", 1, 1, -1, 0, True],
+                ["GPU", 1, 1, 0, 1.5, True], ["GPU", 1, 1, MAX_BYTES_PER_S + 1, 0, True], ["GPU", 1, 1, 0, True, True],
+                ["GPU", 1, 1, 0, 0], ["GPU", 1, 1, 0, 0, 1], ["GPU", 1, 1, 0, 0, True, 0]):
         with pytest.raises(MalformedMessageError):
             MemberInfo.from_body({**body, "devices": [bad]})
     with pytest.raises(MalformedMessageError):
-        MemberInfo.from_body({**body, "devices": [["GPU", 1, 1, 0, 0]] * (MAX_DEVICES_PER_MEMBER + 1)})
+        MemberInfo.from_body({**body, "devices": [["GPU", 1, 1, 0, 0, True]] * (MAX_DEVICES_PER_MEMBER + 1)})
     with pytest.raises(ValueError):  # the encoder checks its own output
         encode_message(MemberList((info(A_ID, devices=(OfferedDevice("GPU", 1, 1, MAX_BYTES_PER_S + 1),)),)))
 

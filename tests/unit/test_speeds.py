@@ -1,13 +1,22 @@
-"""Device speeds: when they differ enough to plan by, and the slowdown the traffic shows."""
+"""Device speeds: when they differ enough to plan by, the slowdown the traffic shows, and one sample weighed no
+device below another."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from mesh_sidecar.llama.estimate import ModelEstimate
-from mesh_sidecar.serve.assignment import speeds_differ
+from mesh_sidecar.serve.assignment import SAME_SPEED_RATIO, speeds_differ
 from mesh_sidecar.serve.planner import NodeCapacity, plan_layers
-from mesh_sidecar.serve.speeds import MIN_TOKENS_OBSERVED, ObservedSpeeds
+from mesh_sidecar.serve.speeds import (
+    MIN_REQUESTS,
+    MIN_TOKENS_OBSERVED,
+    AnnouncedSpeed,
+    ObservedSpeeds,
+    weighable_speeds,
+)
 
 WORKER, HOST = b"w" * 32, b"h" * 32
 MODEL = ModelEstimate(10, (1000,) * 10, 0, 0, 0, 4096, 0)
@@ -63,3 +72,41 @@ def test_one_slow_request_moves_nothing_and_each_model_has_its_own_figures():
     for _ in range(4):
         speeds.observe(other, HOST, 32, owed_for(9e-6, 32))
     assert speeds.slowdown(WORKER) == 1.0 and speeds.to_json() == {WORKER.hex(): 1.0}
+
+
+GIB = 2**30
+
+
+def test_a_plan_never_weighs_a_device_below_another_on_one_sample():
+    """The issue's members: identical, one measured at 2.7 GiB/s while another node hashed on its cores."""
+    busy, idle, host = "busy", "idle", "host"
+    one_sample = {busy: AnnouncedSpeed(2.7 * GIB, settled=False), idle: AnnouncedSpeed(14.7 * GIB, settled=False),
+                  host: AnnouncedSpeed(14.0 * GIB, settled=True)}
+    weighed = weighable_speeds(one_sample)
+    # The slow sample is unknown (a plan by memory, alike); the fast one is no risk: noise only slows.
+    assert weighed == {busy: 0.0, idle: 14.7 * GIB, host: 14.0 * GIB}
+    assert not speeds_differ(list(weighed.values()))
+    # Settled (a second calibration agreed), a slow device is weighed slow: a quota that stays is its pace.
+    settled = {**one_sample, busy: AnnouncedSpeed(2.7 * GIB, settled=True)}
+    assert weighable_speeds(settled)[busy] == 2.7 * GIB
+    # Alike within SAME_SPEED_RATIO, one sample is weighed as it is.
+    near = 14.7 * GIB / SAME_SPEED_RATIO * 1.01
+    assert weighable_speeds({**one_sample, busy: AnnouncedSpeed(near, settled=False)})[busy] == near
+
+
+def test_the_traffic_confirms_a_speed_and_raises_one_measured_too_slow():
+    busy = AnnouncedSpeed(2.7 * GIB, settled=False, observed_bytes_per_s=12.0 * GIB)  # its requests ran faster
+    slow = AnnouncedSpeed(2.7 * GIB, settled=False, observed_bytes_per_s=2.5 * GIB)  # its link dilutes it
+    fast = AnnouncedSpeed(14.7 * GIB, settled=True)
+    assert weighable_speeds({"busy": busy, "fast": fast}) == {"busy": 12.0 * GIB, "fast": 14.7 * GIB}
+    assert weighable_speeds({"slow": slow, "fast": fast}) == {"slow": 2.7 * GIB, "fast": 14.7 * GIB}
+
+
+def test_a_workers_observed_speed_is_its_best_median_once_seen_enough():
+    speeds = ObservedSpeeds()
+    for count, per_byte_s in enumerate((2e-9, 1e-9, 1e-9, 1e-9, 3e-9), start=1):
+        speeds.observe(PLAN, HOST, 32, owed_for(per_byte_s, 32))
+        observed = speeds.observed_bytes_per_s(WORKER)
+        assert (observed is None) == (count < MIN_REQUESTS)
+    assert speeds.observed_bytes_per_s(WORKER) == pytest.approx(1e9)
+    assert speeds.observed_bytes_per_s(HOST) is None
