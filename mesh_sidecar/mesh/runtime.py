@@ -522,7 +522,8 @@ class Mesh:
         peer, joined = await self._peers.admit(connection, self.verdicts)
         serve_streams(connection, self._streams, peer.tunnel.counters)
         if self.data_paths.relay is not None:
-            self.data_paths.relay.member(node_id)  # admitted: its relay may dial ours from now on
+            # Admitted: its relay may dial ours from now on, from where its QUIC connection comes.
+            self.data_paths.relay.member(node_id, () if connection.relayed else (connection.remote_address[0],))
         self._route(node_id)
         reason = "connection closed"
         try:

@@ -10,10 +10,11 @@ carried are gone: llama-server sees them reset, and the serving node's recovery 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -51,6 +52,25 @@ def bind_data_port(preferred: int | None) -> socket.socket:
     raise OSError("no TCP port for the data relay")
 
 
+def _addresses(addresses: Iterable[str]) -> tuple[str, ...]:
+    """Numeric addresses as the relay compares them: an IPv4-mapped IPv6 one as IPv4, names dropped."""
+    found: list[str] = []
+    for text in addresses:
+        try:
+            address = ipaddress.ip_address(text)
+        except ValueError:
+            continue
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if str(address) not in found:
+            found.append(str(address))
+    return tuple(found)
+
+
+def _member_line(node_id: bytes, addresses: tuple[str, ...]) -> str:
+    return " ".join(("member", node_id.hex(), *addresses))
+
+
 class DataRelay:
     """One ``mesh-data-relay`` child and what it was told."""
 
@@ -65,7 +85,7 @@ class DataRelay:
         self._on_exit = on_exit
         self._take_back = take_back  # a tunnel connection the relay could not carry, unread
         self._guard = guard  # history, min_history, norm_ratio (serve/output_guard.py)
-        self._members: set[bytes] = set()
+        self._members: dict[bytes, tuple[str, ...]] = {}  # each member's addresses (where its relay dials from)
         self._endpoints: dict[int, str] = {}
         self._rpc_port = 0
         self._control: socket.socket | None = None
@@ -90,15 +110,18 @@ class DataRelay:
         self._rpc_port = port
         self._tell(f"rpc-port {port}")
 
-    def member(self, node_id: bytes) -> None:
-        if node_id not in self._members:
-            self._members.add(node_id)
-            self._tell(f"member {node_id.hex()}")
+    def member(self, node_id: bytes, addresses: Iterable[str] = ()) -> None:
+        """``node_id`` is a member; its relay dials ours from ``addresses`` (none given: as told before). The
+        data port answers no other source."""
+        known = self._members.get(node_id)
+        wanted = _addresses(addresses) or known or ()
+        if known != wanted:
+            self._members[node_id] = wanted
+            self._tell(_member_line(node_id, wanted))
 
     def forget(self, node_id: bytes) -> None:
         """Not a member any more: its connections, both ways, close now."""
-        if node_id in self._members:
-            self._members.discard(node_id)
+        if self._members.pop(node_id, None) is not None:
             self._tell(f"forget {node_id.hex()}")
 
     def new_session(self) -> None:
@@ -175,8 +198,8 @@ class DataRelay:
             self._tell(line)
         if self._rpc_port:
             self._tell(f"rpc-port {self._rpc_port}")
-        for node_id in self._members:
-            self._tell(f"member {node_id.hex()}")
+        for node_id, addresses in self._members.items():
+            self._tell(_member_line(node_id, addresses))
         for index, endpoint in self._endpoints.items():
             self._tell(f"endpoint {index} {endpoint}")
         await self._read_reports(ours)

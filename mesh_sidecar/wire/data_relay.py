@@ -7,20 +7,27 @@ line carries the accepted TCP socket beside it (SCM_RIGHTS)::
     sidecar -> relay                                     relay -> sidecar
     identity CERT_DER_HEX KEY_DER_HEX                    hello VERSION PORT
     limits FRAME HELD CHECKED HANDSHAKE_MS PIPES SHAKES  probe NODE ok RTT_US | probe NODE fail WHY
+           SHAKES_PER_ADDRESS
     guard HISTORY MIN_HISTORY NORM_RATIO MAX_RMS MAX_ABS opened ID
     dialect NAME MAJ MIN MAX REQ REPLY FLAGS REG PUSH    closed ID WHY
             LAST NO_REPLY ASYNC_PUSH                     inbound ID NODE
     rpc-port PORT                                        stats ID FROM_CLIENT FROM_SERVER FRAMES
-    member NODE | forget NODE                                  ACTIVATION ALLOCATED OWED_US
+    member NODE [ADDRESS...] | forget NODE                     ACTIVATION ALLOCATED OWED_US
     new-session                                          fallback ID WHY   (+ the tunnel's socket, unread)
     endpoint INDEX HOST:PORT|-                           rejected ID KIND NAME VALUES RMS LOW HIGH COUNT
     tunnel ID NODE HOST PORT CHECK    (+ socket)         event ID WHAT TEXT...
-    probe NODE HOST PORT                                 refused ADDRESS WHY
+    probe NODE HOST PORT                                 refused COUNT ADDRESS WHY:N[,WHY:N...]
                                                          error TEXT...
 
 Every report line is printable ASCII (the relay replaces any other byte with ``?``, so bytes a peer
 sent can never end a line or forge another); ``parse_report`` refuses a line that is not.
-NODE is a node id in hex (64 digits); "-" stands for "none" in optional fields.
+NODE is a node id in hex (64 digits); "-" stands for "none" in optional fields. ``member`` with
+addresses names where that member's relay dials from (numeric IPv4 or IPv6): the data port answers no
+other source, closing it before any TLS; without addresses it names the key and keeps the addresses.
+``refused`` sums the connections refused since the last one (at most one line a second): how many, the
+last one's source, and how many for each reason. ``stats`` and ``refused`` are the only lines the relay
+may hold back while the sidecar is far behind reading (their counts carry on to the next line); every
+other line is always sent.
 The output judge keeps each worker's histories over all its connections, so a worker cannot start
 afresh by reconnecting; ``new-session`` (a llama-server starts) clears them. ``rejected`` KINDs:
 non_finite; absolute_outlier (over MAX_RMS or MAX_ABS, judged first; LOW is its largest |value|, HIGH
@@ -50,6 +57,9 @@ from .rpc_outputs import (
 )
 
 MAX_REPORT_LINE_BYTES = 1024  # the relay writes no longer line
+# Connections not yet authenticated from one address: a stranger sharing a member's address (its NAT)
+# holds no more, so the other slots stay free for members elsewhere.
+MAX_HANDSHAKES_PER_ADDRESS = 4
 # What the output check pairs for each dialect it follows (rpc_outputs.py): its last command, and
 # which commands send no reply. Dialects not named here are not checked (bytes pass unchecked).
 _CHECKED_LAST_CMD = {"upstream-7": LAST_CMD_UPSTREAM_7, "mesh-b2b-7": LAST_CMD_MESH_B2B_7}
@@ -76,12 +86,13 @@ def dialect_line(dialect: RpcDialect) -> str:
 
 
 def configuration_lines(cert_der: bytes, key_der: bytes, *, handshake_timeout_s: float, max_connections: int,
-                        max_handshakes: int, history: int, min_history: int, norm_ratio: float) -> list[str]:
+                        max_handshakes: int, history: int, min_history: int, norm_ratio: float,
+                        max_handshakes_per_address: int = MAX_HANDSHAKES_PER_ADDRESS) -> list[str]:
     """Everything a relay is told once at its start, before members and tunnels."""
     return [
         f"identity {cert_der.hex()} {key_der.hex()}",
         f"limits {MAX_RPC_FRAME_BYTES} {MAX_HELD_BEFORE_REPLY_BYTES} {MAX_CHECKED_REPLY_BYTES} "
-        f"{round(handshake_timeout_s * 1000)} {max_connections} {max_handshakes}",
+        f"{round(handshake_timeout_s * 1000)} {max_connections} {max_handshakes} {max_handshakes_per_address}",
         f"guard {history} {min_history} {norm_ratio!r} {MAX_OUTPUT_RMS!r} {MAX_OUTPUT_ABS!r}",
         *(dialect_line(d) for d in DIALECTS),
     ]
@@ -180,10 +191,12 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """A connection to our data port was refused (not a member, handshake timeout, caps)."""
+    """Connections to our data port refused since the last Refused (a stranger's address, not a member,
+    handshake timeout, caps); at most one a second."""
 
-    address: str
-    why: str
+    count: int
+    address: str  # the last one's source
+    reasons: tuple[tuple[str, int], ...]  # each reason, and how many were refused for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +250,9 @@ def parse_report(line: bytes) -> Report:
                                 float(args[6]), int(args[7]))
             case "event", n if n >= 2:
                 return Event(int(args[0]), args[1], " ".join(args[2:]))
-            case "refused", n if n >= 2:
-                return Refused(args[0], " ".join(args[1:]))
+            case "refused", 3:
+                reasons = tuple((why, int(n)) for why, n in (item.split(":") for item in args[2].split(",")))
+                return Refused(int(args[0]), args[1], reasons)
             case "error", _:
                 return RelayError(" ".join(args))
     except (UnicodeDecodeError, ValueError) as exc:

@@ -34,8 +34,8 @@ class RelayPair:
         self.b = DataRelay(binary, self.b_id, bind_data_port(None), lambda r: self._report("b", r), lambda: None,
                            guard=guard)
         self.b.set_rpc_port(target_port)
-        self.a.member(self.b_id.node_id)
-        self.b.member(self.a_id.node_id)
+        self.a.member(self.b_id.node_id, ("127.0.0.1",))  # where each one's relay dials from
+        self.b.member(self.a_id.node_id, ("127.0.0.1",))
         self._tasks = [self.loop.create_task(self.a.run()), self.loop.create_task(self.b.run())]
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()

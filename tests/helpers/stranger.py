@@ -158,7 +158,10 @@ def data_port(host: str, port: int, garbage: bool, identity: NodeIdentity | None
                                                      serialization.NoEncryption()))
         pem.flush()
         context.load_cert_chain(pem.name)
-    raw = socket.create_connection((host, port), timeout=10)
+    try:
+        raw = socket.create_connection((host, port), timeout=10)
+    except OSError as exc:  # reset at once: the node closes sources it does not know before any TLS
+        return f"{'dropped' if member else 'refused'}: {type(exc).__name__}: {exc}"
     try:
         if garbage:
             raw.sendall(os.urandom(4096))

@@ -5,19 +5,27 @@ stand-in one that times its bytes as a real one does only by chance."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import socket
+import ssl
 import struct
 import subprocess
 import threading
 import time
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import NameOID
 
+from mesh_sidecar.identity import generate_identity
 from mesh_sidecar.llama.launch import start_rpc_server
 from mesh_sidecar.net.data_relay import MAX_HANDSHAKES
 from mesh_sidecar.net.data_relay_build import ensure_data_relay
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.wire import data_relay as reports
+from mesh_sidecar.wire.data_relay import MAX_HANDSHAKES_PER_ADDRESS
 from mesh_sidecar.wire.rpc_framing import GET_TENSOR_CMD, RPC_TENSOR_BYTES, RPC_TENSOR_NAME_OFFSET
 from mesh_sidecar.wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 from tests.helpers.relay_pair import RelayPair
@@ -84,7 +92,14 @@ def test_a_forgotten_member_is_refused_and_its_probe_fails(pair):
     result = pair.wait_for("a", lambda r: isinstance(r, reports.ProbeResult), "the probe's result", seen_a)
     assert not result.ok
     refused = pair.wait_for("b", lambda r: isinstance(r, reports.Refused), "B refusing A", seen_b)
-    assert refused.why == "not-a-member"
+    assert dict(refused.reasons) == {"not-allowed": 1} and refused.address == "127.0.0.1"  # before any TLS
+    # From an address a member dials from (another member's, here), the key is what refuses it.
+    seen_a, seen_b = len(pair.reports["a"]), len(pair.reports["b"])
+    pair.call(lambda: pair.b.member(generate_identity().node_id, ("127.0.0.1",)))
+    pair.call(lambda: pair.a.probe(pair.b_id.node_id, "127.0.0.1", pair.b.port))
+    assert not pair.wait_for("a", lambda r: isinstance(r, reports.ProbeResult), "the probe's result", seen_a).ok
+    refused = pair.wait_for("b", lambda r: isinstance(r, reports.Refused), "B refusing A", seen_b, timeout_s=15)
+    assert dict(refused.reasons) == {"not-a-member": 1}
 
 
 def test_a_killed_relay_comes_back_on_the_same_port(pair):
@@ -262,9 +277,9 @@ def _silent(port: int, source: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
-def _held(socks: list[socket.socket]) -> list[bool]:
+def _held(socks: list[socket.socket], settle_s: float = 0.5) -> list[bool]:
     """Which of ``socks`` the relay keeps open (waiting for a handshake) rather than reset."""
-    time.sleep(0.5)  # the relay accepts each at once: a refused one's RST is here by now
+    time.sleep(settle_s)  # the relay accepts each at once: a refused one's RST is here by now
     held = []
     for sock in socks:
         sock.setblocking(False)
@@ -287,19 +302,70 @@ def bare_pair():
 
 def test_probes_give_their_handshake_slot_back_once(bare_pair):
     """A probe's slot among the connections not yet authenticated was given back twice (after its preamble,
-    and again as it was freed): after 20 probes, 36 silent strangers held the 16 slots."""
-    pair = bare_pair
+    and again as it was freed): after 20 probes, 36 silent strangers held the 16 slots. Here: after 20
+    probes, exactly the caps hold (4 from one address, 16 in all), from addresses of a member's."""
+    pair, per = bare_pair, MAX_HANDSHAKES_PER_ADDRESS
+    sources = [f"127.0.0.{i}" for i in range(2, 3 + MAX_HANDSHAKES // per)]  # one more than the caps fill
+    pair.call(lambda: pair.b.member(pair.a_id.node_id, ("127.0.0.1", *sources)))
     for _ in range(20):
         seen = len(pair.reports["a"])
         pair.call(lambda: pair.a.probe(pair.b_id.node_id, "127.0.0.1", pair.b.port))
         assert pair.wait_for("a", lambda r: isinstance(r, reports.ProbeResult), "a probe's result", seen).ok
-    silent = [_silent(pair.b.port) for _ in range(MAX_HANDSHAKES + 1)]
+    seen = len(pair.reports["b"])
+    silent = [_silent(pair.b.port, sources[0]) for _ in range(per + 1)]
+    silent += [_silent(pair.b.port, source) for source in sources[1:-1] for _ in range(per)]
+    silent.append(_silent(pair.b.port, sources[-1]))
     try:
-        assert _held(silent) == [True] * MAX_HANDSHAKES + [False]
+        assert _held(silent) == [True] * per + [False] + [True] * (MAX_HANDSHAKES - per) + [False]
+        pair.wait_for("b", lambda r: isinstance(r, reports.Refused) and "too-many-connections" in dict(r.reasons),
+                      "the refusals", seen)  # the first at once, the next within a second
+        assert sorted(why for r in pair.reports["b"][seen:] for why, _ in r.reasons) == [
+            "too-many-connections", "too-many-from-address"]
     finally:
         for sock in silent:
             sock.close()
 
+
+def test_a_strangers_flood_moves_no_member_off_the_native_path(bare_pair):
+    """A stranger keeps 40 connections to a member's data port, opening new ones as they are closed: its
+    address is no member's, so each is closed at accept, before any TLS; the member's probes still pass,
+    and the relay sums the refusals in one line a second."""
+    pair, stop, opened = bare_pair, threading.Event(), [0]
+
+    def flood() -> None:
+        socks: list[socket.socket] = []
+        while not stop.is_set():
+            while len(socks) < 40:
+                socks.append(_silent(pair.b.port, "127.0.0.9"))
+                opened[0] += 1
+            held = _held(socks, settle_s=0.02)
+            for sock, alive in zip(list(socks), held, strict=True):
+                if not alive:
+                    sock.close()
+                    socks.remove(sock)
+        for sock in socks:
+            sock.close()
+
+    seen, started = len(pair.reports["b"]), time.monotonic()
+    stranger = threading.Thread(target=flood, daemon=True)
+    stranger.start()
+    try:
+        time.sleep(0.5)
+        for _ in range(5):
+            after = len(pair.reports["a"])
+            pair.call(lambda: pair.a.probe(pair.b_id.node_id, "127.0.0.1", pair.b.port))
+            assert pair.wait_for("a", lambda r: isinstance(r, reports.ProbeResult), "a probe's result", after).ok
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        stranger.join(10)
+    time.sleep(1.2)  # the last second's sum
+    elapsed_s = time.monotonic() - started
+    lines = pair.reports["b"][seen:]
+    assert all(isinstance(r, reports.Refused) for r in lines), lines
+    assert sum(r.count for r in lines) == opened[0] and opened[0] > 100
+    assert {why for r in lines for why, _ in r.reasons} == {"not-allowed"} and lines[-1].address == "127.0.0.9"
+    assert len(lines) <= elapsed_s + 2
 
 def _checked_replay(server_bytes: bytes, values: int = 64) -> list[str]:
     """A checked connection through --replay: HELLO, one GET_TENSOR, then ``server_bytes`` after the HELLO reply."""
@@ -328,3 +394,27 @@ def test_a_protocol_violation_is_rejected():
     rejected = [reports.parse_report(line.encode()) for line in lines if line.startswith("rejected ")]
     assert [(r.kind, r.name, r.values) for r in rejected] == [("protocol", "wrong-reply-size", 0)], lines
     assert any(line.startswith("event 1 violation wrong-reply-size") for line in lines), lines
+
+
+def test_a_certificate_over_another_key_type_is_refused_in_the_handshake(bare_pair, tmp_path):
+    """TLS takes Ed25519 keys and the X25519 group only: a stranger at a member's address presenting an RSA
+    certificate is refused before any signature of it is checked."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "stranger")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(datetime.datetime(2020, 1, 1))
+            .not_valid_after(datetime.datetime(2100, 1, 1)).sign(key, hashes.SHA256()))
+    pem = tmp_path / "stranger.pem"
+    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.load_cert_chain(pem)
+    seen = len(bare_pair.reports["b"])
+    with (socket.create_connection(("127.0.0.1", bare_pair.b.port), timeout=5) as raw,
+          pytest.raises((ssl.SSLError, ConnectionError)), context.wrap_socket(raw) as conn):
+        conn.sendall(b"MESH\x01\x02")
+        assert conn.recv(1) == b""  # TLS 1.3: the client learns of the refusal on its first read
+        raise ConnectionError("closed")
+    refused = bare_pair.wait_for("b", lambda r: isinstance(r, reports.Refused), "the refusal", seen)
+    assert dict(refused.reasons) == {"tls-handshake-failed": 1}

@@ -51,13 +51,14 @@ void control_line(char *line) {
         if (!tls) report("error identity not usable");
         return;
     }
-    if (!strcmp(verb, "limits") && argc == 7) {
+    if (!strcmp(verb, "limits") && argc == 8) {
         rules.max_frame_bytes = strtoull(argv[1], NULL, 10);
         rules.max_held_before_reply = strtoull(argv[2], NULL, 10);
         rules.max_checked_bytes = strtoull(argv[3], NULL, 10);
         handshake_timeout_ns = strtoull(argv[4], NULL, 10) * 1000000ull;
         max_pipes = atoi(argv[5]);
         max_handshakes = atoi(argv[6]);
+        max_shakes_per_source = atoi(argv[7]);
         return;
     }
     if (!strcmp(verb, "guard") && argc == 6) {
@@ -100,7 +101,7 @@ void control_line(char *line) {
         }
         return;
     }
-    if ((!strcmp(verb, "member") || !strcmp(verb, "forget")) && argc == 2) {
+    if ((!strcmp(verb, "member") && argc >= 2) || (!strcmp(verb, "forget") && argc == 2)) {
         uint8_t id[NODE_ID_BYTES];
         if (from_hex(id, NODE_ID_BYTES, argv[1])) return;
         struct member *m = find_member(id);
@@ -118,6 +119,12 @@ void control_line(char *line) {
                 memcpy(m->id, id, NODE_ID_BYTES);
                 snprintf(m->hex, sizeof m->hex, "%s", argv[1]);
             }
+        if (!m) { report("error no room for member %s", argv[1]); return; }
+        if (argc == 2) return; /* the key alone: the addresses stay as they were */
+        m->n_addresses = 0;
+        for (int i = 2; i < argc && m->n_addresses < MAX_MEMBER_ADDRESSES; i++)
+            if (parse_address(argv[i], &m->addresses[m->n_addresses]) == 0) m->n_addresses++;
+            else report("error member %s: %s is no address", argv[1], argv[i]);
         return;
     }
     if ((!strcmp(verb, "tunnel") && argc == 6) || (!strcmp(verb, "probe") && argc == 4)) {
@@ -136,14 +143,16 @@ void control_line(char *line) {
             if (fd >= 0) close(fd);
             return;
         }
-        struct pipe *p = new_pipe(is_tunnel ? (uint32_t)strtoul(argv[1], NULL, 10) : 0, 1);
+        if (is_tunnel && tune_socket(fd) < 0) {
+            report("closed %s socket-unusable", argv[1]);
+            close(fd);
+            return;
+        }
+        struct pipe *p = new_pipe(is_tunnel ? (uint32_t)strtoul(argv[1], NULL, 10) : 0, 1,
+                                  is_tunnel && atoi(argv[5]), 0);
         p->is_probe = !is_tunnel;
         p->member = m;
-        if (is_tunnel) {
-            tune_socket(fd);
-            p->client.fd = fd;
-            rw_init(&p->watch, &rules, atoi(argv[5]), 0, judge_for_pipe, NULL, p);
-        }
+        p->client.fd = fd;
         start_dial(p, host, port, is_tunnel ? KIND_RPC : KIND_PROBE);
         if (p->server.fd < 0) dial_failed(p, "connect-failed");
         return;

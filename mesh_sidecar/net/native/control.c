@@ -27,20 +27,23 @@ void flush_control(void) {
     }
 }
 
-void report(const char *fmt, ...) {
+static int queue_line(int summary, const char *fmt, va_list ap) {
     char line[1024];
-    va_list ap;
-    va_start(ap, fmt);
     int n = vsnprintf(line, sizeof line - 1, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
+    if (n < 0) return 0;
     if (n > (int)sizeof line - 2) n = (int)sizeof line - 2;
     /* One call, one line: bytes a peer chose (an endpoint, a tensor name) can neither end it nor start
      * another, whoever formatted them. */
     for (int i = 0; i < n; i++)
         if ((unsigned char)line[i] < 0x20 || (unsigned char)line[i] > 0x7e) line[i] = '?';
     line[n++] = '\n';
-    if (control_out_len + (size_t)n > CONTROL_OUT_MAX_BYTES) return;
+    if (summary && control_out_len + (size_t)n > CONTROL_OUT_MAX_BYTES) return 0;
+    if (control_out_len + (size_t)n > CONTROL_OUT_HARD_MAX_BYTES) {
+        /* 60 MiB of state lines unread: a sidecar that stopped reading. It starts a new relay once it
+         * reads again; carrying on without telling it what happened would leave it wrong for good. */
+        fprintf(stderr, "mesh-data-relay: the sidecar reads no reports; exiting\n");
+        exit(3);
+    }
     if (control_out_len + (size_t)n > control_out_cap) {
         control_out_cap = (control_out_len + (size_t)n) * 2;
         control_out = realloc(control_out, control_out_cap);
@@ -49,6 +52,22 @@ void report(const char *fmt, ...) {
     memcpy(control_out + control_out_len, line, (size_t)n);
     control_out_len += (size_t)n;
     flush_control();
+    return 1;
+}
+
+void report(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    queue_line(0, fmt, ap);
+    va_end(ap);
+}
+
+int report_summary(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int queued = queue_line(1, fmt, ap);
+    va_end(ap);
+    return queued;
 }
 
 static int queued_fds[MAX_QUEUED_FDS], n_queued_fds;

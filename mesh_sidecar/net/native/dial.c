@@ -21,13 +21,10 @@ void start_dial(struct pipe *p, const char *host, const char *port, int kind) {
     p->up.ok = p->up.end = PREAMBLE_BYTES;
     p->state = P_CONNECTING;
     if (getaddrinfo(host, port, &hints, &ai) != 0) return; /* the deadline ends it */
-    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd >= 0) {
-        tune_socket(fd);
-        if (connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS) {
-            close(fd);
-            fd = -1;
-        }
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd >= 0 && (tune_socket(fd) < 0 || (connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS))) {
+        close(fd);
+        fd = -1;
     }
     freeaddrinfo(ai);
     p->server.fd = fd;
@@ -65,13 +62,15 @@ void outbound_ready(struct pipe *p, uint32_t events) {
         int err = 0;
         socklen_t len = sizeof err;
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP))) return;
-        getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        if (getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
         if (err) {
             dial_failed(p, strerror(err));
             return;
         }
-        s->ssl = SSL_new(tls);
-        SSL_set_fd(s->ssl, s->fd);
+        if (!(s->ssl = SSL_new(tls)) || SSL_set_fd(s->ssl, s->fd) != 1) {
+            dial_failed(p, "no-tls");
+            return;
+        }
         SSL_set_connect_state(s->ssl);
         p->state = P_HANDSHAKE;
     }

@@ -18,6 +18,7 @@
  * (outbound), accept.c (inbound), replay.c (--replay), rpc_watch.c (the RPC reader).
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -38,26 +39,42 @@
 static void side_ready(struct side *s, uint32_t events) {
     struct pipe *p = s->pipe;
     if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) s->readable = 1;
-    if (p->outbound && s == &p->server && p->state != P_RELAY) outbound_ready(p, events);
-    else if (!p->outbound && p->state == P_RPC_CONNECTING && s == &p->server) rpc_connected(p);
-    else if (!p->outbound && p->state != P_RELAY) inbound_ready(p);
-    else if (p->state == P_RELAY) pump(p);
+    if (p->state == P_RELAY) pump(p);
+    else if (p->outbound) { if (s == &p->server) outbound_ready(p, events); }
+    else if (p->state != P_RPC_CONNECTING) inbound_ready(p);
+    else if (s == &p->server) rpc_connected(p);
+    /* The member's side while ours to rpc-server connects: its bytes wait, but an end is reported
+     * (level-triggered) until acted on. */
+    else if (events & (EPOLLHUP | EPOLLERR)) free_pipe(p, 1, "reset");
 }
 
 static void tick(void) {
     uint64_t now = now_ns();
     for (struct pipe *p = pipes, *next; p; p = next) {
         next = p->next;
-        if (p->state == P_RELAY) report_stats(p);
+        if (p->stalled) free_pipe(p, 1, "reset");
+        else if (p->state == P_RELAY) report_stats(p);
         else if (p->deadline_ns && now > p->deadline_ns) {
             if (p->outbound) dial_failed(p, "timeout");
-            else refuse(p, "handshake-timeout");
+            else refuse(p, R_HANDSHAKE_TIMEOUT);
         }
     }
+    report_refusals(now);
+    resume_listening();
+}
+
+static int set_nonblocking(int fd) {
+    int flags = fcntl(fd, F_GETFL);
+    return flags < 0 ? -1 : fcntl(fd, F_SETFL, flags | O_NONBLOCK);
 }
 
 int main(int argc, char **argv) {
     int listen_fd = -1;
+    /* The process holds the node's key: no core dump, no ptrace by other processes of this user. */
+    if (prctl(PR_SET_DUMPABLE, 0) < 0) {
+        perror("mesh-data-relay: prctl(PR_SET_DUMPABLE)");
+        return 2;
+    }
     if (argc == 2 && !strcmp(argv[1], "--replay")) return replay();
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--control-fd")) control_fd = atoi(argv[i + 1]);
@@ -67,32 +84,35 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s --control-fd FD --listen-fd FD (started by mesh-inference, not by hand)\n", argv[0]);
         return 2;
     }
-    signal(SIGPIPE, SIG_IGN);
-    prctl(PR_SET_PDEATHSIG, SIGTERM); /* never outlive the sidecar */
-    fcntl(control_fd, F_SETFL, fcntl(control_fd, F_GETFL) | O_NONBLOCK);
-    fcntl(listen_fd, F_SETFL, fcntl(listen_fd, F_GETFL) | O_NONBLOCK);
-    epoll_fd = epoll_create1(EPOLL_CLOEXEC);
-    static enum handle_kind control_handle = H_CONTROL, listen_handle = H_LISTEN;
+    static enum handle_kind control_handle = H_CONTROL;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &control_handle};
-    epoll_ctl(epoll_fd, EPOLL_CTL_ADD, control_fd, &ev);
-    ev.data.ptr = &listen_handle;
-    epoll_ctl(epoll_fd, EPOLL_CTL_ADD, listen_fd, &ev);
-    struct sockaddr_storage addr;
+    struct sockaddr_in addr;
     socklen_t len = sizeof addr;
-    getsockname(listen_fd, (struct sockaddr *)&addr, &len);
-    report("hello %s %d", RELAY_VERSION, ntohs(((struct sockaddr_in *)&addr)->sin_port));
+    if (signal(SIGPIPE, SIG_IGN) == SIG_ERR || prctl(PR_SET_PDEATHSIG, SIGTERM) < 0 /* never outlive the sidecar */
+        || set_nonblocking(control_fd) < 0 || set_nonblocking(listen_fd) < 0
+        || (epoll_fd = epoll_create1(EPOLL_CLOEXEC)) < 0 || epoll_ctl(epoll_fd, EPOLL_CTL_ADD, control_fd, &ev) < 0
+        || listen_on(listen_fd) < 0 || getsockname(listen_fd, (struct sockaddr *)&addr, &len) < 0
+        || addr.sin_family != AF_INET) {
+        perror("mesh-data-relay: setting up");
+        return 2;
+    }
+    report("hello %s %d", RELAY_VERSION, ntohs(addr.sin_port));
     uint64_t next_tick = now_ns() + TICK_NS;
     uint32_t control_watched = EPOLLIN;
     for (;;) {
         struct epoll_event events[64];
         int n = epoll_wait(epoll_fd, events, 64, 50);
+        if (n < 0 && errno != EINTR) {
+            perror("mesh-data-relay: epoll_wait");
+            return 2;
+        }
         for (int i = 0; i < n; i++) {
             enum handle_kind *kind = events[i].data.ptr;
             if (*kind == H_CONTROL) {
                 if (events[i].events & EPOLLOUT) flush_control();
                 if ((events[i].events & (EPOLLIN | EPOLLHUP)) && !read_control()) return 0;
             } else if (*kind == H_LISTEN) {
-                accept_inbound(listen_fd);
+                accept_inbound();
             } else {
                 /* A pipe freed earlier in this batch may be named again: skip sides already closed. */
                 struct side *s = (struct side *)kind;
@@ -102,11 +122,10 @@ int main(int argc, char **argv) {
             }
         }
         uint32_t control_events = EPOLLIN | (control_out_len ? EPOLLOUT : 0);
-        if (control_events != control_watched) { /* a syscall only when it changes */
-            struct epoll_event cev = {.events = control_events, .data.ptr = &control_handle};
-            epoll_ctl(epoll_fd, EPOLL_CTL_MOD, control_fd, &cev);
+        struct epoll_event cev = {.events = control_events, .data.ptr = &control_handle};
+        /* A syscall only when it changes; refused, it is tried again on the next round. */
+        if (control_events != control_watched && epoll_ctl(epoll_fd, EPOLL_CTL_MOD, control_fd, &cev) == 0)
             control_watched = control_events;
-        }
         if (now_ns() >= next_tick) {
             tick();
             next_tick = now_ns() + TICK_NS;

@@ -1,6 +1,7 @@
 /* Who the sidecar named (members.h). */
 #include "members.h"
 
+#include <arpa/inet.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -26,4 +27,36 @@ struct member *find_member(const uint8_t *id) {
 const char *resolve_endpoint(void *ctx, uint32_t index) {
     (void)ctx;
     return index < MAX_ENDPOINTS ? endpoints[index] : NULL;
+}
+
+static void mapped_v4(struct in6_addr *out, const struct in_addr *v4) {
+    memset(out, 0, sizeof *out);
+    out->s6_addr[10] = out->s6_addr[11] = 0xff;
+    memcpy(&out->s6_addr[12], v4, 4);
+}
+
+int address_of(const struct sockaddr *sa, struct in6_addr *out) {
+    if (sa->sa_family == AF_INET) {
+        mapped_v4(out, &((const struct sockaddr_in *)sa)->sin_addr);
+        return 0;
+    }
+    if (sa->sa_family != AF_INET6) return -1;
+    *out = ((const struct sockaddr_in6 *)sa)->sin6_addr;
+    return 0;
+}
+
+int parse_address(const char *text, struct in6_addr *out) {
+    struct in_addr v4;
+    if (inet_pton(AF_INET, text, &v4) == 1) {
+        mapped_v4(out, &v4);
+        return 0;
+    }
+    return inet_pton(AF_INET6, text, out) == 1 ? 0 : -1;
+}
+
+int address_allowed(const struct in6_addr *address) {
+    for (int i = 0; i < MAX_MEMBERS; i++)
+        for (int j = 0; members[i].used && j < members[i].n_addresses; j++)
+            if (!memcmp(&members[i].addresses[j], address, sizeof *address)) return 1;
+    return 0;
 }

@@ -2,8 +2,10 @@
 #ifndef MESH_MEMBERS_H
 #define MESH_MEMBERS_H
 
+#include <netinet/in.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 #include "judge.h"
 #include "relay.h"
@@ -13,6 +15,8 @@ struct member {
     uint8_t id[NODE_ID_BYTES];
     char hex[2 * NODE_ID_BYTES + 1];
     struct judged judged;          /* the outputs its replies carried, over all its connections */
+    struct in6_addr addresses[MAX_MEMBER_ADDRESSES]; /* where its relay dials from (IPv4 as ::ffff:a.b.c.d) */
+    int n_addresses;
 };
 
 extern struct member members[MAX_MEMBERS];
@@ -23,5 +27,11 @@ int from_hex(uint8_t *out, size_t n, const char *hex);
 struct member *find_member(const uint8_t *id);
 /* REGISTER_PEER's peer index -> its endpoint here, or NULL (an rw_resolve_fn). */
 const char *resolve_endpoint(void *ctx, uint32_t index);
+/* A socket's address as member addresses are kept; -1 for a family that has none. */
+int address_of(const struct sockaddr *sa, struct in6_addr *out);
+/* A numeric IPv4 or IPv6 address as member addresses are kept; -1 if it is none. */
+int parse_address(const char *text, struct in6_addr *out);
+/* Whether the sidecar named a member at this address: no other source is even answered. */
+int address_allowed(const struct in6_addr *address);
 
 #endif

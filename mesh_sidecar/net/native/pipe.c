@@ -25,21 +25,21 @@ int max_pipes = 256, max_handshakes = 16;
 void set_events(struct side *s, uint32_t events) {
     if (s->fd < 0 || (s->registered && s->events == events)) return;
     struct epoll_event ev = {.events = events, .data.ptr = s};
-    epoll_ctl(epoll_fd, s->registered ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, s->fd, &ev);
+    if (epoll_ctl(epoll_fd, s->registered ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, s->fd, &ev) < 0) {
+        s->pipe->stalled = 1; /* it would wait for ever: the tick ends it */
+        return;
+    }
     s->events = events;
     s->registered = 1;
 }
 
 static void close_side(struct side *s, int reset) {
     if (s->fd < 0) return;
-    if (reset) { /* an RST, so llama-server or rpc-server sees an error, not a clean end */
-        struct linger lg = {1, 0};
-        setsockopt(s->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
-    }
     if (s->ssl) SSL_free(s->ssl);
     s->ssl = NULL;
-    epoll_ctl(epoll_fd, EPOLL_CTL_DEL, s->fd, NULL);
-    close(s->fd);
+    /* Not registered, or the DEL refused: close() takes it out of epoll all the same. */
+    if (s->registered && epoll_ctl(epoll_fd, EPOLL_CTL_DEL, s->fd, NULL) < 0) s->registered = 0;
+    close_socket(s->fd, reset); /* an RST, so llama-server or rpc-server sees an error, not a clean end */
     s->fd = -1;
 }
 
@@ -53,13 +53,14 @@ void report_stats(struct pipe *p) {
         && p->watch.frames == p->reported_frames && p->watch.activation_bytes == p->reported_activation
         && p->watch.allocated_bytes == p->reported_alloc)
         return;
-    report("stats %u %llu %llu %llu %llu %llu %llu", p->id,
+    if (!report_summary("stats %u %llu %llu %llu %llu %llu %llu", p->id,
            (unsigned long long)(p->from_client - p->reported_client),
            (unsigned long long)(p->from_server - p->reported_server),
            (unsigned long long)(p->watch.frames - p->reported_frames),
            (unsigned long long)(p->watch.activation_bytes - p->reported_activation),
            (unsigned long long)(p->watch.allocated_bytes - p->reported_alloc),
-           (unsigned long long)(p->owed_ns / 1000));
+           (unsigned long long)(p->owed_ns / 1000)))
+        return; /* the next one carries these counts too */
     p->reported_client = p->from_client;
     p->reported_server = p->from_server;
     p->reported_frames = p->watch.frames;
@@ -94,7 +95,7 @@ void free_pipe(struct pipe *p, int reset, const char *why) {
     free(p);
 }
 
-struct pipe *new_pipe(uint32_t id, int outbound) {
+struct pipe *new_pipe(uint32_t id, int outbound, int check, int rewrite) {
     if (n_pipes >= max_pipes) return NULL;
     struct pipe *p = calloc(1, sizeof *p);
     if (!p) abort();
@@ -108,17 +109,27 @@ struct pipe *new_pipe(uint32_t id, int outbound) {
     p->up.cap = p->down.cap = BUF_BYTES;
     p->started_ns = now_ns();
     p->deadline_ns = p->started_ns + handshake_timeout_ns;
+    rw_init(&p->watch, &rules, check, rewrite, judge_for_pipe, resolve_endpoint, p);
     p->next = pipes;
     pipes = p;
     n_pipes++;
     return p;
 }
 
-void tune_socket(int fd) {
-    int one = 1;
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-    /* RPC is strict request/response: Nagle would add a delay per command. */
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+int tune_socket(int fd) {
+    int one = 1, flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) return -1;
+    /* RPC is strict request/response: Nagle would add a delay per command. Without it (not TCP, or
+     * refused) bytes still flow, later. */
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0) return 0;
+    return 0;
+}
+
+void close_socket(int fd, int reset) {
+    struct linger lg = {1, 0};
+    /* The option refused: a clean end instead of an RST, the socket closed all the same. */
+    if (reset && setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg) < 0) reset = 0;
+    close(fd);
 }
 
 /* Room at the end of a buffer: compacted first, grown only while the watch holds a whole reply. */

@@ -48,7 +48,11 @@ struct pipe {
     int is_probe;                  /* reports "probe", never "closed" */
     int handed_back;               /* reported as "fallback", never "closed" */
     int announced;                 /* inbound: reported "inbound", so its end is reported too */
+    int stalled;                   /* epoll refused to watch a side: ended at the next tick */
     int holds_shake;               /* inbound: counted in n_handshakes until authenticated or freed */
+    struct in6_addr source;        /* inbound: where it came from (members.h's form), and as accepted */
+    struct sockaddr_storage peer;
+    socklen_t peer_len;
     struct pipe *next;
 };
 
@@ -61,14 +65,18 @@ extern struct rw_rules rules;
 extern uint64_t handshake_timeout_ns;
 extern int max_pipes, max_handshakes;
 
-/* NULL when max_pipes are open. */
-struct pipe *new_pipe(uint32_t id, int outbound);
+/* NULL when max_pipes are open. Its watch is set up at once (`check`: judge replies, `rewrite`:
+ * REGISTER_PEER), so no byte can pass an unset one, whatever state the pipe is in. */
+struct pipe *new_pipe(uint32_t id, int outbound, int check, int rewrite);
 /* Closes both sides (an RST each when `reset`) and reports the end as the pipe's kind wants. */
 void free_pipe(struct pipe *p, int reset, const char *why);
 /* An inbound pipe's handshake slot, given back exactly once. */
 void release_shake(struct pipe *p);
 void set_events(struct side *s, uint32_t events);
-void tune_socket(int fd);
+/* Nonblocking (-1 if it cannot be: the one loop must never wait), and no Nagle delay. */
+int tune_socket(int fd);
+/* Closed, with an RST when `reset` (the peer sees an error, not a clean end). */
+void close_socket(int fd, int reset);
 /* >0 bytes, 0 nothing now, -1 EOF, -2 error. */
 ssize_t side_read(struct side *s, uint8_t *to, size_t n);
 /* >=0 bytes taken, -2 error. */

@@ -13,11 +13,15 @@
 #define KIND_PROBE 2
 #define PROBE_ANSWER 0x01
 #define NODE_ID_BYTES 32
+#define MAX_CERT_LIST_BYTES 8192   /* a node certificate is under 1 KiB */
 #define BUF_BYTES (256 * 1024)    /* per direction; grown only to hold a checked reply whole */
 #define CONTROL_LINE_BYTES 8192
-#define CONTROL_OUT_MAX_BYTES (4 << 20) /* a sidecar that stops reading loses stats, not data */
+#define CONTROL_OUT_MAX_BYTES (4 << 20) /* beyond it, summaries (stats, refused) wait: counted on */
+#define CONTROL_OUT_HARD_MAX_BYTES (64 << 20) /* beyond it, the sidecar is not reading: the relay exits */
+#define REFUSED_INTERVAL_NS 1000000000ull /* refusals: one summary line a second at most */
 #define MAX_MEMBERS 256
 #define MAX_ENDPOINTS 256
+#define MAX_MEMBER_ADDRESSES 8
 #define MAX_QUEUED_FDS 64
 #define TICK_NS 100000000ull      /* stats and reply waits, every 100 ms */
 #define INBOUND_ID_BASE 0x80000000u
