@@ -23,8 +23,9 @@ import itertools
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..identity import short_id
 from ..net.connection import PeerConnection
@@ -53,6 +54,10 @@ PATH_QUIC = "quic"
 # after this long, doubling while it fails.
 PROBE_RETRY_FIRST_S = 0.5
 PROBE_RETRY_MAX_S = 30.0
+# Connections our data port refused are logged at once for a reason not logged in the last minute, else
+# summed into one line a minute (the relay sums them each second): a stranger's flood costs the log a
+# line a minute.
+REFUSED_LOG_INTERVAL_S = 60.0
 
 
 @dataclass
@@ -80,6 +85,35 @@ class _Inbound:
     held_bytes: int = 0
 
 
+@dataclass
+class _Refusals:
+    """What the data port refused since the last warning."""
+
+    count: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    address: str = ""  # the last one's source
+    minute_s: float = -float("inf")  # when the interval of the last warnings began
+    told: set[str] = field(default_factory=set)  # the reasons logged in it
+    later: asyncio.TimerHandle | None = None
+
+    def add(self, refused: reports.Refused, now_s: float) -> bool:
+        """Counted; whether to log now (a reason not logged in this interval, or the interval is over)."""
+        self.count += refused.count
+        self.reasons.update(dict(refused.reasons))
+        self.address = refused.address
+        return now_s - self.minute_s >= REFUSED_LOG_INTERVAL_S or not self.told.issuperset(self.reasons)
+
+    def log(self, now_s: float) -> None:
+        self.later = None
+        if now_s - self.minute_s >= REFUSED_LOG_INTERVAL_S:
+            self.minute_s, self.told = now_s, set()
+        if self.count:
+            log.warning("data port: refused %d connection(s) (%s), the last from %s", self.count,
+                        ", ".join(f"{why} {n}" for why, n in self.reasons.most_common()), self.address)
+        self.told.update(self.reasons)
+        self.count, self.reasons = 0, Counter()
+
+
 class DataPaths:
     """The native relay's side of the mesh: routes per peer, connections, their reports."""
 
@@ -95,6 +129,7 @@ class DataPaths:
         self._opened: set[int] = set()  # tunnels that reached the peer's relay
         self._inbound: dict[int, _Inbound] = {}
         self._ids = itertools.count(1)
+        self._refusals = _Refusals()
 
     @property
     def port(self) -> int:
@@ -115,8 +150,8 @@ class DataPaths:
         relay = self.relay
         if relay is None:
             return
-        relay.member(node_id)
         host = None if connection.relayed else connection.remote_address[0]
+        relay.member(node_id, () if host is None else (host,))  # where its relay dials ours from
         route = self._routes.get(node_id)
         if host is None or not data_port:
             self._drop(node_id)
@@ -208,8 +243,13 @@ class DataPaths:
                 self._rejected(report)
             case reports.Event():
                 self._event(report)
-            case reports.Refused(address=address, why=why):
-                log.warning("data port: refused a connection from %s (%s)", address, why)
+            case reports.Refused():
+                refusals, now_s = self._refusals, time.monotonic()
+                if refusals.add(report, now_s):
+                    refusals.log(now_s)
+                elif refusals.later is None:
+                    refusals.later = asyncio.get_running_loop().call_later(
+                        refusals.minute_s + REFUSED_LOG_INTERVAL_S - now_s, lambda: refusals.log(time.monotonic()))
             case reports.RelayError(text=text):
                 log.error("native data relay: %s", text)
 
