@@ -138,14 +138,15 @@ def plan_view(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False) 
 
 
 def _tiers_caption(plan: dict[str, Any]) -> str | None:
-    """With several --model tiers: what each needs against what the mesh offers."""
+    """With several --model tiers: what each needs, and a tier that does not fit against what the members
+    it was weighed over offer (every worker this node could use, tiers.tier_claim)."""
     tiers = plan.get("tiers", [])
     if len(tiers) < 2:
         return None
-    offered = sum(node["free_bytes"] for node in plan["nodes"] + plan.get("left_out", []))
     listed = "; ".join(f"{tier['model']} needs {format_gib(tier['needs_bytes'])} GiB"
-                       f"{'' if tier['fits'] else ' (does not fit)'}" for tier in tiers)
-    return f"Tiers, largest first: {listed}. The mesh offers {format_gib(offered)} GiB."
+                       + ("" if tier["fits"] else f" (does not fit in the {format_gib(tier['offered_bytes'])} GiB "
+                                                  "offered)") for tier in tiers)
+    return f"Tiers, largest first: {listed}."
 
 
 # --- status ------------------------------------------------------------------------------

@@ -45,12 +45,13 @@ from ..serve import dashboard
 from ..serve.access import OPEN_ACCESS, ApiAccess
 from ..serve.activity import RecentEvents
 from ..serve.catalog import MeshCatalog, mesh_catalog
+from ..serve.mesh_share import plan_over_mesh
 from ..serve.metrics import Metrics
 from ..serve.planner import Plan, PlanBy
 from ..serve.proxy import ApiProxy, ProxyOptions
 from ..serve.replan import Tier
 from ..serve.routing import MeshRoutes
-from ..serve.supervisor import ServeOptions, ServingHost, ServingSupervisor, estimate_off_loop, plan_over_mesh
+from ..serve.supervisor import ServeOptions, ServingHost, ServingSupervisor, estimate_off_loop
 from ..units import format_gib
 from ..wire.gossip import LlamaBuild, OfferedDevice
 from ..wire.ticket import Ticket
@@ -383,9 +384,13 @@ class Node:
     async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan:
         """A plan over the members connected now, for `mesh-inference plan` (PlanError if none fits).
 
-        Without ``model``, for the largest of the node's --model tiers that fits.
+        Without ``model``, for the largest of the node's --model tiers that fits; on a serving node with
+        neither ``model`` nor ``ctx_size``, the plan its llama-server runs, as `status` shows it.
         """
         assert self.mesh is not None
+        if (model is None and ctx_size is None and self.serving is not None
+                and (running := self.serving.plan_in_service()) is not None):
+            return running
         serving = self.options.serving
         if model is not None:
             paths = [model]

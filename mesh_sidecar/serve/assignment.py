@@ -6,11 +6,14 @@ time, so a worker holds layers for one serving node only, unless it *shares* (th
 rpc-server accepts several clients). The rule:
 
 1. Claims pick in the order (since, node id); a claim from a member not connected is skipped.
-2. Each takes, from the workers still free, the fewest that hold its model together with its
-   own memory, largest offer first (ties by node id): none when it fits alone, all of them
-   with ``--spread``, and all of them when even all fall short (the planner then names the
-   shortfall).
-3. A worker picked is no longer free for later claims, unless it shares. A serving member is
+2. A claim whose serving node runs a plan takes the workers of that plan (``Claim.workers``,
+   from the plan's members its gossip announces) that are still free: what llama-server
+   uses is what every member counts as taken.
+3. A claim with no plan yet takes, from the workers still free, the fewest that hold its model
+   together with its own memory, largest offer first (ties by node id): none when it fits
+   alone, all of them with ``--spread``, and all of them when even all fall short (the planner
+   then names the shortfall).
+4. A worker taken is no longer free for later claims, unless it shares. A serving member is
    never a worker.
 
 By speed (a claim's ``by_speed``, the default, every offer's speed known, and the speeds not all
@@ -20,10 +23,12 @@ worker much faster than the serving node itself (FASTER_WORKER) is taken too, ev
 would fit without it: the planner gives it layers only where that makes tokens faster
 (planner.py, "By speed").
 
-The test is conservative (:func:`fits`): each device added pays its own compute margin, and a
-split by whole layers can leave up to about one layer unused where each device's run ends. So
-each worker is counted at its offer less a margin and a layer. Where the split would have been
-tight, the price is one worker more than needed.
+Rule 3's test is conservative (:func:`fits`): each device added pays its own compute margin, and
+a split by whole layers can leave up to about one layer unused where each device's run ends. So
+each worker is counted at its offer less a margin and a layer. It is still a sum of bytes: it
+cannot see that a serving node too small for the output head and a layer adds nothing, so only
+the serving node itself, which can run the planner over its model (:func:`pick_workers`'
+``holds``), knows the workers its plan takes; rule 2 makes every member count those.
 
 Why (since, node id): a serving node that began earlier picks first, so it keeps its workers
 when a new one starts; two that start at the same moment are ordered by node id, so they end
@@ -34,7 +39,7 @@ of the inputs, so every node computes the same assignment from the same gossip.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..units import format_gib
@@ -79,6 +84,9 @@ class Claim:
     needs: ModelNeeds
     spread: bool = False  # --spread: take every free worker, a split over all members
     by_speed: bool = True  # take workers fastest first (see the module's docstring); False: --plan-by memory
+    # The members of the plan it runs (rule 2), itself among them when it holds layers, in any order;
+    # None: no plan known, so the fewest workers are picked (rule 3).
+    members: tuple[bytes, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -149,14 +157,16 @@ def _speed_band(offer: Offer) -> int:
     return math.floor(math.log(offer.decode_bytes_per_s, SPEED_BAND))
 
 
-def pick_workers(own: Offer, pool: Sequence[Offer], needs: ModelNeeds, spread: bool,
-                 by_speed: bool = False) -> tuple[Offer, ...]:
+def pick_workers(own: Offer, pool: Sequence[Offer], needs: ModelNeeds, spread: bool, by_speed: bool = False,
+                 holds: Callable[[Sequence[Offer]], bool] | None = None) -> tuple[Offer, ...]:
     """The fewest of ``pool`` that, with ``own``, hold the model, largest offer first (ties by node id).
 
     None (alone) when ``own`` fits by itself; all of the pool with ``spread``, and when even all
     of it does not fit (the planner then names the shortfall). ``own`` is never its own worker.
-    The k largest offers are the best k any pick could have, so the first prefix that fits is
+    The k largest offers are the best k any pick could have, so the first prefix that holds it is
     the fewest. ``by_speed`` with every speed known: fastest first, and the much faster ones always.
+    ``holds``: whether ``own`` with some workers holds the model; the conservative count (:func:`fits`)
+    by default, the planner's own test on the serving node (tiers.tier_claim).
     """
     ordered = largest_first([offer for offer in pool if offer.node_id != own.node_id])
     if spread:
@@ -165,9 +175,13 @@ def pick_workers(own: Offer, pool: Sequence[Offer], needs: ModelNeeds, spread: b
     if by_speed and speeds_differ([own.decode_bytes_per_s, *(offer.decode_bytes_per_s for offer in ordered)]):
         ordered = tuple(sorted(ordered, key=lambda offer: -_speed_band(offer)))  # stable: largest first within
         faster = tuple(o for o in ordered if o.decode_bytes_per_s >= FASTER_WORKER * own.decode_bytes_per_s)
+    if holds is None:
+        def holds(workers: Sequence[Offer]) -> bool:
+            return fits(own.usable_bytes, [offer.usable_bytes for offer in workers], needs)
     for k in range(len(ordered) + 1):
-        if fits(own.usable_bytes, [offer.usable_bytes for offer in ordered[:k]], needs):
-            return tuple(o for i, o in enumerate(ordered) if i < k or o in faster)
+        picked = tuple(o for i, o in enumerate(ordered) if i < k or o in faster)
+        if holds(picked):
+            return picked
     return ordered
 
 
@@ -204,7 +218,10 @@ def _turns(ordered: Sequence[Claim], offered: Mapping[bytes, Offer],
         own = offered.get(claim.node_id)
         if own is None:
             continue  # not connected: it cannot use workers through this mesh
-        picked = pick_workers(own, free, claim.needs, claim.spread, claim.by_speed)
+        if claim.members is None:
+            picked = pick_workers(own, free, claim.needs, claim.spread, claim.by_speed)
+        else:
+            picked = tuple(offer for offer in free if offer.node_id in claim.members)
         picks.append(_Pick(claim, own, picked))
         taken = {offer.node_id for offer in picked if not offer.shares}
         free = tuple(offer for offer in free if offer.node_id not in taken)
@@ -256,18 +273,24 @@ def assign(claims: Sequence[Claim], offers: Sequence[Offer]) -> Assignment:
 
 
 def _serving_why(pick: _Pick) -> str:
-    model, own, picked = pick.claim.needs.model, pick.own.usable_bytes, pick.picked
+    claim, own, picked = pick.claim, pick.own.usable_bytes, pick.picked
+    model, planned = claim.needs.model, claim.members is not None
     have = own + sum(offer.usable_bytes for offer in picked)
-    need = needed_bytes(len(picked), pick.claim.needs)
+    # A plan held the model (the planner's count); without one, the conservative count's figure.
+    need = claim.needs.alone_bytes if planned else needed_bytes(len(picked), claim.needs)
     amounts = f"{format_gib(need, up=True)} of {format_gib(have)} GiB free"
     if not picked:
-        if fits(own, [], pick.claim.needs):
+        if planned or fits(own, [], claim.needs):
             return f"serves {model} alone: it fits ({amounts})"
         return f"serves {model} alone, with no worker free: it needs {amounts}"
     count = f"{len(picked)} worker{'s' if len(picked) > 1 else ''}"
-    if pick.claim.spread:
-        return f"serves {model} over every free worker (--spread): {count}, {amounts}"
-    if not fits(own, [offer.usable_bytes for offer in picked], pick.claim.needs):
+    # The planner leaves out a serving node too small for the output head and a layer.
+    itself = ", holding no layer itself" if planned and claim.node_id not in (claim.members or ()) else ""
+    if claim.spread:
+        return f"serves {model} over every free worker (--spread): {count}{itself}, {amounts}"
+    if planned:
+        return f"serves {model} with {count}, those of its plan{itself} ({amounts})"
+    if not fits(own, [offer.usable_bytes for offer in picked], claim.needs):
         return f"serves {model} with every free worker ({count}), still short: it needs {amounts}"
     return f"serves {model} with {count}, the fewest that hold it ({amounts})"
 

@@ -133,9 +133,11 @@ class TierFit:
     needs_bytes: int  # the whole model on one device: weights, KV cache, one compute margin
     fits: bool
     why: str = ""  # when it does not fit: the planner's reason, with the shortfall in GiB
+    offered_bytes: int = 0  # what the members it was weighed over offer together
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "needs_bytes": self.needs_bytes, "fits": self.fits, "why": self.why}
+        return {"model": self.model, "needs_bytes": self.needs_bytes, "fits": self.fits, "why": self.why,
+                "offered_bytes": self.offered_bytes}
 
 
 @dataclass(frozen=True)
@@ -374,7 +376,8 @@ def assess_tiers(tiers: Sequence[tuple[str, ModelEstimate]], members: Sequence[N
                                            projector_bytes=estimate.projector_bytes)
         except PlanError as exc:
             errors[i] = exc
-    fits = tuple(TierFit(tiers[i][0], tier_needs_bytes(tiers[i][1]), i in plans, str(errors.get(i, "")))
+    offered = sum(member.usable_bytes for member in members)
+    fits = tuple(TierFit(tiers[i][0], tier_needs_bytes(tiers[i][1]), i in plans, str(errors.get(i, "")), offered)
                  for i in order)
     return TierAssessment(order, plans, fits, errors)
 

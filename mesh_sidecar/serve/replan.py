@@ -167,7 +167,9 @@ def replan_reason(snapshot: ServingSnapshot, gate: StepUpGate) -> tuple[Replan |
     try:
         tier, candidate = _plan(snapshot)
     except PlanError:
-        return (None if snapshot.plan is None else Replan("The mesh can no longer hold the model", True)), None
+        # No tier fits, a bigger one neither: a step up once members return waits its whole time again.
+        gone = StepUp(False, gate.bigger_gone())
+        return (None if snapshot.plan is None else Replan("The mesh can no longer hold the model", True)), gone
     if snapshot.plan is None:
         return Replan("The mesh can hold the model now", False), None
     # A plan is in service, so a tier is: llama-server was started on it.

@@ -33,9 +33,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ from ..llama.kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
 from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
 from ..llama.model import model_sha256, model_shards
 from ..llama.projector import Projector
-from ..mesh.exclusion import SLOW_EXCLUSION_S, Exclusion, exclusion_of
+from ..mesh.exclusion import SLOW_EXCLUSION_S
 from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
 from ..ports import LOOPBACK, free_tcp_port
@@ -59,14 +58,14 @@ from ..progress import ProgressCallback
 from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
 from ..wire.rpc_outputs import OutputRejected
 from . import receipt
-from .assignment import Assignment, Claim, ModelNeeds, Offer, Role, assign, pool_for
 from .catalog import LOADING, READY, UNAVAILABLE
 from .failover_timeline import FailoverTimeline
 from .generation import Generation
+from .mesh_share import MeshRound, planning_members
 from .metrics import Metrics
 from .output_guard import OutputGuard
 from .pace import Slow
-from .planner import NodeCapacity, Plan, PlanBy, assess_tiers, device_shares, model_needs
+from .planner import Plan, PlanBy
 from .proxy import ApiProxy, ServingHooks
 from .replan import (
     Blame,
@@ -76,14 +75,13 @@ from .replan import (
     Tier,
     blame_slow,
     choose_plan,
-    plan_largest,
     replan_reason,
     tier_index,
 )
 from .speculation import Speculation, choose
 from .speeds import ObservedSpeeds
 from .step_up import StepUpGate, StepUpRules
-from .tiers import TierView, model_id, tier_claim, tier_views
+from .tiers import TierView, model_id, tier_views
 
 log = logging.getLogger(__name__)
 
@@ -163,91 +161,6 @@ class ServingHost:
     say: Callable[[Any], None]  # a line (or a PlanAnnouncement) for the user
     # A fresh reporter per llama-server start, told its load stages; None: loads are silent.
     load_progress: Callable[[], ProgressCallback] | None = None
-
-
-@dataclass(frozen=True)
-class MeshRound:
-    """The members one planning round may use: this node's share of the mesh's workers (assignment.py)."""
-
-    members: tuple[NodeCapacity, ...]  # to plan over, in device order: peers first (by id), this node last
-    refused: tuple[tuple[NodeCapacity, Exclusion], ...]  # connected members left out, and why
-    needs: ModelNeeds  # what this node claims: the tier its workers were picked for
-    assignment: Assignment  # every member's place, for `plan`
-
-    def roles(self, own_id: bytes) -> tuple[Role, ...]:
-        return tuple(self.assignment.seen_by(own_id).values())
-
-
-def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
-                     since: float = math.inf, spread: bool = False, by: PlanBy = PlanBy.SPEED,
-                     slowdowns: Mapping[bytes, float] | None = None) -> MeshRound:
-    """The members to plan ``tiers`` over, and those refused with the reason.
-
-    Every serving member claims workers in gossip (``MemberInfo.serves``); this node takes, from the
-    workers the claims before its own leave free (its pool), the fewest that hold the largest tier the
-    whole pool can hold (all of them with ``spread``): each tier is weighed over the pool, not over the
-    workers of the tier in service, so a bigger tier is seen to fit and the step-up rules apply
-    (tiers.tier_claim). ``since``: when this node began serving (infinite: it does not serve, as `plan`
-    on a worker shows). Peers come first (by id) and this node last: llama.cpp puts the output layer
-    on the last device, so the logits (vocabulary x 4 bytes a token) stay on loopback instead of
-    crossing the network. ``by``: this node's --plan-by; ``slowdowns``: how much slower than announced
-    each worker has been running (speeds.py), dividing its devices' speeds.
-    """
-    me = identity.node_id
-    offers, refused, claims = [], [], []
-    devices = {me: mesh.devices}
-    slowdowns = slowdowns or {}
-    links_s = {view.node_id: view.rtt_typical_s or 0.0 for view in mesh.peer_views()}
-
-    def speed_of(node_id: bytes) -> float:
-        """The member's fastest device, as announced and corrected."""
-        fastest = max((device.decode_bytes_per_s for device in devices[node_id]), default=0)
-        return fastest / slowdowns.get(node_id, 1.0)
-
-    for info in mesh.connected_members():
-        devices[info.node_id] = info.devices
-        # Less what the member's rpc-server holds for other serving nodes (they run their own models).
-        usable = Capacity.from_gossip(dict(info.capacity)).usable_for(me)
-        if (served := info.serves) is not None:
-            claims.append(Claim(info.node_id, served.since, ModelNeeds(
-                served.model, served.alone_bytes, served.margin_bytes, served.layer_bytes), served.spread,
-                served.by_speed))
-        # As if this node served, so `plan` on any node shows what serving there would leave out.
-        if (why := exclusion_of(info, mesh.self_info)) is not None:
-            refused.append((NodeCapacity(info.node_id, info.name, usable), why))
-            continue
-        offers.append(Offer(info.node_id, info.name, usable, shares=info.llama_build.b2b,
-                            serving=info.serving or served is not None, decode_bytes_per_s=speed_of(info.node_id)))
-    # The tier planning takes each tier's input embeddings off this node's share.
-    own_offer = Offer(me, name, max(0, own.usable_bytes - mesh.held_for_peers_bytes()), serving=True,
-                      decode_bytes_per_s=speed_of(me))
-    offers.append(own_offer)
-    needs = [model_needs(model_id(tier.path.name), tier.estimate) for tier in tiers]
-    # Only the claims before this node's decide its pool; its own claim's needs do not.
-    mine = Claim(me, since, needs[0], spread, by is PlanBy.SPEED)
-    pool = pool_for(me, [*claims, mine], offers)
-
-    def members_with(workers: Sequence[Offer]) -> list[NodeCapacity]:
-        members = [entry for w in sorted(workers, key=lambda w: w.node_id)
-                   for entry in device_shares(w.node_id, w.name, w.usable_bytes, devices[w.node_id],
-                                              link_s=links_s.get(w.node_id, 0.0),
-                                              slowdown=slowdowns.get(w.node_id, 1.0))]
-        return members + device_shares(me, name, own_offer.usable_bytes, devices[me])
-
-    index, picked = tier_claim([(tier.path.name, tier.estimate) for tier in tiers], own_offer, pool, members_with,
-                               spread=mine.spread, by_speed=mine.by_speed)
-    mine = dataclasses.replace(mine, needs=needs[index])
-    return MeshRound(tuple(members_with(picked)), tuple(refused), mine.needs, assign([*claims, mine], offers))
-
-
-def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
-                   since: float = math.inf, spread: bool = False, by: PlanBy = PlanBy.SPEED,
-                   slowdowns: Mapping[bytes, float] | None = None) -> Plan:
-    """The plan of the largest of ``tiers`` this node's share of the mesh can hold now; PlanError if none."""
-    round_ = planning_members(mesh, identity, name, own, tiers, since=since, spread=spread, by=by,
-                              slowdowns=slowdowns)
-    plan = plan_largest(tiers, round_.members, round_.refused, by=by, spread=spread)[1]
-    return dataclasses.replace(plan, roles=round_.roles(identity.node_id))
 
 
 class ServingSupervisor:
@@ -361,11 +274,18 @@ class ServingSupervisor:
         return own
 
     def tier_views(self) -> list[TierView]:
-        """The tiers as clients see them (``/v1/models``), the one in service first."""
-        snapshot = self._snapshot()
-        assessed = assess_tiers([(tier.path.name, tier.estimate) for tier in snapshot.tiers], snapshot.members)
+        """The tiers as clients see them (``/v1/models``), the one in service first, each weighed over its own
+        claim (one too large, over every worker this node could use, with its shortfall)."""
+        self._snapshot()
+        assert self._round is not None
         serving = self._in_service if self.llama_server is not None and self.outage is None else None
-        return tier_views(assessed.fits, serving.name if serving is not None else None)
+        return tier_views(self._round.tiers, serving.name if serving is not None else None)
+
+    def plan_in_service(self) -> Plan | None:
+        """The plan llama-server runs (or loads), with every member's place as the mesh stands now (None: no plan)."""
+        if self.plan is None or self._round is None:
+            return self.plan
+        return self._round.with_plan(self.plan)
 
     def _keep_step_up(self, look: StepUp) -> None:
         """Keep the gate as a look at it left it; status says when a step up that must wait may happen."""
@@ -540,8 +460,9 @@ class ServingSupervisor:
             self._set_state(UNAVAILABLE)
             return
         self._keep_step_up(choice.step_up)
-        roles = self._round.roles(self._identity.node_id) if self._round is not None else ()
-        self.plan, self.outage = dataclasses.replace(choice.plan, roles=roles), None
+        assert self._round is not None  # read by the snapshot just taken
+        # The one plan object: --rpc below, gossip's members (the assignment every node computes), status, `plan`.
+        self.plan, self.outage = self._round.with_plan(choice.plan), None
         self._set_state(LOADING)
         path, sha256 = self._options.models[choice.tier]
         projector = self._options.projector(choice.tier)
@@ -660,7 +581,7 @@ class ServingSupervisor:
             "step_up": ({"model": self.step_up_pending[0],
                          "in_s": round(max(0.0, self.step_up_pending[1] - asyncio.get_running_loop().time()), 1)}
                         if self.step_up_pending else None),
-            "plan": self.plan.to_json() if self.plan else None,
+            "plan": plan.to_json() if (plan := self.plan_in_service()) is not None else None,
             "refusal": self.outage,
             "speculation": self.speculation.to_json() if self.speculation else None,
             "llama_server_restarts": self.restarts,

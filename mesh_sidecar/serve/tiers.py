@@ -9,8 +9,12 @@ moves the API off the tier it can rely on.
 
 Which tier a serving node claims workers for (:func:`tier_claim`) is weighed
 over every worker the assignment could give it, not over the workers of the
-tier in service: those are the fewest for that tier, and a bigger one never
-fits them, so it could never be seen to fit long enough to step up.
+tier in service: those are the fewest for that tier (none when it runs
+alone), and a bigger one never fits them, so it could never be seen to fit
+long enough to step up. Each tier takes the fewest workers over which the
+planner itself holds it: the assignment's conservative count is a sum of
+bytes, and says one worker where the planner needs two when the serving node
+is too small for the output head beside a layer.
 
 Clients name models by their file's stem (what llama-server's ``--alias``
 makes it answer with). A request naming a tier that is not in service gets an
@@ -19,6 +23,7 @@ error saying which one is and why the other is not.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,27 +41,47 @@ DEFAULT_MODEL_NAMES = frozenset({"", "default"})
 OWNER = "mesh-inference"
 
 
+@dataclass(frozen=True)
+class TierClaim:
+    """The tier a serving node claims workers for, those workers, and how every tier weighed."""
+
+    index: int  # into the tier list
+    workers: tuple[Offer, ...]
+    fits: tuple[TierFit, ...]  # every tier, largest first, over its fewest workers (the whole pool if none)
+
+
 def tier_claim(tiers: Sequence[tuple[str, ModelEstimate]], own: Offer, pool: Sequence[Offer],
                members_of: Callable[[Sequence[Offer]], Sequence[NodeCapacity]], *,
-               spread: bool = False, by_speed: bool = False) -> tuple[int, tuple[Offer, ...]]:
-    """The tier a serving node claims workers for (an index into ``tiers``), and those workers.
+               spread: bool = False, by_speed: bool = False) -> TierClaim:
+    """The tier a serving node claims workers for, and those workers.
 
     ``tiers``: (file name, estimate) pairs; ``own``: the serving node's offer; ``pool``: every worker
     the assignment leaves free for it (assignment.pool_for); ``members_of``: what the planner plans
     over with some of them (workers first, the serving node last); ``spread``, ``by_speed``: its claim's.
-    Largest first, each tier gets the workers its claim would be given (pick_workers: the fewest by the
-    assignment's conservative count, all of the pool where that count falls short), and the first the
-    planner holds over them is claimed. So a tier only the whole pool holds is claimed with the whole
-    pool, whichever tier is in service. None fits: the smallest, with the whole pool (the planner then
-    names the shortfall).
+    Each tier gets the fewest workers, in the assignment's order (pick_workers), over which the planner
+    holds it (all of the pool with ``spread``, and where even the whole pool falls short), and the
+    largest tier held is claimed. So whether the tier in service runs alone, on some workers or on all,
+    a bigger one is claimed as soon as the pool holds it. None fits: the smallest, with the whole pool
+    (the planner then names the shortfall).
     """
     order = sorted(range(len(tiers)), key=lambda i: tier_needs_bytes(tiers[i][1]), reverse=True)
+    fits, claimed = [], None
     for index in order:
         name, estimate = tiers[index]
-        workers = pick_workers(own, pool, model_needs(model_id(name), estimate), spread, by_speed)
-        if assess_tiers([tiers[index]], members_of(workers)).plans:
-            return index, workers
-    return order[-1], tuple(pool)
+        workers = pick_workers(own, pool, model_needs(model_id(name), estimate), spread, by_speed,
+                               holds=functools.partial(_held, tiers[index], members_of))
+        assessed = assess_tiers([tiers[index]], members_of(workers))
+        fits.append(assessed.fits[0])
+        if claimed is None and assessed.plans:
+            claimed = index, workers
+    index, workers = claimed or (order[-1], tuple(pool))
+    return TierClaim(index, workers, tuple(fits))
+
+
+def _held(tier: tuple[str, ModelEstimate], members_of: Callable[[Sequence[Offer]], Sequence[NodeCapacity]],
+          workers: Sequence[Offer]) -> bool:
+    """Whether the planner holds ``tier`` over the serving node and ``workers``."""
+    return bool(assess_tiers([tier], members_of(workers)).plans)
 
 
 def model_id(file_name: str) -> str:

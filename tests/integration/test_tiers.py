@@ -218,3 +218,60 @@ def test_three_capped_members_step_up_to_the_tier_their_whole_pool_holds(start_n
     plan = c.status()["serving"]["plan"]
     assert sorted(node["name"] for node in plan["nodes"]) == ["a", "b", "c"], plan
     assert switches(c.serve_port, "up") == 1
+
+
+# Issue 50: F32 embeddings (144 MiB on the serving node's CPU, and a copy as the head on the last device) leave
+# a serving node offering 300M no room for the head beside a layer, so three members at 300M hold this 0.52 GiB
+# model over the two workers only, while SmolLM2-135M (0.24 GiB) fits the serving node alone.
+REACH_TEST = SyntheticSpec(name="reach-test", n_layers=18, n_embd=768, n_ff=1024, n_head=12, n_head_kv=4,
+                           attn_dtype="F16", ffn_dtype="F16", embd_dtype="F32")
+REACH_CAP = "300M"
+STEP_UP_WITHIN_S = 60.0  # the issue's bound, from the last join, under the default step-up rules
+
+
+def rpc_endpoints(node) -> list[str]:
+    """The --rpc list of the node's running llama-server, as its kernel has its argv."""
+    llama = next(p for p in node.status()["processes"] if p["name"] == "llama-server")
+    argv = psutil.Process(llama["pid"]).cmdline()
+    return argv[argv.index("--rpc") + 1].split(",") if "--rpc" in argv else []
+
+
+@pytest.mark.slow
+def test_a_tier_the_small_one_runs_alone_beside_steps_up_over_the_workers_it_needs(start_node, model_path):
+    big = ensure_synthetic_model(REACH_TEST)
+    a = start_node("a", "--max-memory", REACH_CAP)
+    c = start_node("c", "--model", str(big), "--model", str(model_path), "--max-memory", REACH_CAP,
+                   "--join", a.ticket(), "--min-peers", "1", serve=True, spread=False)
+    # With one worker the big tier does not fit (c cannot hold its head): the small one, alone.
+    plan = c.status()["serving"]["plan"]
+    assert plan["model"] == model_path.name and [n["name"] for n in plan["nodes"]] == ["c"]
+    # ... and the big one is weighed over both members, not over the small tier's (c alone).
+    assert [(t["model"], t["fits"], t["offered_bytes"]) for t in plan["tiers"]] == [
+        (big.name, False, 2 * 300 * 2**20), (model_path.name, True, 300 * 2**20)]
+    b = start_node("b", "--max-memory", REACH_CAP, "--join", a.ticket())
+    joined_at = time.monotonic()
+    wait_until(lambda: (c.status()["serving"]["plan"] or {}).get("model") == big.name and api_healthy(c.serve_port),
+               STEP_UP_WITHIN_S, f"{big.name} in service within a minute of the last join")
+    step_up_s = time.monotonic() - joined_at
+    assert switches(c.serve_port, "up") == 1
+
+    # One plan: llama-server's --rpc, status, `plan --json` and the members table name a and b.
+    status = c.status()
+    plan = status["serving"]["plan"]
+    assert {n["name"] for n in plan["nodes"]} == {"a", "b"}
+    tunnels = {p["name"]: f"127.0.0.1:{p['tunnel_port']}" for p in status["peers"]}
+    assert rpc_endpoints(c) == [tunnels[n["name"]] for n in plan["nodes"]]
+    assert plan_json(c) == plan
+    roles = {role["name"]: role["why"] for role in plan["assignment"]}
+    assert roles["a"] == roles["b"] == f"holds layers of {big.stem} for c"
+    assert roles["c"].startswith(f"serves {big.stem} with 2 workers, those of its plan, holding no layer itself")
+
+    # A member leaves: down at once, whatever the step-up rules.
+    left_at = time.monotonic()
+    b.stop()
+    wait_until(lambda: (c.status()["serving"]["plan"] or {}).get("model") == model_path.name
+               and api_healthy(c.serve_port), FAILOVER_S, "the small tier in service")
+    step_down_s = time.monotonic() - left_at
+    assert switches(c.serve_port, "down") == 1 and rpc_endpoints(c) == []
+    print(f"\nstep up to {big.name} {step_up_s:.1f} s after the last join (default rules: 20 s); "
+          f"down to {model_path.name} {step_down_s:.1f} s after a member left")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -175,6 +176,25 @@ def test_roles_say_why():
     assert assign([], offers).roles[nid(3)].why == "idle: no member serves a model"
 
 
+def test_a_claim_running_a_plan_takes_the_members_of_its_plan_still_free():
+    offers = [offer(0, 1), offer(1, 1), offer(2, 12), offer(3, 6), offer(4, 6)]
+    # host0's plan runs on host3 and host4 (not the fewest by the count of bytes: host2 alone would do),
+    # host0 itself holding no layer; host1, later and with no plan yet, picks from what is left.
+    ran = Claim(nid(0), 1.0, NEEDS, members=(nid(4), nid(3)))
+    result = assign([ran, claim(1, 2.0)], offers)
+    assert result.workers_of(nid(0)) == (nid(3), nid(4)) and result.workers_of(nid(1)) == (nid(2),)
+    assert result.roles[nid(0)].why == ("serves gemma with 2 workers, those of its plan, holding no layer itself "
+                                        "(10.0 of 13.0 GiB free)")
+    assert result.roles[nid(3)].why == "holds layers of gemma for host0"
+    # Alone in its plan: every worker is free for later claims.
+    alone = assign([dataclasses.replace(ran, members=(nid(0),)), claim(1, 2.0)], [offer(0, 11), *offers[1:]])
+    assert alone.workers_of(nid(0)) == () and alone.workers_of(nid(1)) == (nid(2),)
+    assert alone.roles[nid(0)].why == "serves gemma alone: it fits (10.0 of 11.0 GiB free)"
+    # A member of its plan that an earlier claim took is not its.
+    earlier = Claim(nid(1), 0.5, NEEDS, members=(nid(3), nid(1)))
+    assert assign([ran, earlier], offers).workers == {nid(1): (nid(3),), nid(0): (nid(4),)}
+
+
 def test_roles_as_another_serving_node_sees_them():
     offers = [offer(0, 1), offer(1, 0.5), offer(2, 12)]
     result = assign([claim(0, 1.0), claim(1, 2.0, SMALL)], offers)
@@ -188,14 +208,17 @@ def test_roles_as_another_serving_node_sees_them():
 
 @st.composite
 def meshes(draw: st.DrawFn) -> tuple[list[Claim], list[Offer]]:
-    """Up to eight members with unique ids; some claim (a few of those not connected), some share."""
+    """Up to eight members with unique ids; some claim (a few of those not connected, some running a plan
+    over members that may be taken or gone since), some share."""
     indices = draw(st.lists(st.integers(0, 40), min_size=1, max_size=8, unique=True))
     offers = [Offer(nid(i), f"host{i}", draw(st.integers(0, 24)) * GIB // 2, shares=draw(st.booleans()),
                     serving=draw(st.integers(0, 5)) == 0) for i in indices]
     claimants = draw(st.lists(st.sampled_from(indices + [41, 42]), max_size=4, unique=True))
+    plans = st.none() | st.lists(st.sampled_from(indices + [43]), min_size=1, max_size=4, unique=True)
     claims = [Claim(nid(i), float(draw(st.integers(0, 3))),
                     ModelNeeds(f"model{i}", draw(st.integers(0, 40)) * GIB // 2, GIB // 4, GIB // 4),
-                    spread=draw(st.integers(0, 4)) == 0) for i in claimants]
+                    spread=draw(st.integers(0, 4)) == 0,
+                    members=None if (plan := draw(plans)) is None else tuple(map(nid, plan))) for i in claimants]
     return claims, offers
 
 
@@ -242,7 +265,10 @@ def test_each_claim_picks_from_what_pool_for_says(mesh):
         if c.node_id not in by_id:
             continue
         pool = pool_for(c.node_id, claims, offers)
-        picked = pick_workers(by_id[c.node_id], pool, c.needs, c.spread)
+        if c.members is None:
+            picked = pick_workers(by_id[c.node_id], pool, c.needs, c.spread)
+        else:  # the members of its plan still free
+            picked = tuple(o for o in pool if o.node_id in c.members)
         assert tuple(o.node_id for o in picked) == result.workers_of(c.node_id)
         # Nothing in the pool is taken, without sharing, by a claim that picks earlier.
         for other in claims:

@@ -16,6 +16,7 @@ from mesh_sidecar.serve.replan import (
     SPEED_REPLAN_INTERVAL_S,
     Blame,
     ServingSnapshot,
+    StepUp,
     Tier,
     blame_slow,
     choose_plan,
@@ -105,7 +106,11 @@ def test_a_smaller_tier_that_alone_fits_replaces_the_one_in_service_without_wait
 def test_when_no_tier_fits_a_plan_in_service_fails_over_and_none_in_service_waits():
     tiny = (Tier(BIG.path, BIG.estimate),)
     alone = ServingSnapshot(100.0, (HOST,), (), tiny, None, None)
-    assert replan_reason(alone, StepUpGate(RULES)) == (None, None)
+    replan, look = replan_reason(alone, StepUpGate(RULES))
+    assert replan is None and look is not None and not look.allowed and look.waiting is None
+    # Nothing fits, a bigger tier neither: a step up's wait starts again once members return.
+    waiting = StepUpGate(RULES).bigger_fits(50.0)
+    assert replan_reason(alone, waiting)[1] == StepUp(False, waiting.bigger_gone())
     replan, _ = replan_reason(ServingSnapshot(100.0, (HOST,), (), tiny, 0, serving(BIG, BIGGY)), StepUpGate(RULES))
     assert replan is not None and replan.failover and replan.reason == "biggy (node_62626262) left the plan"
     # Still connected, but no longer able to hold its share: the mesh cannot hold the model.

@@ -11,7 +11,7 @@ from pathlib import PurePath
 import httpx
 import pytest
 from aiohttp import web
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh_sidecar.errors import PlanError
@@ -293,8 +293,8 @@ async def test_a_stream_cut_by_a_step_down_ends_with_an_error_a_plain_request_is
 
 # --- which tier a serving node claims workers for ------------------------------------------------
 
-def margined(n_layers: int, layer: int, margin: int) -> ModelEstimate:
-    return ModelEstimate(n_layers, (layer,) * n_layers, 0, 0, 0, N_CTX, margin)
+def margined(n_layers: int, layer: int, margin: int, *, host: int = 0, output: int = 0) -> ModelEstimate:
+    return ModelEstimate(n_layers, (layer,) * n_layers, host, output, 0, N_CTX, margin)
 
 
 # Members offering 40 each: every participant holds 3 layers of 10 beside its margin of 10, so BIG
@@ -303,6 +303,13 @@ def margined(n_layers: int, layer: int, margin: int) -> ModelEstimate:
 POOL_SMALL = ("small.gguf", margined(4, 10, 10))
 POOL_BIG = ("big.gguf", margined(9, 10, 10))
 POOL_TIERS = [POOL_SMALL, POOL_BIG]
+
+# Issue 50's shape, members offering 60 each: SMALL fits the serving node alone; REACH's input embeddings
+# (30, on the serving node) leave it no room for the head (30) beside a layer and a margin, so the planner
+# leaves it out and REACH needs two workers, where the assignment's count of bytes says one.
+REACH_SMALL = ("small.gguf", margined(4, 2, 5, host=5, output=5))
+REACH = ("reach.gguf", margined(20, 2, 5, host=30, output=30))
+REACH_TIERS = [REACH, REACH_SMALL]
 
 
 def offer(index: int, usable: int, *, serving: bool = False) -> Offer:
@@ -322,28 +329,53 @@ def test_a_tier_only_the_whole_pool_holds_is_claimed_with_the_whole_pool():
     own, pool = offer(9, 40, serving=True), (offer(1, 40), offer(2, 40))
     big_needs = model_needs("big", POOL_BIG[1])
     assert not assignment_fits(own.usable_bytes, [o.usable_bytes for o in pool], big_needs)
-    index, workers = tier_claim(POOL_TIERS, own, pool, over(own))
-    assert POOL_TIERS[index] is POOL_BIG and workers == pool
-    assert choose_tier(POOL_TIERS, over(own)(workers))[1].model == "big.gguf"
+    claimed = tier_claim(POOL_TIERS, own, pool, over(own))
+    assert POOL_TIERS[claimed.index] is POOL_BIG and claimed.workers == pool
+    assert choose_tier(POOL_TIERS, over(own)(claimed.workers))[1].model == "big.gguf"
     # The cause of issue 41 (6): over the workers of the small tier alone, the big one never fits.
     small_workers = pick_workers(own, pool, model_needs("small", POOL_SMALL[1]), False)
     assert len(small_workers) == 1
     assert choose_tier(POOL_TIERS, over(own)(small_workers))[1].model == "small.gguf"
 
 
-def test_the_claim_takes_the_workers_the_assignment_gives_it_the_fewest_when_they_suffice():
+def test_a_tier_the_small_one_runs_alone_beside_is_claimed_with_the_workers_the_planner_needs():
+    own, a, b = offer(9, 60, serving=True), offer(1, 60), offer(2, 60)
+    # The cause of issue 50 (1): the count of bytes gives REACH one worker, over which the planner fails,
+    # so the small tier, alone, was claimed however many members joined.
+    one = pick_workers(own, (a, b), model_needs("reach", REACH[1]), False)
+    assert len(one) == 1 and not fits(REACH[1], over(own)(one))
+    claimed = tier_claim(REACH_TIERS, own, (a, b), over(own))
+    assert REACH_TIERS[claimed.index] is REACH and claimed.workers == (a, b)
+    plan = choose_tier(REACH_TIERS, over(own)(claimed.workers))[1]
+    assert plan.model == "reach.gguf" and [n.name for n in plan.nodes] == ["m1", "m2"]  # the node holds no layer
+    assert [(t.model, t.fits, t.offered_bytes) for t in claimed.fits] == [("reach.gguf", True, 180),
+                                                                          ("small.gguf", True, 60)]
+    # One worker short: the small tier alone, REACH weighed (and refused) over the whole pool.
+    claimed = tier_claim(REACH_TIERS, own, (a,), over(own))
+    assert REACH_TIERS[claimed.index] is REACH_SMALL and claimed.workers == ()
+    assert [(t.fits, t.offered_bytes) for t in claimed.fits] == [(False, 120), (True, 60)]
+    assert "short" in claimed.fits[0].why
+
+
+def test_the_claim_is_the_fewest_workers_and_the_assignment_gives_it_its_plans():
     own, pool = offer(9, 40, serving=True), tuple(offer(i, 40) for i in range(1, 5))
-    index, workers = tier_claim(POOL_TIERS, own, pool, over(own), by_speed=True)
-    assert POOL_TIERS[index] is POOL_BIG and len(workers) == 3
-    claims = [Claim(own.node_id, 0.0, model_needs("big", POOL_BIG[1]))]
-    assert assign(claims, [*pool, own]).workers_of(own.node_id) == tuple(o.node_id for o in workers)
+    claimed = tier_claim(POOL_TIERS, own, pool, over(own), by_speed=True)
+    # The planner's count: the node and two workers hold 9 layers, 3 each (the count of bytes said three).
+    assert POOL_TIERS[claimed.index] is POOL_BIG and len(claimed.workers) == 2
+    plan = choose_tier(POOL_TIERS, over(own)(claimed.workers))[1]
+    assert len(plan.nodes) == 3
+    # Every member gives the claim the plan's members, as its gossip announces them.
+    claims = [Claim(own.node_id, 0.0, model_needs("big", POOL_BIG[1]), members=plan.rpc_nodes())]
+    assert set(assign(claims, [*pool, own]).workers_of(own.node_id)) == {o.node_id for o in claimed.workers}
     # --spread: every free worker.
-    assert tier_claim(POOL_TIERS, own, pool, over(own), spread=True) == (index, pool)
+    assert tier_claim(POOL_TIERS, own, pool, over(own), spread=True).workers == pool
 
 
 def test_with_no_tier_fitting_the_smallest_is_claimed_over_the_whole_pool():
     own, pool = offer(9, 20, serving=True), (offer(1, 20),)
-    assert tier_claim(POOL_TIERS, own, pool, over(own)) == (0, pool)
+    claimed = tier_claim(POOL_TIERS, own, pool, over(own))
+    assert (claimed.index, claimed.workers) == (0, pool)
+    assert [t.fits for t in claimed.fits] == [False, False]
 
 
 def test_the_step_up_rules_apply_once_the_pool_holds_the_bigger_tier():
@@ -351,7 +383,7 @@ def test_the_step_up_rules_apply_once_the_pool_holds_the_bigger_tier():
     tiers = tuple(Tier(PurePath(f"/models/{name}"), estimate_) for name, estimate_ in POOL_TIERS)
 
     def snapshot(pool: tuple[Offer, ...], now: float, plan: Plan | None, in_service: int | None) -> ServingSnapshot:
-        members_ = over(own)(tier_claim(POOL_TIERS, own, pool, over(own))[1])
+        members_ = over(own)(tier_claim(POOL_TIERS, own, pool, over(own)).workers)
         return ServingSnapshot(now, tuple(members_), (), tiers, in_service, plan)
 
     rules = StepUpRules(after_s=2, interval_s=0)
@@ -366,18 +398,148 @@ def test_the_step_up_rules_apply_once_the_pool_holds_the_bigger_tier():
     assert after.tier == 1 and after.switch == "up" and len(after.plan.nodes) == 3
 
 
-@given(st.lists(st.integers(0, 80), min_size=0, max_size=5), st.integers(0, 80), st.booleans())
-def test_the_claim_is_the_largest_tier_the_planner_holds_over_the_claims_own_workers(usable, own_usable, spread):
-    own = offer(99, own_usable, serving=True)
-    pool = tuple(offer(i, u) for i, u in enumerate(usable))
-    index, workers = tier_claim(POOL_TIERS, own, pool, over(own), spread=spread)
-    name, estimate_ = POOL_TIERS[index]
-    if fits(estimate_, over(own)(workers)):
-        # The workers are the ones the assignment gives that claim, so no other serving node takes them.
-        assert workers == pick_workers(own, pool, model_needs(name, estimate_), spread)
-    else:
-        assert index == 0 and workers == pool
-    # No bigger tier is held over the workers its own claim would get.
-    for other_name, other in POOL_TIERS:
-        if tier_needs_bytes(other) > tier_needs_bytes(estimate_):
-            assert not fits(other, over(own)(pick_workers(own, pool, model_needs(other_name, other), spread)))
+# --- the serving loop over a pool that changes -------------------------------------------------------
+
+MID = ("mid.gguf", margined(10, 4, 5, host=10, output=10))
+LOOP_TIERS = [REACH_SMALL, REACH, MID]
+
+
+def largest_held(tiers: Sequence[tuple[str, ModelEstimate]], own: Offer, pool: Sequence[Offer]) -> int | None:
+    """The largest tier the planner holds over the serving node and every worker of ``pool``."""
+    held = [i for i, (_, e) in enumerate(tiers) if fits(e, over(own)(pool))]
+    return max(held, key=lambda i: tier_needs_bytes(tiers[i][1])) if held else None
+
+
+@dataclasses.dataclass
+class ServingLoop:
+    """The serving loop's decisions (supervisor.py) over made-up pools: tier_claim, replan_reason, choose_plan."""
+
+    tiers: Sequence[tuple[str, ModelEstimate]]
+    own: Offer
+    rules: StepUpRules
+    pool: list[Offer] = dataclasses.field(default_factory=list)
+    plan: Plan | None = None
+    in_service: int | None = None
+    switches: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.gate = StepUpGate(self.rules)
+
+    def snapshot(self, now: float) -> ServingSnapshot:
+        claimed = tier_claim(self.tiers, self.own, self.pool, over(self.own))
+        tiers = tuple(Tier(PurePath(f"/models/{name}"), e) for name, e in self.tiers)
+        return ServingSnapshot(now, tuple(over(self.own)(claimed.workers)), (), tiers, self.in_service, self.plan)
+
+    def look(self, now: float) -> None:
+        """What the loop does at ``now`` (a member joined or left, or a step up's wait ended): replan while
+        there is a reason, looking again after each plan applied or refused, as run() and _trouble() do."""
+        if self.plan is None and self.in_service is None:
+            self.apply(now)  # run()'s first plan comes before any look for trouble
+        for _ in range(3):
+            replan, look = replan_reason(self.snapshot(now), self.gate)
+            if look is not None:
+                self.gate = look.gate
+            if replan is None:
+                return
+            self.apply(now)
+        raise AssertionError("the loop keeps replanning")
+
+    def apply(self, now: float) -> None:
+        """_apply_plan: a plan and its tier, or none (the API refuses)."""
+        try:
+            choice = choose_plan(self.snapshot(now), self.gate)
+        except PlanError:
+            self.plan = None
+            return
+        self.gate = choice.step_up.gate
+        if choice.switch is not None:
+            self.gate = self.gate.switched(now)
+            self.switches.append((now, choice.switch))
+        self.plan, self.in_service = choice.plan, choice.tier
+
+
+def needs(tiers: Sequence[tuple[str, ModelEstimate]], index: int) -> int:
+    return tier_needs_bytes(tiers[index][1])
+
+
+@pytest.mark.parametrize(("tiers", "own_usable", "before", "joiner"), [
+    (REACH_TIERS, 60, [60], 60),  # the small tier alone; the big one needs both workers
+    (POOL_TIERS, 40, [40, 15], 40),  # the small tier on one worker of two (the other too small to help)
+    (POOL_TIERS, 40, [40], 40),  # the small tier on every worker
+], ids=["alone", "some workers", "all workers"])
+def test_the_bigger_tier_is_claimed_once_the_pool_holds_it_wherever_the_smaller_runs(tiers, own_usable, before,
+                                                                                      joiner):
+    loop = ServingLoop(tiers, offer(99, own_usable, serving=True), StepUpRules(after_s=20, interval_s=60))
+    loop.pool = [offer(i + 1, usable) for i, usable in enumerate(before)]
+    loop.look(0.0)
+    small = loop.in_service
+    assert small is not None and loop.plan is not None and loop.plan.model == tiers[small][0]
+    loop.pool.append(offer(50, joiner))
+    loop.look(100.0)  # the last join: the wait starts
+    assert loop.in_service == small and loop.switches == []
+    loop.look(119.9)
+    assert loop.in_service == small
+    loop.look(120.0)
+    assert loop.in_service != small and needs(tiers, loop.in_service) > needs(tiers, small)
+    assert loop.switches == [(120.0, "up")]
+    loop.pool.pop()  # a member of the big tier's plan leaves: down at once, whatever the rules
+    loop.look(121.0)
+    assert loop.in_service == small and loop.switches[-1] == (121.0, "down")
+
+
+# A step: seconds since the last, then a worker joining (its offer), leaving (which one), or nothing.
+steps = st.lists(st.tuples(st.integers(0, 30), st.one_of(st.tuples(st.just("join"), st.integers(0, 16)),
+                                                       st.tuples(st.just("leave"), st.integers(0, 7)),
+                                                       st.just(("tick", 0)))), max_size=25)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 16), steps, st.integers(0, 30), st.integers(0, 90))
+def test_tiers_follow_the_whole_pool_as_members_join_and_leave(own_fives, steps, after_s, interval_s):
+    """Each tier weighed over the whole pool, however the tier in service runs; up only once the bigger tier
+    has fitted ``after_s`` without a break and the interval has passed, and then at once; down at once."""
+    tiers = LOOP_TIERS
+    loop = ServingLoop(tiers, offer(99, 5 * own_fives, serving=True), StepUpRules(after_s, interval_s))
+    now, bigger_since, last_switch = 0.0, None, None
+    for joined, (dt, (action, value)) in enumerate(steps):
+        now += dt
+        if action == "join":
+            loop.pool.append(offer(joined + 1, 5 * value))
+        elif action == "leave" and loop.pool:
+            loop.pool.pop(value % len(loop.pool))
+        largest = largest_held(tiers, loop.own, loop.pool)
+        claimed = tier_claim(tiers, loop.own, loop.pool, over(loop.own))
+        if largest is None:
+            assert claimed.index == min(range(len(tiers)), key=lambda i: needs(tiers, i))
+            assert set(claimed.workers) == set(loop.pool)
+        else:
+            # The largest tier the whole pool holds, over the fewest workers (largest first) the planner needs.
+            assert claimed.index == largest
+            k = len(claimed.workers)
+            ordered = sorted(loop.pool, key=lambda o: (-o.usable_bytes, o.node_id))
+            assert list(claimed.workers) == ordered[:k]
+            assert fits(tiers[largest][1], over(loop.own)(ordered[:k]))
+            assert k == 0 or not fits(tiers[largest][1], over(loop.own)(ordered[:k - 1]))
+        bigger = (largest is not None and loop.in_service is not None
+                  and needs(tiers, largest) > needs(tiers, loop.in_service))
+        bigger_since = (bigger_since if bigger_since is not None else now) if bigger else None
+        may_step_up = (bigger_since is not None and now - bigger_since >= after_s
+                       and (last_switch is None or now - last_switch >= interval_s))
+        switched = len(loop.switches)
+        loop.look(now)
+        if largest is None:
+            assert loop.plan is None
+            continue
+        assert loop.plan is not None and loop.in_service is not None
+        # Never a tier the pool no longer holds: down at once.
+        assert needs(tiers, loop.in_service) <= needs(tiers, largest)
+        if len(loop.switches) > switched:
+            when, direction = loop.switches[-1]
+            assert when == now
+            if direction == "up":
+                assert may_step_up
+            bigger_since, last_switch = None, now
+        elif may_step_up:
+            raise AssertionError(f"no step up at {now}: the bigger tier fitted since {bigger_since}")
+        if loop.in_service == largest:
+            bigger_since = None
