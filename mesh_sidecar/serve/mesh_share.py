@@ -37,6 +37,11 @@ class MeshRound:
     tiers: tuple[TierFit, ...]  # every tier, largest first, each weighed over its own claim (tiers.tier_claim)
 
     @property
+    def unplanned(self) -> frozenset[bytes]:
+        """The connected members, not refused, that this round does not plan over."""
+        return frozenset(offer.node_id for offer in self.offers) - {member.node_id for member in self.members}
+
+    @property
     def needs(self) -> ModelNeeds:
         """What this node claims: the tier its workers were picked for."""
         return self.claim.needs

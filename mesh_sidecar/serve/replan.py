@@ -70,6 +70,9 @@ class ServingSnapshot:
     by: PlanBy = PlanBy.MEMORY  # --plan-by
     spread: bool = False  # --spread: every free member takes part
     speed_replanned_at: float | None = None  # when the last replan for speed happened (the loop's clock)
+    # Connected members this round does not plan over (the claimed tier needs fewer workers, or serving nodes):
+    # a plan's member among them has not left, its tier no longer needs it.
+    unplanned: frozenset[bytes] = frozenset()
 
     @property
     def own_id(self) -> bytes:
@@ -77,12 +80,14 @@ class ServingSnapshot:
 
     def connected(self) -> frozenset[bytes]:
         """The node ids connected now, refused ones and this node's included."""
-        return frozenset(m.node_id for m in self.members) | {m.node_id for m, _ in self.refused}
+        return (frozenset(m.node_id for m in self.members) | {m.node_id for m, _ in self.refused}
+                | self.unplanned)
 
     def without(self, node_id: bytes) -> ServingSnapshot:
         """The same moment with one member gone."""
         return dataclasses.replace(self, members=tuple(m for m in self.members if m.node_id != node_id),
-                                   refused=tuple((m, why) for m, why in self.refused if m.node_id != node_id))
+                                   refused=tuple((m, why) for m, why in self.refused if m.node_id != node_id),
+                                   unplanned=self.unplanned - {node_id})
 
 
 def plan_largest(tiers: Sequence[Tier], members: Sequence[NodeCapacity],
@@ -186,6 +191,9 @@ def replan_reason(snapshot: ServingSnapshot, gate: StepUpGate) -> tuple[Replan |
     # Nothing bigger fits (the look said so to the gate): a later step up waits afresh.
     if layout(candidate) == layout(snapshot.plan):
         return None, look
+    if moved := [n for n in snapshot.plan.nodes if n.node_id in snapshot.unplanned]:
+        names = ", ".join(f"{n.name} ({short_id(n.node_id)})" for n in moved)
+        return Replan(f"Members changed and {planned.path.name} no longer takes {names}", False), look
     if (short := short_of_memory(snapshot.plan, snapshot.members)) is not None:
         return Replan(f"{short} no longer has the memory its layers need", False), look
     if snapshot.spread and participants(candidate) != participants(snapshot.plan):

@@ -224,7 +224,8 @@ class ServingSupervisor:
                                        slowdowns=self.slowdowns())
         return ServingSnapshot(asyncio.get_running_loop().time(), self._round.members, self._round.refused, tiers,
                                tier_index(tiers, self._in_service), self.plan, by=self._options.plan_by,
-                               spread=self._options.spread, speed_replanned_at=self._speed_replanned_at)
+                               spread=self._options.spread, speed_replanned_at=self._speed_replanned_at,
+                               unplanned=self._round.unplanned)
 
     def slowdowns(self) -> dict[bytes, float]:
         """Each connected member's slowdown as the traffic showed it (1.0: as it announced)."""

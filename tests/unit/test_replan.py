@@ -94,6 +94,27 @@ def test_losing_a_member_of_the_plan_is_a_failover_and_a_smaller_tier_comes_at_o
     assert TIERS[choice.tier] is SMALL and choice.switch == "down" and choice.step_up.allowed
 
 
+def test_a_member_of_the_plan_still_connected_but_no_longer_planned_over_has_not_left():
+    # Issue 50: a and c hold the big tier; c leaves and the small one fits the host alone: only c left.
+    a, c = NodeCapacity(b"a" * 32, "a", 400), NodeCapacity(b"c" * 32, "c", 400)
+    big_plan = serving(BIG, a, c)
+    gone = dataclasses.replace(snapshot(in_service=BIG, plan=big_plan), unplanned=frozenset({a.node_id}))
+    replan, _ = replan_reason(gone, StepUpGate(RULES))
+    assert replan is not None and replan.failover and replan.reason == "c (node_63636363) left the plan"
+    # A step up waits over other workers than the tier in service runs on: nothing restarts meanwhile.
+    small_plan = serving(SMALL, SMALLY)
+    waiting = dataclasses.replace(snapshot(BIGGY, in_service=SMALL, plan=small_plan),
+                                  unplanned=frozenset({SMALLY.node_id}))
+    replan, look = replan_reason(waiting, StepUpGate(RULES))
+    assert replan is None and look is not None and look.waiting == "big.gguf"
+    # The same tier over other workers (say, a larger member joined): a replan that says so, not a failover.
+    moved = dataclasses.replace(snapshot(BIGGY, in_service=BIG, plan=big_plan),
+                                unplanned=frozenset({a.node_id, c.node_id}))
+    replan, _ = replan_reason(moved, StepUpGate(RULES))
+    assert replan is not None and not replan.failover
+    assert replan.reason == "Members changed and big.gguf no longer takes a (node_61616161), c (node_63636363)"
+
+
 def test_a_smaller_tier_that_alone_fits_replaces_the_one_in_service_without_waiting():
     # The plan's member is still connected but refused now (say, a corrupt output): not lost, yet the big tier
     # no longer fits.

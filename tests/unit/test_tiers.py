@@ -428,7 +428,9 @@ class ServingLoop:
     def snapshot(self, now: float) -> ServingSnapshot:
         claimed = tier_claim(self.tiers, self.own, self.pool, over(self.own))
         tiers = tuple(Tier(PurePath(f"/models/{name}"), e) for name, e in self.tiers)
-        return ServingSnapshot(now, tuple(over(self.own)(claimed.workers)), (), tiers, self.in_service, self.plan)
+        unplanned = frozenset(o.node_id for o in self.pool) - {o.node_id for o in claimed.workers}
+        return ServingSnapshot(now, tuple(over(self.own)(claimed.workers)), (), tiers, self.in_service, self.plan,
+                               unplanned=unplanned)
 
     def look(self, now: float) -> None:
         """What the loop does at ``now`` (a member joined or left, or a step up's wait ended): replan while
