@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from ..errors import MalformedMessageError
 from ..identity import NodeIdentity
 from ..wire.data_relay import MAX_REPORT_LINE_BYTES, HandedBack, Report, configuration_lines, parse_report
+from .data_relay_build import verify_data_relay
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class DataRelay:
             self.restarts += 1
 
     async def _run_once(self) -> None:
+        verify_data_relay(self._binary)  # as it is now: it will hold the node's key
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             fds = (theirs.fileno(), self._listener.fileno())

@@ -2,7 +2,9 @@
 
 The sources are net/native/ (CMakeLists.txt, the C files); the binary lands in the shared cache
 under a name that carries the sources' digest, so a changed relay is built again and two versions
-never mix. Built by ``mesh-inference setup`` and, when missing, at a node's start.
+never mix. Built by ``mesh-inference setup`` and, when missing, at a node's start. The relay holds the
+node's key, so a cached binary is run only if this user owns it and no one else can write it or its
+folder (``verify_data_relay``): one of ours that others could write is built again, any other refused.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from importlib import resources
@@ -39,11 +42,40 @@ def data_relay_path() -> Path:
     return cache_root() / "tools" / f"{BINARY_NAME}-{digest.hexdigest()[:12]}"
 
 
+def _unsafe(path: Path) -> str | None:
+    """Why ``path`` may not be trusted to run as us (another user's, or others may write it), or None."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if info.st_uid != os.getuid():
+        return f"belongs to user id {info.st_uid}, not to you ({os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "can be written by other users"
+    return None
+
+
+def verify_data_relay(binary: Path) -> None:
+    """SetupError unless ``binary`` and its folder are this user's and no one else's to write: checked
+    before each start, since the relay is handed the node's key."""
+    for path in (binary.parent, binary):
+        if (why := _unsafe(path)) is not None:
+            fix = f"rm {path}" if path == binary else f"chmod go-w {path}, as its owner"
+            raise SetupError(f"The native data relay is not run: {path} {why} (the relay holds this node's key). "
+                             f"Fix it ({fix}) and run mesh-inference setup again.")
+
+
 def ensure_data_relay(progress: ProgressCallback) -> Path:
     """The relay's binary, built on first use; SetupError saying what is missing if it cannot be."""
     binary = data_relay_path()
+    binary.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if binary.parent.stat().st_uid == os.getuid():  # our cache: no one else may write where the relay is
+        binary.parent.chmod(stat.S_IMODE(binary.parent.stat().st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
     if binary.exists():
-        return binary
+        if binary.stat().st_uid == os.getuid() and _unsafe(binary) is not None:
+            binary.unlink()  # ours, but others could have written it: built again below
+        else:
+            verify_data_relay(binary)
+            return binary
     missing = [tool for tool in ("cmake", "ninja", "cc") if shutil.which(tool) is None]
     if missing:
         raise SetupError(f"Building the native data relay needs {', '.join(missing)}. On Debian/Ubuntu: "
@@ -63,9 +95,10 @@ def ensure_data_relay(progress: ProgressCallback) -> Path:
                 hint = (f" OpenSSL's headers are missing: sudo apt-get install {OPENSSL_PACKAGE}"
                         if "OpenSSL" in output or "openssl/" in output else "")
                 raise SetupError(f"Building the native data relay failed.{hint}\n{output}")
-        binary.parent.mkdir(parents=True, exist_ok=True)
         partial = binary.with_name(f"{binary.name}.{os.getpid()}.partial")  # two nodes may build at once
         shutil.copy2(build / BINARY_NAME, partial)
+        partial.chmod(0o755)
         partial.replace(binary)
     progress("Building the native data relay", 1, 1)
+    verify_data_relay(binary)
     return binary

@@ -107,8 +107,10 @@ int read_control(void) {
             control_line(start);
             start = nl + 1;
         }
+        size_t had = control_in_len;
         control_in_len -= (size_t)(start - control_in);
         memmove(control_in, start, control_in_len);
+        explicit_bzero(control_in + control_in_len, had - control_in_len); /* what was moved, and the lines */
         if (control_in_len == sizeof control_in) return 0; /* a line too long: the sidecar is broken */
     }
 }

@@ -8,12 +8,16 @@
 struct member members[MAX_MEMBERS];
 char *endpoints[MAX_ENDPOINTS];
 
+static int nibble(char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
 int from_hex(uint8_t *out, size_t n, const char *hex) {
     if (strlen(hex) != 2 * n) return -1;
     for (size_t i = 0; i < n; i++) {
-        unsigned v;
-        if (sscanf(hex + 2 * i, "%2x", &v) != 1) return -1;
-        out[i] = (uint8_t)v;
+        int high = nibble(hex[2 * i]), low = nibble(hex[2 * i + 1]);
+        if (high < 0 || low < 0) return -1;
+        out[i] = (uint8_t)(high << 4 | low);
     }
     return 0;
 }

@@ -188,7 +188,7 @@ static void shut_write(struct side *s) {
     if (s->shut) return;
     s->shut = 1;
     if (s->ssl) SSL_shutdown(s->ssl); /* close_notify; TLS 1.3 reads on after it */
-    else shutdown(s->fd, SHUT_WR);
+    else if (shutdown(s->fd, SHUT_WR) < 0) s->pipe->stalled = 1; /* its end would never arrive */
 }
 
 void watch_events(struct pipe *p) {

@@ -19,6 +19,7 @@ int replay(void) {
     p.id = 1;
     p.up.data = malloc(1);
     p.down.data = malloc(1);
+    if (!p.up.data || !p.down.data) return 2;
     while (getline(&line, &cap, stdin) > 0) {
         line[strcspn(line, "\n")] = '\0';
         int client = line[0] == 'c' && line[1] == ' ';
@@ -34,18 +35,21 @@ int replay(void) {
             struct buf *b = client ? &p.up : &p.down;
             size_t n = strlen(line + 2) / 2;
             uint8_t *grown = realloc(b->data, b->end + n + 1);
-            if (!grown || from_hex(grown + b->end, n, line + 2)) return 2;
+            if (!grown) return 2;
             b->data = grown;
+            if (from_hex(b->data + b->end, n, line + 2)) return 2;
             b->end += n;
             b->ok += client ? rw_from_client(&p.watch, b->data + b->ok, b->end - b->ok)
                             : rw_from_server(&p.watch, b->data + b->ok, b->end - b->ok);
             watch_events(&p);
             char *hex = malloc(2 * (b->ok - b->start) + 1);
+            if (!hex) return 2;
             for (size_t i = b->start; i < b->ok; i++) sprintf(hex + 2 * (i - b->start), "%02x", b->data[i]);
             hex[2 * (b->ok - b->start)] = '\0';
-            printf("%s %s\n", client ? "up" : "down", hex); /* may be longer than a report line */
-            fflush(stdout);
+            /* may be longer than a report line */
+            int written = printf("%s %s\n", client ? "up" : "down", hex) >= 0 && fflush(stdout) == 0;
             free(hex);
+            if (!written) return 2;
             b->start = b->ok;
         } else {
             control_line(line);
