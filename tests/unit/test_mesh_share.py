@@ -7,6 +7,7 @@ leave the serving node no room for the head beside a layer, and SmolLM2-135M (0.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from pathlib import PurePath
 from types import SimpleNamespace
 
@@ -40,8 +41,8 @@ def nid(name: str) -> bytes:
     return name.encode().ljust(32, b"\0")
 
 
-def member(name: str, serves: ServedModel | None = None) -> MemberInfo:
-    return info(nid(name), name, capacity=(("usable_bytes", CAP),), serving=serves is not None, serves=serves)
+def member(name: str) -> MemberInfo:
+    return info(nid(name), name, capacity=(("usable_bytes", CAP),))
 
 
 @dataclasses.dataclass
@@ -66,7 +67,7 @@ def share(name: str, members: list[MemberInfo], tiers: tuple[Tier, ...], *, sinc
           spread: bool = False) -> MeshRound:
     """``name``'s round, as planning_members reads it from the mesh."""
     me = next(m for m in members if m.name == name)
-    return planning_members(MeshSeen(me, members), SimpleNamespace(node_id=me.node_id), name,  # type: ignore[arg-type]
+    return planning_members(MeshSeen(me, members), SimpleNamespace(node_id=me.node_id), name,
                             Capacity(CAP, CAP, CAP), tiers, since=since, spread=spread, by=PlanBy.MEMORY)
 
 
@@ -85,7 +86,7 @@ def announced(plan: Plan, tiers: tuple[Tier, ...], since: float, spread: bool = 
                        spread, plan.rpc_nodes())
 
 
-def names(node_ids) -> set[str]:
+def names(node_ids: Iterable[bytes]) -> set[str]:
     return {node_id.rstrip(b"\0").decode() for node_id in node_ids}
 
 
