@@ -6,7 +6,7 @@ time, so a worker holds layers for one serving node only, unless it *shares* (th
 rpc-server accepts several clients). The rule:
 
 1. Claims pick in the order (since, node id); a claim from a member not connected is skipped.
-2. A claim whose serving node runs a plan takes the workers of that plan (``Claim.workers``,
+2. A claim whose serving node runs a plan takes the workers of that plan (``Claim.members``,
    from the plan's members its gossip announces) that are still free: what llama-server
    uses is what every member counts as taken.
 3. A claim with no plan yet takes, from the workers still free, the fewest that hold its model
