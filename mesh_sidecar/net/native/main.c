@@ -106,14 +106,18 @@ int main(int argc, char **argv) {
             perror("mesh-data-relay: epoll_wait");
             return 2;
         }
+        /* The sidecar's lines first: what it said (a member forgotten) applies before the peers' bytes
+         * that came in the same round. */
+        for (int i = 0; i < n; i++) {
+            if (*(enum handle_kind *)events[i].data.ptr != H_CONTROL) continue;
+            if (events[i].events & EPOLLOUT) flush_control();
+            if ((events[i].events & (EPOLLIN | EPOLLHUP)) && !read_control()) return 0;
+        }
         for (int i = 0; i < n; i++) {
             enum handle_kind *kind = events[i].data.ptr;
-            if (*kind == H_CONTROL) {
-                if (events[i].events & EPOLLOUT) flush_control();
-                if ((events[i].events & (EPOLLIN | EPOLLHUP)) && !read_control()) return 0;
-            } else if (*kind == H_LISTEN) {
+            if (*kind == H_LISTEN) {
                 accept_inbound();
-            } else {
+            } else if (*kind == H_SIDE) {
                 /* A pipe freed earlier in this batch may be named again: skip sides already closed. */
                 struct side *s = (struct side *)kind;
                 int alive = 0;
