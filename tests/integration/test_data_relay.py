@@ -425,3 +425,32 @@ def test_a_certificate_over_another_key_type_is_refused_in_the_handshake(bare_pa
         raise ConnectionError("closed")
     refused = bare_pair.wait_for("b", lambda r: isinstance(r, reports.Refused), "the refusal", seen)
     assert dict(refused.reasons) == {"tls-handshake-failed": 1}
+
+
+def test_a_member_reset_while_our_rpc_server_connect_is_pending_passes_nothing():
+    """The member's side reset while B's connect to its rpc-server was still in progress once ran the pump
+    with no watch set up (it was set up only once connected): the member's bytes went to rpc-server unread,
+    or the relay crashed. Here the rpc-server's accept queue is full, so B's connect waits."""
+    with socket.socket() as rpc_server:
+        rpc_server.bind(("127.0.0.1", 0))
+        rpc_server.listen(0)
+        filler = socket.create_connection(rpc_server.getsockname())  # the one connection the queue holds
+        relays = RelayPair(ensure_data_relay(lambda *_: None), rpc_server.getsockname()[1])
+        try:
+            pid, seen = relays.b.pid, len(relays.reports["b"])
+            sock = relays.tunnel(1)
+            sock.sendall(HELLO_REQUEST)
+            time.sleep(0.3)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # an RST: relay A resets its connection to B
+            time.sleep(1.0)
+            assert relays.b.pid == pid and relays.b.restarts == 0
+            assert not [r for r in relays.reports["b"][seen:] if not isinstance(r, reports.Refused)]
+            accepted, _ = rpc_server.accept()  # the filler: nothing else reached rpc-server
+            with accepted:
+                rpc_server.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    rpc_server.accept()
+        finally:
+            relays.close()
+            filler.close()
