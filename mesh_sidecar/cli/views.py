@@ -73,10 +73,13 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     projector = (f"Image projector (--mmproj): {size} on the serving node's CPU, beside its layers."
                  if projector_bytes else None)
     # Speeds once measured (every device of a plan by speed, or with --plan-by memory).
-    speeds = any(node.get("decode_bytes_per_s") for node in plan["nodes"])
+    speeds = any(node.get("decode_bytes_per_s") or node.get("speed_settled") is False for node in plan["nodes"])
+    unsettled = speeds and any(node.get("speed_settled") is False
+                               for node in (*plan["nodes"], *plan.get("left_out", [])))
     headers = ["node", *(["id"] if wide else []), "layers", "weights GiB", "KV GiB", "needs GiB", "free GiB",
                *(["speed GiB/s", "ms/token"] if speeds else [])]
-    caption = "\n".join(filter(None, [_speed_caption(plan), _tiers_caption(plan), projector, *refused]))
+    caption = "\n".join(filter(None, [_speed_caption(plan), UNSETTLED_NOTE if unsettled else None,
+                                      _tiers_caption(plan), projector, *refused]))
     table = _table(*headers, title=f"{title}: {model}{plan['n_layers']} layers{kv_cache}", caption=caption or None)
     _whole(table, 0)
     for column in table.columns[-6 if speeds else -4:]:
@@ -85,7 +88,8 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     def row(node: dict[str, Any], layers: str, *sizes: str) -> None:
         where = f"{node['name']} ({node['device']})" if node.get("device") else node["name"]
         speed = node.get("decode_bytes_per_s") or 0
-        cells = [*sizes[:4], *([f"{speed / GIB:.1f}" if speed else "-", sizes[4]] if speeds else [])]
+        mark = "?" if node.get("speed_settled") is False else ""
+        cells = [*sizes[:4], *([f"{speed / GIB:.1f}{mark}" if speed else mark or "-", sizes[4]] if speeds else [])]
         _add_row(table, where, *([_short(node["id"])] if wide else []), layers, *cells)
 
     for node in plan["nodes"]:
@@ -101,6 +105,10 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     for node in plan.get("refused", []):
         row(node, f"refused: {node['reason']}", "-", "-", "-", format_gib(node["free_bytes"]), "-")
     return table
+
+
+UNSETTLED_NOTE = ("?: one measurement of that device so far, uncertain until confirmed by traffic or a second "
+                  "measurement (its node measures again while idle); plans weigh no device below another on it.")
 
 
 def _speed_caption(plan: dict[str, Any]) -> str | None:

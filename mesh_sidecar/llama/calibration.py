@@ -39,7 +39,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +184,24 @@ async def calibrate_devices(port: int, device_count: int, *, device_timeout_s: f
             log.warning("could not measure device %d of the rpc-server on port %d: %r", device, port, exc)
         speeds.append(speed)
     return tuple(speeds)
+
+
+async def measure_while_idle(port: int, records: Sequence[SpeedRecord],
+                             measured: Callable[[Sequence[bool]], None]) -> None:
+    """Until cancelled: calibrate the devices of the rpc-server on ``port`` again whenever their ``records`` ask
+    for it (``recheck_after_s``) and it has no client then (else at the next such time), adding each speed to
+    its device's record; after a calibration that changed a device's rating or whether it is settled,
+    ``measured(settled_before)``, each device's ``settled()`` before it."""
+    while True:
+        await asyncio.sleep(min(record.recheck_after_s() for record in records))
+        if rpc_server_has_client(port):
+            continue  # it serves a llama-server: a calibration would wait for it, and would not be of it idle
+        before = [(record.best(), record.settled()) for record in records]
+        for record, speed in zip(records, await calibrate_devices(port, len(records)), strict=True):
+            if speed is not None:
+                record.add(speed)
+        if [(record.best(), record.settled()) for record in records] != before:
+            measured([was_settled for _, was_settled in before])
 
 
 async def _calibrate(port: int, device: int) -> DeviceSpeed | None:

@@ -157,7 +157,8 @@ class Mesh:
             local_api, forward_token)
         # A serving node's announcement of what it serves (serve/supervisor.py), read at each announcement.
         self._serves: Callable[[], ServedModel | None] = lambda: None
-        self._serving_said: dict[bytes, ServedModel | None] = {}  # what each member serves, as last heard
+        # What each member serves and its devices' speeds, as last heard: news for planning when they change.
+        self._planning_said: dict[bytes, tuple[ServedModel | None, tuple[tuple[int, bool], ...]]] = {}
         # Without a port yet, this node announces no addresses: start() adds them.
         self._membership = membership(self._self_info(), degraded_after_s=timings.degraded_after_s,
                                       lost_after_s=timings.lost_after_s,
@@ -308,6 +309,12 @@ class Mesh:
     def serving_changed(self) -> None:
         """What this node serves changed (loading -> ready, a new plan): tell the members now."""
         self._announce_self()
+
+    def devices_measured(self, devices: tuple[OfferedDevice, ...]) -> None:
+        """Our devices' speeds were measured again (llama/calibration.py): tell the members, and our planning."""
+        self.devices = devices[:MAX_DEVICES_PER_MEMBER]
+        self._announce_self()
+        self.changes.notify()
 
     async def open_stream(self, node_id: bytes) -> StreamPair:
         """A new stream to member ``node_id`` (its kind byte is the caller's to write)."""
@@ -470,14 +477,16 @@ class Mesh:
                 log.warning("event loop stalled for %.1f s; peer health not judged on this heartbeat", gap_s)
         joined_or_gone = (events.MemberJoined, events.MemberLost, events.MemberLeft, events.MemberRemoved)
         if isinstance(event, joined_or_gone) or (isinstance(event, events.MemberUpdated)
-                                                 and self._serving_news(event.info)):
+                                                 and self._planning_news(event.info)):
             self.changes.notify()
 
-    def _serving_news(self, info: MemberInfo) -> bool:
-        """Whether a member's update changes what it serves (its model, state, claim), not just its load."""
-        said = None if info.serves is None else dataclasses.replace(info.serves, in_flight=0)
-        before = self._serving_said.get(info.node_id)
-        self._serving_said[info.node_id] = said
+    def _planning_news(self, info: MemberInfo) -> bool:
+        """Whether a member's update changes what it serves (its model, state, claim) or its devices' speeds
+        (measured again, settled), not just its load or free memory."""
+        said = (None if info.serves is None else dataclasses.replace(info.serves, in_flight=0),
+                tuple((device.decode_bytes_per_s, device.settled) for device in info.devices))
+        before = self._planning_said.get(info.node_id)
+        self._planning_said[info.node_id] = said
         return said != before
 
     def _remember(self, node_id: bytes, addresses: tuple[str, ...] | None) -> None:

@@ -15,7 +15,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from ..identity import NodeIdentity
 from ..llama import weight_cache
 from ..llama.announced_build import local_build
 from ..llama.build import LlamaBinaries
-from ..llama.calibration import DeviceSpeed, calibrate_devices
+from ..llama.calibration import DeviceSpeed, SpeedRecord, calibrate_devices, measure_while_idle
 from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, Device, backend_of, measure, parse_device_listing
 from ..llama.kv_cache import DEFAULT_CTX_SIZE, DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
@@ -130,7 +130,8 @@ class Node:
         self.rpc_port: int | None = None
         self.build: LlamaBuild | None = None  # asked of our rpc-server before anyone else connects
         self._devices: tuple[Device, ...] = ()  # what our rpc-server offers, as it listed them
-        self._speeds: tuple[DeviceSpeed | None, ...] = ()  # each of them measured (None: not), in the same order
+        # Each of them: its calibrations (llama/calibration.py), in the same order; () when not measured at all.
+        self._speed_records: tuple[SpeedRecord, ...] = ()
         self.mesh: Mesh | None = None
         self.serving: ServingSupervisor | None = None
         self.metrics = Metrics(self.peer_views, lambda: self.mesh.mesh_view() if self.mesh else None)
@@ -177,6 +178,10 @@ class Node:
                     tg.create_task(self._watch_rpc_server())
                     mesh = await self._start_mesh()
                     tg.create_task(mesh.run())
+                    if self._speed_records:
+                        assert self.rpc_port is not None
+                        tg.create_task(measure_while_idle(self.rpc_port, self._speed_records,
+                                                          functools.partial(self._measured_again, mesh)))
                     await self._start_api(mesh)
                     await self._control.start()
                     if self.options.join is not None:
@@ -221,10 +226,12 @@ class Node:
             self.rpc_port = port
             self._devices = parse_device_listing(self.rpc_server.log_path.read_text(errors="replace"))
             self.build = await local_build(self.options.binaries, port)
-            self._speeds = (None,) * len(self._devices)
+            self._speed_records = ()
             if calibrate and self.build.rpc is not None:
-                self._speeds = await calibrate_devices(port, len(self._devices))
-                if None in self._speeds and await self._rpc_server_exited():
+                self._speed_records = tuple(SpeedRecord() for _ in self._devices)
+                speeds = await calibrate_devices(port, len(self._devices))
+                self._add_calibration(speeds)
+                if None in speeds and await self._rpc_server_exited():
                     # A backend that cannot run the calibration's graph aborts rpc-server: start it again, unmeasured.
                     self._say(f"rpc-server stopped while measuring its devices' speed (its log: "
                               f"{self.rpc_server.log_path}); starting it again without measuring: the planner "
@@ -235,11 +242,11 @@ class Node:
                     continue
             self._say(f"rpc-server listening on {LOOPBACK}:{port} (local only; {self.build}); offering "
                       f"{format_gib(self.capacity().usable_bytes)} GiB")
-            for device, speed in zip(self._devices, self._speeds, strict=True):
+            for device, speed in zip(self._devices, self._speeds(), strict=True):
                 if speed is not None:
                     self._say(f"Measured {device.name}: {format_gib(speed.decode_bytes_per_s)} GiB/s of weights "
                               f"per token (decode), {format_gib(speed.prefill_bytes_per_s)} GiB/s per prompt token "
-                              "(prefill)")
+                              "(prefill); measured again while its rpc-server is idle, until two measurements agree")
                 elif calibrate:
                     self._say(f"Could not measure {device.name}'s speed ({SIDECAR_LOG_NAME} says why): the planner "
                               "takes it as of unknown speed.")
@@ -247,6 +254,35 @@ class Node:
                 self._say(f"{self.options.binaries.rpc_server} answered no RPC HELLO this release reads, so a "
                           f"serving node will leave this node out ({LLAMA_BUILD_MISMATCH}). {SAME_BUILD_REMEDY}")
             return
+
+    def _speeds(self) -> tuple[DeviceSpeed | None, ...]:
+        """Each device's speed as rated now: the best of its calibrations (None: not measured)."""
+        return tuple(record.best() for record in self._speed_records) or (None,) * len(self._devices)
+
+    def _add_calibration(self, speeds: tuple[DeviceSpeed | None, ...]) -> None:
+        for record, speed in zip(self._speed_records, speeds, strict=True):
+            if speed is not None:
+                record.add(speed)
+
+    def _offered_devices(self) -> tuple[OfferedDevice, ...]:
+        """Our devices as gossip announces them: each one's speed as rated now, and whether it is settled."""
+        records = self._speed_records or (SpeedRecord(),) * len(self._devices)
+        return tuple(OfferedDevice(device.name, device.total_bytes, device.free_bytes,
+                                   speed.decode_bytes_per_s if speed else 0, speed.prefill_bytes_per_s if speed else 0,
+                                   record.settled())
+                     for device, record, speed in zip(self._devices, records, self._speeds(), strict=True))
+
+    def _measured_again(self, mesh: Mesh, settled_before: Sequence[bool]) -> None:
+        """Our devices were calibrated again with news (measure_while_idle): announce them as rated now."""
+        devices = self._offered_devices()
+        log.info("devices measured again: %s", ", ".join(
+            f"{d.name} {format_gib(d.decode_bytes_per_s)} GiB/s{'' if d.settled else ' (not settled)'}"
+            for d in devices))
+        for device, was_settled in zip(devices, settled_before, strict=True):
+            if device.settled and not was_settled:
+                self._say(f"{device.name}'s speed is settled: {format_gib(device.decode_bytes_per_s)} GiB/s of "
+                          "weights per token (decode), two measurements agreeing")
+        mesh.devices_measured(devices)
 
     async def _rpc_server_exited(self) -> bool:
         """Whether our rpc-server exits within CALIBRATION_EXIT_GRACE_S (it has, if it aborted)."""
@@ -272,10 +308,7 @@ class Node:
                          serving=self.options.serving is not None, model_sha256=self.options.model_sha256,
                          model_file=self.options.model if self.options.model_sha256 else None,
                          lan=self.options.mdns, local_api=self._local_api, forward_token=self._forward_token,
-                         devices=tuple(OfferedDevice(d.name, d.total_bytes, d.free_bytes,
-                                                     speed.decode_bytes_per_s if speed else 0,
-                                                     speed.prefill_bytes_per_s if speed else 0)
-                                       for d, speed in zip(self._devices, self._speeds, strict=True)),
+                         devices=self._offered_devices(),
                          data_relay=self.options.data_relay)
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
@@ -414,7 +447,7 @@ class Node:
         return plan_over_mesh(self.mesh, self.identity, self.options.name, self.capacity(), tiers, since=since,
                               spread=serving.spread if serving else False,
                               by=serving.plan_by if serving else PlanBy.SPEED,
-                              slowdowns=self.serving.slowdowns() if self.serving is not None else None)
+                              observed=self.serving.speeds if self.serving is not None else None)
 
     def ticket(self) -> str:
         assert self.mesh is not None
@@ -465,8 +498,10 @@ class Node:
                              "free_bytes": d.free_bytes,
                              # null: not measured (llama/calibration.py)
                              "decode_bytes_per_s": speed.decode_bytes_per_s if speed else None,
-                             "prefill_bytes_per_s": speed.prefill_bytes_per_s if speed else None}
-                            for d, speed in zip(self._devices, self._speeds, strict=True)],
+                             "prefill_bytes_per_s": speed.prefill_bytes_per_s if speed else None,
+                             "speed_settled": offered.settled}
+                            for d, speed, offered in zip(self._devices, self._speeds(), self._offered_devices(),
+                                                         strict=True)],
             },
             "model": {"path": None if model is None else str(model),
                       "bytes": 0 if model is None else _model_bytes(model), "ctx_size": self.options.ctx_size},

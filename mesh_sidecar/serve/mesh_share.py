@@ -18,10 +18,11 @@ from ..identity import NodeIdentity
 from ..llama.capacity import Capacity
 from ..mesh.exclusion import Exclusion, exclusion_of
 from ..mesh.runtime import Mesh
-from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
+from ..wire.gossip import MAX_SERVED_MEMBERS, OfferedDevice, ServedModel
 from .assignment import Claim, ModelNeeds, Offer, assign, pool_for
 from .planner import NodeCapacity, Plan, PlanBy, TierFit, device_shares, model_needs
 from .replan import Tier, plan_largest
+from .speeds import AnnouncedSpeed, ObservedSpeeds, weighable_speeds
 from .tiers import model_id, tier_claim
 
 
@@ -62,7 +63,7 @@ def announced_members(served: ServedModel) -> tuple[bytes, ...] | None:
 
 def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
                      since: float = math.inf, spread: bool = False, by: PlanBy = PlanBy.SPEED,
-                     slowdowns: Mapping[bytes, float] | None = None) -> MeshRound:
+                     observed: ObservedSpeeds | None = None) -> MeshRound:
     """The members to plan ``tiers`` over, and those refused with the reason.
 
     Every serving member claims workers in gossip (``MemberInfo.serves``); this node takes, from the
@@ -72,22 +73,26 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
     rules apply (tiers.tier_claim). ``since``: when this node began serving (infinite: it does not
     serve, as `plan` on a worker shows). Peers come first (by id) and this node last: llama.cpp puts
     the output layer on the last device, so the logits (vocabulary x 4 bytes a token) stay on loopback
-    instead of crossing the network. ``by``: this node's --plan-by; ``slowdowns``: how much slower than
-    announced each worker has been running (speeds.py), dividing its devices' speeds.
+    instead of crossing the network. ``by``: this node's --plan-by; ``observed``: what the traffic showed
+    of each worker (speeds.py): how fast it ran, confirming a speed of one calibration, and how much slower
+    than that it runs now, dividing its devices' speeds.
     """
     me = identity.node_id
     offers, refused, claims = [], [], []
-    devices = {me: mesh.devices}
-    slowdowns = slowdowns or {}
+    devices = {me: mesh.devices, **{info.node_id: info.devices for info in mesh.connected_members()}}
+    observed = observed or ObservedSpeeds()
     links_s = {view.node_id: view.rtt_typical_s or 0.0 for view in mesh.peer_views()}
+    factors = speed_factors(devices, observed)
 
     def speed_of(node_id: bytes) -> float:
-        """The member's fastest device, as announced and corrected."""
-        fastest = max((device.decode_bytes_per_s for device in devices[node_id]), default=0)
-        return fastest / slowdowns.get(node_id, 1.0)
+        """The member's fastest device, as planning may weigh it."""
+        return max((device.decode_bytes_per_s for device in devices[node_id]), default=0) * factors[node_id]
+
+    def shares(node_id: bytes, name: str, usable_bytes: int) -> list[NodeCapacity]:
+        return device_shares(node_id, name, usable_bytes, devices[node_id], link_s=links_s.get(node_id, 0.0),
+                             speed_factor=factors[node_id], settled=speed_settled(devices[node_id], observed, node_id))
 
     for info in mesh.connected_members():
-        devices[info.node_id] = info.devices
         # Less what the member's rpc-server holds for other serving nodes (they run their own models).
         usable = Capacity.from_gossip(dict(info.capacity)).usable_for(me)
         if (served := info.serves) is not None:
@@ -111,10 +116,8 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
 
     def members_with(workers: Sequence[Offer]) -> list[NodeCapacity]:
         members = [entry for w in sorted(workers, key=lambda w: w.node_id)
-                   for entry in device_shares(w.node_id, w.name, w.usable_bytes, devices[w.node_id],
-                                              link_s=links_s.get(w.node_id, 0.0),
-                                              slowdown=slowdowns.get(w.node_id, 1.0))]
-        return members + device_shares(me, name, own_offer.usable_bytes, devices[me])
+                   for entry in shares(w.node_id, w.name, w.usable_bytes)]
+        return members + shares(me, name, own_offer.usable_bytes)
 
     claimed = tier_claim([(tier.path.name, tier.estimate) for tier in tiers], own_offer, pool, members_with,
                          spread=mine.spread, by_speed=mine.by_speed)
@@ -125,8 +128,32 @@ def planning_members(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacit
 
 def plan_over_mesh(mesh: Mesh, identity: NodeIdentity, name: str, own: Capacity, tiers: Sequence[Tier], *,
                    since: float = math.inf, spread: bool = False, by: PlanBy = PlanBy.SPEED,
-                   slowdowns: Mapping[bytes, float] | None = None) -> Plan:
+                   observed: ObservedSpeeds | None = None) -> Plan:
     """The plan of the largest of ``tiers`` this node's share of the mesh can hold now; PlanError if none."""
     round_ = planning_members(mesh, identity, name, own, tiers, since=since, spread=spread, by=by,
-                              slowdowns=slowdowns)
+                              observed=observed)
     return round_.with_plan(plan_largest(tiers, round_.members, round_.refused, by=by, spread=spread)[1])
+
+
+
+def speed_settled(devices: Sequence[OfferedDevice], observed: ObservedSpeeds, node_id: bytes) -> bool:
+    """Whether a member's speed is confirmed: every device it measured settled, or the traffic saw it run."""
+    return _devices_settled(devices) or observed.observed_bytes_per_s(node_id) is not None
+
+
+def speed_factors(devices: Mapping[bytes, Sequence[OfferedDevice]], observed: ObservedSpeeds) -> dict[bytes, float]:
+    """What each member's announced device speeds are multiplied by for planning: its fastest device as
+    ``weighable_speeds`` lets plans weigh it (0: unknown, an unsettled speed far below another's; raised to
+    what the traffic showed), over how much slower than that it runs now (``ObservedSpeeds.slowdown``)."""
+    fastest = {node_id: max((device.decode_bytes_per_s for device in offered), default=0)
+               for node_id, offered in devices.items()}
+    weighable = weighable_speeds({node_id: AnnouncedSpeed(fastest[node_id], _devices_settled(offered),
+                                                          observed.observed_bytes_per_s(node_id))
+                                  for node_id, offered in devices.items()})
+    return {node_id: weighable[node_id] / fastest[node_id] / observed.slowdown(node_id) if fastest[node_id] else 0.0
+            for node_id in devices}
+
+
+def _devices_settled(devices: Sequence[OfferedDevice]) -> bool:
+    """Whether every device the member measured announces a settled speed (llama/calibration.py)."""
+    return all(device.settled for device in devices if device.decode_bytes_per_s)

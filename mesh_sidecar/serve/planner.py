@@ -101,6 +101,8 @@ class NodeCapacity:
     # Weight bytes a token passes through per second on this device (measured, see PlanBy); 0: unknown.
     decode_bytes_per_s: float = 0.0
     link_s: float = 0.0  # what a stage on this member adds to a token besides compute: its link's round trip
+    # False: that speed is one calibration, not yet confirmed by a second or by traffic (serve/speeds.py).
+    speed_settled: bool = True
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ class PlannedNode:
     device: str = ""  # the device of that member's rpc-server holding them (NodeCapacity.device)
     decode_bytes_per_s: float = 0.0  # NodeCapacity's; 0: unknown
     token_s: float | None = None  # this stage's share of a token's time (compute and link); None: speed unknown
+    speed_settled: bool = True  # NodeCapacity's
 
     @property
     def n_layers(self) -> int:
@@ -168,8 +171,13 @@ class Plan:
 
     @property
     def alone(self) -> bool:
-        """Whether the serving node holds every layer itself (its llama-server runs with no ``--rpc``)."""
-        return len(self.nodes) == 1
+        """Whether the serving node holds every layer itself (its llama-server runs with no ``--rpc``).
+
+        The serving node is the last member offered (mesh_share.py): a plan whose one node is a worker is
+        not alone, llama-server offloads every layer to it and keeps only the input embeddings, which every
+        plan already takes off the serving node's offer (``assess_tiers``)."""
+        serving = self.offered[-1][0] if self.offered else self.nodes[-1].node_id
+        return len(self.nodes) == 1 and self.nodes[0].node_id == serving
 
     def tensor_split(self) -> tuple[int, ...]:
         """``--tensor-split`` weights for ``-ngl 99`` that reproduce the planned runs exactly.
@@ -212,13 +220,15 @@ class Plan:
                     "needed_bytes": node.needed_bytes,
                     "free_bytes": node.usable_bytes,
                     "decode_bytes_per_s": node.decode_bytes_per_s,
+                    "speed_settled": node.speed_settled,
                     "token_ms": None if node.token_s is None else round(node.token_s * 1000, 3),
                 }
                 for node in self.nodes
             ],
             "left_out": [
                 {"id": member.node_id.hex(), "name": member.name, "device": member.device,
-                 "free_bytes": member.usable_bytes, "decode_bytes_per_s": member.decode_bytes_per_s}
+                 "free_bytes": member.usable_bytes, "decode_bytes_per_s": member.decode_bytes_per_s,
+                 "speed_settled": member.speed_settled}
                 for member in self.left_out
             ],
             "refused": [
@@ -316,20 +326,22 @@ def _speed_candidates(participants: Sequence[NodeCapacity], caps: Sequence[int],
 
 
 def device_shares(node_id: bytes, name: str, usable_bytes: int, devices: Sequence[OfferedDevice], *,
-                  link_s: float = 0.0, slowdown: float = 1.0) -> list[NodeCapacity]:
+                  link_s: float = 0.0, speed_factor: float = 1.0, settled: bool = True) -> list[NodeCapacity]:
     """A member's offer as the planner takes it: one entry per device its rpc-server offers (in its order,
     llama-server's), its usable bytes (capped by its --max-memory) shared out by each device's free memory.
 
-    Each device's speed is the one the member announced, divided by ``slowdown`` (the traffic's correction,
-    speeds.py); ``link_s``: the member's round trip, what each of its stages adds to a token.
+    Each device's speed is the one the member announced times ``speed_factor`` (what planning may weigh of
+    it and the traffic's correction, mesh_share.py; 0: unknown); ``settled``: whether that speed is confirmed
+    (NodeCapacity.speed_settled); ``link_s``: the member's round trip, what each of its stages adds to a token.
     """
     if not devices:
-        return [NodeCapacity(node_id, name, usable_bytes, "", link_s=link_s)]
+        return [NodeCapacity(node_id, name, usable_bytes, "", link_s=link_s, speed_settled=settled)]
     free = [device.free_bytes for device in devices]
     total = sum(free) or len(devices)
     return [NodeCapacity(node_id, name,
                          usable_bytes if len(devices) == 1 else usable_bytes * (share if sum(free) else 1) // total,
-                         device.name, decode_bytes_per_s=device.decode_bytes_per_s / slowdown, link_s=link_s)
+                         device.name, decode_bytes_per_s=device.decode_bytes_per_s * speed_factor, link_s=link_s,
+                         speed_settled=settled)
             for device, share in zip(devices, free, strict=True)]
 
 
@@ -482,6 +494,7 @@ def _place(
                 device=member.device,
                 decode_bytes_per_s=speed,
                 token_s=computed_bytes / speed + member.link_s if speed > 0 else None,
+                speed_settled=member.speed_settled,
             )
         )
         start = end

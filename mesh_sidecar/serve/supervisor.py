@@ -221,7 +221,7 @@ class ServingSupervisor:
                       for i, (path, _) in enumerate(self._options.models))
         self._round = planning_members(self._mesh, self._identity, self._host.name, self._own_for_planning(), tiers,
                                        since=self.since, spread=self._options.spread, by=self._options.plan_by,
-                                       slowdowns=self.slowdowns())
+                                       observed=self.speeds)
         return ServingSnapshot(asyncio.get_running_loop().time(), self._round.members, self._round.refused, tiers,
                                tier_index(tiers, self._in_service), self.plan, by=self._options.plan_by,
                                spread=self._options.spread, speed_replanned_at=self._speed_replanned_at,
@@ -231,14 +231,21 @@ class ServingSupervisor:
         """Each connected member's slowdown as the traffic showed it (1.0: as it announced)."""
         return {info.node_id: self.speeds.slowdown(info.node_id) for info in self._mesh.connected_members()}
 
+    def _seen_running(self) -> frozenset[bytes]:
+        """The connected members whose speed the traffic has shown (ObservedSpeeds.observed_bytes_per_s)."""
+        return frozenset(info.node_id for info in self._mesh.connected_members()
+                         if self.speeds.observed_bytes_per_s(info.node_id) is not None)
+
     def _on_decoded(self, tokens: int, decode_s: float) -> None:
         """A request's decode just ended: what each worker of the plan owed over it is a measurement."""
         if self.plan is None:
             return
         since = time.monotonic() - decode_s
-        before = self.slowdowns()
+        before, seen = self.slowdowns(), self._seen_running()
         self.speeds.observe(self.plan, self._identity.node_id, tokens, self._mesh.verdicts.reply_waits_s(since))
         after = self.slowdowns()
+        if self._seen_running() != seen:
+            self._wakeup.set()  # a speed of one calibration is confirmed now (speeds.weighable_speeds)
         if after == before:
             return
         for info in self._mesh.connected_members():

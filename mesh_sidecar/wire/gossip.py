@@ -259,8 +259,9 @@ class OfferedDevice:
     decode_bytes_per_s: int = 0
     # The same per prompt token, in a batch of prompt tokens; 0: not measured.
     prefill_bytes_per_s: int = 0
-    # Whether two calibrations agreed on those speeds; False: one sample, which planning weighs no device below.
-    settled: bool = True
+    # Whether two calibrations agreed on those speeds; False: one sample (or none), which planning weighs no device
+    # below.
+    settled: bool = False
 
     def to_body(self) -> list[Any]:
         return [self.name, self.total_bytes, self.free_bytes, self.decode_bytes_per_s, self.prefill_bytes_per_s,

@@ -3,8 +3,11 @@ across calibrations, the speed a device is rated at, when it is settled and when
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from mesh_sidecar.llama import calibration
 from mesh_sidecar.llama.calibration import (
     AGREE_RATIO,
     IDLE_RECHECK_S,
@@ -17,6 +20,7 @@ from mesh_sidecar.llama.calibration import (
     DeviceSpeed,
     SpeedRecord,
     has_client,
+    measure_while_idle,
     passes_for,
     rate,
     settled,
@@ -128,3 +132,32 @@ def test_a_client_of_the_rpc_server_is_seen_in_the_tcp_table() -> None:
     assert has_client(0x1F90, [TCP_TABLE])  # llama-server's connection, accepted on the rpc-server's port
     listening_only = "\n".join(TCP_TABLE.splitlines()[:2])
     assert not has_client(0x1F90, [listening_only, ""])  # listening is no client
+
+
+async def test_measured_again_only_while_idle_until_two_calibrations_agree(monkeypatch) -> None:
+    """The node's loop (measure_while_idle): no calibration while the rpc-server serves a client; each one
+    taken goes to its device's record; news (a new rating, settled) is told with what was settled before;
+    once settled, nothing more for IDLE_RECHECK_S."""
+    monkeypatch.setattr(calibration, "RECHECK_S", 0.01)
+    busy = [True, True, False, False, False]  # what /proc/net/tcp says at each look
+    samples = iter([speed(2.7), speed(14.7), speed(14.0)])  # busy at the first, then idle: the issue's figures
+    calibrated: list[int] = []
+
+    async def calibrate(port: int, device_count: int) -> tuple[DeviceSpeed | None, ...]:
+        calibrated.append(port)
+        return (next(samples),)
+
+    monkeypatch.setattr(calibration, "rpc_server_has_client", lambda port: busy.pop(0) if busy else False)
+    monkeypatch.setattr(calibration, "calibrate_devices", calibrate)
+    record = SpeedRecord()
+    told: list[list[bool]] = []
+    task = asyncio.create_task(measure_while_idle(8080, [record], lambda before: told.append(list(before))))
+    while len(told) < 3:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # settled: the next look is IDLE_RECHECK_S away
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert calibrated == [8080] * 3 and not busy  # the two busy looks calibrated nothing
+    assert told == [[False], [False], [False]]  # 2.7 alone, then 14.7 best, then settled
+    assert record.best() == speed(14.7) and record.settled()

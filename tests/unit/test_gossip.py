@@ -944,13 +944,15 @@ def test_a_rekey_that_removes_the_receiver_is_ignored():
 
 
 def test_devices_round_trip_and_bad_ones_are_refused() -> None:
-    gpus = (OfferedDevice("Vulkan0", 2048 * 2**20, 2000 * 2**20, 200 * 10**9, 900 * 10**9),
+    gpus = (OfferedDevice("Vulkan0", 2048 * 2**20, 2000 * 2**20, 200 * 10**9, 900 * 10**9, settled=True),
             OfferedDevice("CPU", 24 * 2**30, 20 * 2**30))  # not measured: 0 and 0
     member = info(A_ID, devices=gpus)
     assert decode_message(encode_message(MemberList((member,)))) == MemberList((member,))
     assert gpus[0].to_body() == ["Vulkan0", 2048 * 2**20, 2000 * 2**20, 200 * 10**9, 900 * 10**9, True]
-    assert gpus[1].to_body() == ["CPU", 24 * 2**30, 20 * 2**30, 0, 0, True]
-    one_sample = info(A_ID, devices=(OfferedDevice("CPU", 1, 1, 2 * 10**9, 9 * 10**9, settled=False),))
+    assert gpus[1].to_body() == ["CPU", 24 * 2**30, 20 * 2**30, 0, 0, False]
+    # One calibration is not settled unless said: the default.
+    one_sample = info(A_ID, devices=(OfferedDevice("CPU", 1, 1, 2 * 10**9, 9 * 10**9),))
+    assert not one_sample.devices[0].settled
     assert decode_message(encode_message(MemberList((one_sample,)))) == MemberList((one_sample,))
     assert "devices" not in info(A_ID).to_body()  # none listed yet: left out
     body = info(A_ID).to_body()

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import PurePath
 from types import SimpleNamespace
 
+import pytest
 from rich.console import Console
 
 from mesh_sidecar.cli.views import plan_view
@@ -19,8 +20,9 @@ from mesh_sidecar.llama.estimate import ModelEstimate
 from mesh_sidecar.serve.mesh_share import MeshRound, planning_members
 from mesh_sidecar.serve.planner import Plan, PlanBy, model_needs
 from mesh_sidecar.serve.replan import Tier, plan_largest
+from mesh_sidecar.serve.speeds import ObservedSpeeds
 from mesh_sidecar.serve.tiers import model_id
-from mesh_sidecar.wire.gossip import MemberInfo, ServedModel
+from mesh_sidecar.wire.gossip import MemberInfo, OfferedDevice, ServedModel
 from tests.unit.test_gossip import info
 
 MIB = 1 << 20
@@ -51,7 +53,10 @@ class MeshSeen:
 
     self_info: MemberInfo
     members: list[MemberInfo]
-    devices: tuple[()] = ()
+
+    @property
+    def devices(self) -> tuple[OfferedDevice, ...]:
+        return self.self_info.devices
 
     def connected_members(self) -> list[MemberInfo]:
         return sorted((m for m in self.members if m.node_id != self.self_info.node_id), key=lambda m: m.node_id)
@@ -64,17 +69,19 @@ class MeshSeen:
 
 
 def share(name: str, members: list[MemberInfo], tiers: tuple[Tier, ...], *, since: float = 0.0,
-          spread: bool = False) -> MeshRound:
-    """``name``'s round, as planning_members reads it from the mesh."""
+          spread: bool = False, by: PlanBy = PlanBy.MEMORY, own_bytes: int = CAP,
+          observed: ObservedSpeeds | None = None) -> MeshRound:
+    """``name``'s round, as planning_members reads it from the mesh (``own_bytes``: what it offers itself)."""
     me = next(m for m in members if m.name == name)
     return planning_members(MeshSeen(me, members), SimpleNamespace(node_id=me.node_id), name,
-                            Capacity(CAP, CAP, CAP), tiers, since=since, spread=spread, by=PlanBy.MEMORY)
+                            Capacity(own_bytes, own_bytes, own_bytes), tiers, since=since, spread=spread, by=by,
+                            observed=observed)
 
 
 def run(name: str, members: list[MemberInfo], tiers: tuple[Tier, ...], **options) -> Plan:
     """The plan ``name`` runs, as the serving loop makes it: the largest tier over its round, and the round's roles."""
     round_ = share(name, members, tiers, **options)
-    return round_.with_plan(plan_largest(tiers, round_.members, round_.refused, by=PlanBy.MEMORY,
+    return round_.with_plan(plan_largest(tiers, round_.members, round_.refused, by=options.get("by", PlanBy.MEMORY),
                                          spread=options.get("spread", False))[1])
 
 
@@ -196,3 +203,57 @@ def test_two_serving_nodes():
         roles = {role.name: role for role in again.roles}
         other, their = ("d", {"e"}) if name == "c" else ("c", {"a", "b"})
         assert {n for n, r in roles.items() if r.serves_with == nid(other)} == their | {other}
+
+
+def test_a_plan_on_one_worker_is_not_alone():
+    # The test engineer's case: c offers too little for any layer, so a holds the model; c's llama-server
+    # must run with --rpc to a (not alone, which would load the whole model on c against --max-memory).
+    plan = run("c", [member("a"), member("c")], (SMOL,), own_bytes=60 * MIB)
+    assert names(plan.rpc_nodes()) == {"a"} and not plan.alone
+    assert plan.tensor_split() == (SMOL.estimate.n_layers + 1,)  # every layer and the head on a's device
+    check_agreement("c", plan)
+
+
+GIB = 1 << 30
+
+
+def measured(m: MemberInfo, gib_per_s: float, settled: bool) -> MemberInfo:
+    """``m`` announcing one CPU measured at ``gib_per_s``, settled or after one calibration."""
+    return dataclasses.replace(m, devices=(OfferedDevice("CPU", 8 * GIB, 8 * GIB, int(gib_per_s * GIB), 0, settled),))
+
+
+def by_speed(members: list[MemberInfo], observed: object = None) -> Plan:
+    """c's plan of SMOL over every member, by speed (--spread: each takes part)."""
+    return run("c", members, (SMOL,), by=PlanBy.SPEED, spread=True, observed=observed)
+
+
+def layer_counts(plan: Plan) -> dict[str, int]:
+    return {node.name: node.n_layers for node in plan.nodes}
+
+
+def test_a_member_measured_once_under_load_is_not_weighed_below_the_others():
+    # Issue 50 (3): identical members measured 14.7 and 2.7 GiB/s, the slow one while its machine was busy.
+    once = [measured(member("a"), 14.7, True), measured(member("b"), 2.7, False), measured(member("c"), 14.7, True)]
+    plan = by_speed(once)
+    counts = layer_counts(plan)
+    assert plan.by is PlanBy.MEMORY and abs(counts["a"] - counts["b"]) <= 1  # alike: its speed is unknown yet
+    b = next(node for node in plan.nodes if node.name == "b")
+    assert b.decode_bytes_per_s == 0 and not b.speed_settled
+    console = Console(width=120, record=True)
+    console.print(plan_view(plan.to_json()))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if line.startswith("b "))
+    assert row.split()[-2] == "?" and "?: one measurement of that device so far" in " ".join(text.split())
+    # Settled at that speed (two calibrations agreed), b is slow indeed: it gets fewer layers.
+    settled = by_speed([once[0], measured(member("b"), 2.7, True), once[2]])
+    assert settled.by is PlanBy.SPEED and layer_counts(settled)["b"] < layer_counts(settled)["a"]
+    # Unsettled but within SAME_SPEED_RATIO of the fastest: counted, and marked.
+    near = by_speed([once[0], measured(member("b"), 12.0, False), once[2]])
+    b = next(node for node in near.nodes if node.name == "b")
+    assert b.decode_bytes_per_s == pytest.approx(12.0 * GIB) and not b.speed_settled
+    # The traffic confirms it: b ran at 3 GiB/s on its share, so it counts at that (the larger).
+    traffic = SimpleNamespace(observed_bytes_per_s=lambda node_id: 3.0 * GIB if node_id == nid("b") else None,
+                              slowdown=lambda node_id: 1.0)
+    confirmed = by_speed(once, traffic)
+    b = next(node for node in confirmed.nodes if node.name == "b")
+    assert b.decode_bytes_per_s == pytest.approx(3.0 * GIB) and b.speed_settled and confirmed.by is PlanBy.SPEED

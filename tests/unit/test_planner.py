@@ -353,13 +353,13 @@ def test_to_json():
         "nodes": [
             {"id": members[0].node_id.hex(), "name": "host0", "device": "", "layers": [0, 2], "weights_bytes": 200,
              "kv_bytes": 40, "output_bytes": 0, "needed_bytes": 250, "free_bytes": 2000,
-             "decode_bytes_per_s": 0.0, "token_ms": None},
+             "decode_bytes_per_s": 0.0, "speed_settled": True, "token_ms": None},
             {"id": members[1].node_id.hex(), "name": "host1", "device": "", "layers": [2, 3], "weights_bytes": 100,
              "kv_bytes": 20, "output_bytes": 5, "needed_bytes": 135, "free_bytes": 1000,
-             "decode_bytes_per_s": 0.0, "token_ms": None},
+             "decode_bytes_per_s": 0.0, "speed_settled": True, "token_ms": None},
         ],
         "left_out": [{"id": (bytes([9]) * 32).hex(), "name": "host9", "device": "", "free_bytes": 1,
-                      "decode_bytes_per_s": 0.0}],
+                      "decode_bytes_per_s": 0.0, "speed_settled": True}],
         "refused": [{"id": (bytes([7]) * 32).hex(), "name": "host7", "free_bytes": 50,
                      "reason": "weights_mismatch", "detail": "host7 holds another file"}],
         "n_layers": 3,
@@ -373,6 +373,20 @@ def test_to_json():
         "tiers": [],
         "assignment": [],
     }
+
+
+def test_alone_means_the_serving_node_holds_the_model_not_that_one_node_does():
+    worker, serving = node(1, 1000), node(2, 1000)
+    est = estimate(3, 100, margin=10, output=5)
+    assert plan_layers([serving], est).alone
+    # The serving node too small for a layer: the one node is the worker, reached over --rpc.
+    on_worker = plan_layers([worker, node(2, 1)], est)
+    assert [n.name for n in on_worker.nodes] == ["host1"] and not on_worker.alone
+    assert on_worker.tensor_split() == (4,)
+    two_devices = plan_layers([worker, *device_shares(serving.node_id, "s", 2000, (OfferedDevice("GPU0", 1, 1),
+                                                                                  OfferedDevice("GPU1", 1, 1)))],
+                              estimate(6, 100, margin=10, output=5))
+    assert not two_devices.alone  # two devices of the serving node: its own rpc-server, over --rpc
 
 
 def test_a_member_with_two_devices_is_planned_as_two_and_the_split_follows_llama_servers_devices():
