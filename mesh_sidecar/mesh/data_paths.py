@@ -305,6 +305,8 @@ class DataPaths:
                      EndpointRewritten(int(words[0]), words[1], words[2]))
         elif inbound is not None and event.what == "unresolved" and words[0].isdigit():
             log.info("tunnel from %s: %s", short_id(inbound.node_id), EndpointUnresolved(int(words[0])))
+        elif event.what == "dropped":
+            log.warning("native tunnel %d: %s of its events were lost (too many in one read)", event.id, event.text)
         else:
             log.info("native tunnel %d: %s %s", event.id, event.what, event.text)
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TypeAlias
 
 from ..errors import UsageError
@@ -150,7 +152,9 @@ class Membership:
         self._unidentified: set[bytes] = set()
         self._actions: deque[Action] = deque()
         self._events: deque[Event] = deque()
-        self._rpc_order: tuple[bytes, ...] = ()
+        # Per connected member, the last RpcOrder it sent (its --rpc order as a serving node). Never merged: a
+        # REGISTER_PEER from member M is resolved with M's order only, so no member can remap another's.
+        self._rpc_orders: dict[bytes, tuple[bytes, ...]] = {}
         self._announced_rpc_order: RpcOrder | None = None
         # One per connection we hold, identified or not; a new connection starts afresh.
         self._health: dict[bytes, PeerHealth] = {}
@@ -172,9 +176,14 @@ class Membership:
         return self._self
 
     @property
-    def rpc_order(self) -> tuple[bytes, ...]:
-        """The last RpcOrder a peer sent (empty until one arrives): index i -> node id."""
-        return self._rpc_order
+    def rpc_orders(self) -> Mapping[bytes, tuple[bytes, ...]]:
+        """Each connected member's own last RpcOrder (index i -> node id), by the member that sent it."""
+        return MappingProxyType(self._rpc_orders)
+
+    def rpc_order_of(self, node_id: bytes) -> tuple[bytes, ...]:
+        """The last RpcOrder ``node_id`` itself sent (empty if none, or since its connection ended): what the
+        peer indices of its REGISTER_PEERs mean."""
+        return self._rpc_orders.get(node_id, ())
 
     def members(self) -> tuple[MemberStatus, ...]:
         """Every member we know of except ourselves, in the order we learned of them."""
@@ -223,6 +232,7 @@ class Membership:
             return
         self._unidentified.discard(node_id)
         self._health.pop(node_id, None)
+        self._rpc_orders.pop(node_id, None)  # a new connection brings it again
         record = self._records.get(node_id)
         if record is None:
             return
@@ -252,7 +262,7 @@ class Membership:
             case Leave():
                 self._on_leave(from_id, msg, now)
             case RpcOrder():
-                self._rpc_order = msg.node_ids
+                self._rpc_orders[from_id] = msg.node_ids  # the sender's own: the connection names it
             case Ping():
                 self._actions.append(Send(from_id, Pong(msg.nonce, msg.sent_at)))
             case Pong():
@@ -416,6 +426,7 @@ class Membership:
             return
         self._unidentified.discard(from_id)
         self._health.pop(from_id, None)
+        self._rpc_orders.pop(from_id, None)
         record = self._records.get(from_id)
         if record is not None:
             self._set_state(record, MemberState.LEFT, now)
@@ -433,6 +444,7 @@ class Membership:
                 self._actions.append(Disconnect(node_id, f"removed from the mesh by {short_id(msg.by)}"))
             self._unidentified.discard(node_id)
             self._health.pop(node_id, None)
+            self._rpc_orders.pop(node_id, None)
             if (record := self._records.get(node_id)) is not None:
                 self._set_state(record, MemberState.REMOVED, now)
                 self._events.append(MemberRemoved(node_id, msg.by))

@@ -435,9 +435,8 @@ class Mesh:
         while (event := self._membership.next_event()) is not None:
             self._on_event(event)
         if (relay := self.data_paths.relay) is not None:
-            order = self._membership.rpc_order
-            relay.set_endpoints({index: endpoint for index, node_id in enumerate(order)
-                                 if (endpoint := self._peers.rpc_endpoint(node_id, self._rpc_port)) is not None})
+            relay.set_endpoints({sender: self._endpoints_of(order)
+                                 for sender, order in self._membership.rpc_orders.items()})
 
     def _on_event(self, event: events.Event) -> None:
         """Tell people what happened, keep mesh.json current, and close what must close."""
@@ -520,9 +519,15 @@ class Mesh:
         peer = self._peers.get(node_id)
         return None if peer is None else peer.tunnel.counters
 
-    def _resolve_endpoint(self, peer_index: int) -> str | None:
-        """REGISTER_PEER's peer id -> the endpoint that reaches that member from here."""
-        order = self._membership.rpc_order
+    def _endpoints_of(self, order: tuple[bytes, ...]) -> dict[int, str]:
+        """A serving node's rpc order: peer index -> the endpoint that reaches that member from here."""
+        return {index: endpoint for index, node_id in enumerate(order)
+                if (endpoint := self._peers.rpc_endpoint(node_id, self._rpc_port)) is not None}
+
+    def _resolve_endpoint(self, sender: bytes, peer_index: int) -> str | None:
+        """The peer id of a REGISTER_PEER that member ``sender`` sent -> the endpoint that reaches that member
+        from here, by ``sender``'s own rpc order only: another member's order never remaps its indices."""
+        order = self._membership.rpc_order_of(sender)
         return self._peers.rpc_endpoint(order[peer_index], self._rpc_port) if 0 <= peer_index < len(order) else None
 
     async def _serve_peer(self, connection: PeerConnection) -> None:

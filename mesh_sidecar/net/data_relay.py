@@ -2,7 +2,7 @@
 
 ``DataRelay`` owns the TCP port members' relays dial (bound here, handed to the child, so a
 restarted relay keeps it) and the control socket (wire/data_relay.py's lines). It keeps what it
-told the relay (members, our rpc-server's port, REGISTER_PEER endpoints) and tells it all again
+told the relay (members, our rpc-server's port, each member's REGISTER_PEER endpoints) and tells it all again
 after a restart; every report goes to ``on_report``, and a death to ``on_exit`` (the connections it
 carried are gone: llama-server sees them reset, and the serving node's recovery takes over).
 """
@@ -14,7 +14,7 @@ import ipaddress
 import logging
 import socket
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -87,7 +87,8 @@ class DataRelay:
         self._take_back = take_back  # a tunnel connection the relay could not carry, unread
         self._guard = guard  # history, min_history, norm_ratio (serve/output_guard.py)
         self._members: dict[bytes, tuple[str, ...]] = {}  # each member's addresses (where its relay dials from)
-        self._endpoints: dict[int, str] = {}
+        # Per member, its REGISTER_PEER endpoints (told while it is a member: the relay drops them on a forget).
+        self._endpoints: dict[bytes, dict[int, str]] = {}
         self._rpc_port = 0
         self._control: socket.socket | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -119,9 +120,11 @@ class DataRelay:
         if known != wanted:
             self._members[node_id] = wanted
             self._tell(_member_line(node_id, wanted))
+            if known is None:
+                self._tell_endpoints(node_id, {}, self._endpoints.get(node_id, {}))
 
     def forget(self, node_id: bytes) -> None:
-        """Not a member any more: its connections, both ways, close now."""
+        """Not a member any more: its connections, both ways, close now, and the relay drops its endpoints."""
         if self._members.pop(node_id, None) is not None:
             self._tell(f"forget {node_id.hex()}")
 
@@ -130,14 +133,24 @@ class DataRelay:
         are new anyway)."""
         self._tell("new-session")
 
-    def set_endpoints(self, endpoints: dict[int, str]) -> None:
-        """REGISTER_PEER's peer index -> the endpoint that reaches that member from here."""
-        for index in set(self._endpoints) - set(endpoints):
-            self._tell(f"endpoint {index} -")
-        for index, endpoint in endpoints.items():
-            if self._endpoints.get(index) != endpoint:
-                self._tell(f"endpoint {index} {endpoint}")
-        self._endpoints = dict(endpoints)
+    def set_endpoints(self, endpoints: Mapping[bytes, Mapping[int, str]]) -> None:
+        """Per member M: the peer index of M's REGISTER_PEERs (in M's own rpc order) -> the endpoint that
+        reaches that peer from here. The relay resolves a connection from M with M's table only."""
+        for node_id in self._endpoints.keys() | endpoints.keys():
+            told, wanted = self._endpoints.get(node_id, {}), dict(endpoints.get(node_id, {}))
+            if node_id in self._members:
+                self._tell_endpoints(node_id, told, wanted)
+            if wanted:
+                self._endpoints[node_id] = wanted
+            else:
+                self._endpoints.pop(node_id, None)
+
+    def _tell_endpoints(self, node_id: bytes, told: Mapping[int, str], wanted: Mapping[int, str]) -> None:
+        for index in told.keys() - wanted.keys():
+            self._tell(f"endpoint {node_id.hex()} {index} -")
+        for index, endpoint in wanted.items():
+            if told.get(index) != endpoint:
+                self._tell(f"endpoint {node_id.hex()} {index} {endpoint}")
 
     def probe(self, node_id: bytes, host: str, port: int) -> None:
         self._tell(f"probe {node_id.hex()} {host} {port}")
@@ -202,8 +215,7 @@ class DataRelay:
             self._tell(f"rpc-port {self._rpc_port}")
         for node_id, addresses in self._members.items():
             self._tell(_member_line(node_id, addresses))
-        for index, endpoint in self._endpoints.items():
-            self._tell(f"endpoint {index} {endpoint}")
+            self._tell_endpoints(node_id, {}, self._endpoints.get(node_id, {}))
         await self._read_reports(ours)
 
     async def _read_reports(self, control: socket.socket) -> None:

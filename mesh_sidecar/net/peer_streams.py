@@ -38,7 +38,8 @@ class StreamServices:
     """What this node serves on the streams its peers open."""
 
     rpc_port: int  # the local rpc-server
-    resolve_endpoint: Callable[[int], str | None]  # REGISTER_PEER's peer id -> endpoint (wire/rpc_framing.py)
+    # (the member that sent it, REGISTER_PEER's peer id) -> endpoint (wire/rpc_framing.py): by its own rpc order
+    resolve_endpoint: Callable[[bytes, int], str | None]
     model_file: Callable[[str], Path | None]  # sha256 -> the model file offered, if any
     open_relay_leg: OpenLeg  # for a member asking us to relay: a stream to its target, or why not
     relay_counters: RelayCounters
@@ -54,7 +55,8 @@ def serve_streams(connection: PeerConnection, services: StreamServices, counters
     name = short_id(peer_id)
     servers: dict[StreamKind, StreamServer] = {
         StreamKind.RPC: lambda reader, writer: serve_inbound_stream(
-            reader, writer, services.rpc_port, services.resolve_endpoint, name, counters=counters),
+            reader, writer, services.rpc_port, lambda index: services.resolve_endpoint(peer_id, index), name,
+            counters=counters),
         StreamKind.MODEL_FILE: lambda reader, writer: serve_model_file(reader, writer, services.model_file, name),
         StreamKind.RELAY_REQUEST: lambda reader, writer: serve_relay_request(
             reader, writer, peer_id, services.open_relay_leg, services.relay_counters),

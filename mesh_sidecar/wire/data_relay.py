@@ -14,7 +14,7 @@ line carries the accepted TCP socket beside it (SCM_RIGHTS)::
     rpc-port PORT                                        stats ID FROM_CLIENT FROM_SERVER FRAMES
     member NODE [ADDRESS...] | forget NODE                     ACTIVATION ALLOCATED OWED_US
     new-session                                          fallback ID WHY   (+ the tunnel's socket, unread)
-    endpoint INDEX HOST:PORT|-                           rejected ID KIND NAME VALUES RMS LOW HIGH COUNT
+    endpoint NODE INDEX HOST:PORT|-                      rejected ID KIND NAME VALUES RMS LOW HIGH COUNT
     tunnel ID NODE HOST PORT CHECK    (+ socket)         event ID WHAT TEXT...
     probe NODE HOST PORT                                 refused COUNT ADDRESS WHY:N[,WHY:N...]
                                                          error TEXT...
@@ -24,8 +24,13 @@ sent can never end a line or forge another); ``parse_report`` refuses a line tha
 NODE is a node id in hex (64 digits); "-" stands for "none" in optional fields. ``member`` with
 addresses names where that member's relay dials from (numeric IPv4 or IPv6): the data port answers no
 other source, closing it before any TLS; without addresses it names the key and keeps the addresses.
-``refused`` sums the connections refused since the last one (at most one line a second): how many, the
-last one's source, and how many for each reason. ``stats`` and ``refused`` are the only lines the relay
+``endpoint`` sets one entry of member NODE's own table (NODE named by ``member`` first; a ``forget`` drops
+the table): the peer index of NODE's REGISTER_PEERs, in NODE's announced rpc order, -> where that peer is
+reached here. A REGISTER_PEER on a connection from NODE resolves through NODE's table only, so no member
+can remap the indices another member's REGISTER_PEERs use. ``event ID dropped COUNT``: COUNT events of
+that connection were lost to a full queue (after the ones reported before it). ``refused`` sums the
+connections refused since the last one (at most one line a second): how many, the last one's source,
+and how many for each reason. ``stats`` and ``refused`` are the only lines the relay
 may hold back while the sidecar is far behind reading (their counts carry on to the next line); every
 other line is always sent.
 The output judge keeps each worker's histories over all its connections, so a worker cannot start

@@ -263,7 +263,7 @@ def test_an_endpoint_with_newlines_forges_no_report_line():
     forged = b"x\nrejected 1 non_finite l_out-1 1 0 0 0 0\nstats 1 9 9 9 9 9 9\x00"
     hello_reply_b2b = U64.pack(28) + bytes([7, 0, 2, 1]) + bytes(24)
     register_peer = RPC_HEADER.pack(18, 132) + struct.pack("<I128s", 0, forged)
-    lines = _replay([f"member {node.hex()}", "endpoint 0 127.0.0.1:50052", f"watch 0 1 {node.hex()}",
+    lines = _replay([f"member {node.hex()}", f"endpoint {node.hex()} 0 127.0.0.1:50052", f"watch 0 1 {node.hex()}",
                      f"c {HELLO_REQUEST.hex()}", f"s {hello_reply_b2b.hex()}", f"c {register_peer.hex()}"])
     parsed = [reports.parse_report(line.encode()) for line in lines]  # each one printable, known report
     assert [type(r) for r in parsed] == [reports.Event, reports.Event], lines

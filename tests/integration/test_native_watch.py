@@ -19,7 +19,7 @@ import mesh_sidecar.net.native
 from mesh_sidecar.mesh.data_paths import DataPaths
 from mesh_sidecar.net.data_relay_build import ensure_data_relay
 from mesh_sidecar.serve.output_guard import OutputGuard
-from mesh_sidecar.wire.data_relay import ProbeResult, configuration_lines, parse_report
+from mesh_sidecar.wire.data_relay import Event, ProbeResult, configuration_lines, parse_report
 from mesh_sidecar.wire.rpc_framing import EndpointRewritten, RpcStreamFilter, printable_word
 from mesh_sidecar.wire.rpc_outputs import (
     ABSOLUTE_OUTLIER,
@@ -68,16 +68,25 @@ def relay_binary():
     return ensure_data_relay(lambda *_: None)
 
 
-def replay(binary, check: bool, rewrite: bool, chunks: list[tuple[str, bytes]],
-           endpoints=()) -> tuple[bytes, bytes, list[str]]:
+def setup_lines() -> list[str]:
+    """What a relay is told at its start, but its identity (--replay has no TLS)."""
     lines = configuration_lines(b"", b"", handshake_timeout_s=5, max_connections=8, max_handshakes=4,
                                 history=HISTORY_SAMPLES, min_history=MIN_HISTORY_SAMPLES, norm_ratio=NORM_RATIO)
-    lines = [line for line in lines if not line.startswith("identity")]
-    lines += [f"member {NODE.hex()}", *(f"endpoint {i} {e}" for i, e in endpoints),
+    return [line for line in lines if not line.startswith("identity")]
+
+
+def replay_lines(binary, lines: list[str]) -> list[str]:
+    return subprocess.run([str(binary), "--replay"], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                          timeout=60, check=True).stdout.splitlines()
+
+
+def replay(binary, check: bool, rewrite: bool, chunks: list[tuple[str, bytes]],
+           endpoints=()) -> tuple[bytes, bytes, list[str]]:
+    lines = setup_lines()
+    lines += [f"member {NODE.hex()}", *(f"endpoint {NODE.hex()} {i} {e}" for i, e in endpoints),
               f"watch {int(check)} {int(rewrite)} {NODE.hex()}"]
     lines += [f"{side} {data.hex()}" for side, data in chunks]
-    out = subprocess.run([str(binary), "--replay"], input="\n".join(lines) + "\n", capture_output=True, text=True,
-                         timeout=60, check=True).stdout.splitlines()
+    out = replay_lines(binary, lines)
     up = b"".join(bytes.fromhex(line[3:]) for line in out if line.startswith("up "))
     down = b"".join(bytes.fromhex(line[5:]) for line in out if line.startswith("down "))
     return up, down, [line for line in out if not line.startswith(("up ", "down "))]
@@ -277,6 +286,52 @@ def test_register_peer_is_rewritten_as_pythons_filter_rewrites_it(relay_binary, 
         expected += python.data_to_server()
     assert up == expected and b"127.0.0.1:40001" in up and b"10.0.0.9" not in up and b"10.0.0.8" not in up
     assert any(" rewritten 0 " in e for e in events) and any(" unresolved 1" in e for e in events)
+
+
+OTHER = bytes(range(32, 64))
+
+
+def test_a_members_register_peer_resolves_through_its_own_endpoints_only(relay_binary):
+    """Member OTHER's table (from its own rpc order) maps index 0; NODE's maps only index 1. NODE's
+    REGISTER_PEER for 0 is cleared, never sent where OTHER's order says, in the relay as in Python."""
+    chunks = [("c", HELLO), ("s", HELLO_REPLY_B2B),
+              ("c", register_peer(0, b"10.0.0.9:50052") + register_peer(1, b"10.0.0.8:50052"))]
+    lines = setup_lines() + [
+        f"member {NODE.hex()}", f"member {OTHER.hex()}", f"endpoint {OTHER.hex()} 0 127.0.0.1:40009",
+        f"endpoint {NODE.hex()} 1 127.0.0.1:40001", f"endpoint {OTHER.hex()} 1 127.0.0.1:40008",
+        f"watch 0 1 {NODE.hex()}", *(f"{side} {data.hex()}" for side, data in chunks),
+        # forgotten, then named again: its old table is gone with it
+        f"forget {NODE.hex()}", f"member {NODE.hex()}", f"watch 0 1 {NODE.hex()}",
+        *(f"{side} {data.hex()}" for side, data in chunks)]
+    out = replay_lines(relay_binary, lines)
+    ups = [bytes.fromhex(line[3:]) for line in out if line.startswith("up ") and len(line) > 3]
+    tables = {NODE: {1: "127.0.0.1:40001"}, OTHER: {0: "127.0.0.1:40009", 1: "127.0.0.1:40008"}}
+    python = RpcStreamFilter(lambda index: tables[NODE].get(index))  # as serve_streams binds it for NODE
+    for side, data in chunks:
+        (python.receive_from_client if side == "c" else python.receive_from_server)(data)
+    expected = HELLO + register_peer(0, b"") + register_peer(1, b"127.0.0.1:40001")
+    assert python.data_to_server() == expected
+    assert b"".join(ups[:2]) == expected
+    assert b"".join(ups[2:]) == HELLO + register_peer(0, b"") + register_peer(1, b"")
+    assert [e for e in out if e.startswith("event 1 ") and " dialect " not in e] == [
+        "event 1 unresolved 0", "event 1 rewritten 1 10.0.0.8:50052 127.0.0.1:40001",
+        "event 1 unresolved 0", "event 1 unresolved 1"]
+
+
+def test_endpoints_for_a_member_not_named_are_refused(relay_binary):
+    lines = [f"endpoint {OTHER.hex()} 0 127.0.0.1:40009", f"member {OTHER.hex()}", f"endpoint {OTHER.hex()} 0 -",
+             "endpoint 0 127.0.0.1:40009"]  # the old form, with no member: refused whole
+    assert replay_lines(relay_binary, lines) == [f"error endpoint for no member {OTHER.hex()}",
+                                                 "error malformed control line endpoint"]
+
+
+def test_events_lost_to_a_full_queue_are_counted_in_one_line(relay_binary):
+    """32 REGISTER_PEERs in one read: the watch keeps 16 events, then says how many it lost."""
+    chunks = [("c", HELLO), ("s", HELLO_REPLY_B2B), ("c", register_peer(0, b"10.0.0.9:50052") * 32)]
+    _, _, events = replay(relay_binary, False, True, chunks, endpoints=[(0, "127.0.0.1:40001")])
+    rewritten = [e for e in events if e.startswith("event 1 rewritten ")]
+    assert len(rewritten) == 16 and events[-1] == "event 1 dropped 16", events
+    assert isinstance(parse_report(events[-1].encode()), Event)
 
 
 def test_a_stream_that_is_not_rpc_passes_untouched(relay_binary):

@@ -868,16 +868,38 @@ def test_no_member_is_judged_on_a_heartbeat_after_a_stall_of_our_own() -> None:
 
 def test_rpc_order_reaches_peers_now_and_later() -> None:
     mesh, a, b, c = chain_of_three()
-    assert mesh.nodes[a].rpc_order == ()
+    assert mesh.nodes[a].rpc_order_of(b) == ()
     mesh.nodes[b].announce_rpc_order((a, c))
     mesh.run()
-    assert mesh.nodes[a].rpc_order == (a, c)
-    assert mesh.nodes[c].rpc_order == (a, c)
+    assert mesh.nodes[a].rpc_order_of(b) == (a, c)
+    assert mesh.nodes[c].rpc_order_of(b) == (a, c)
     d = mesh.add("d")
     mesh.connect(d, a)
     mesh.run()
     mesh.assert_full_mesh()
-    assert mesh.nodes[d].rpc_order == (a, c)
+    assert mesh.nodes[d].rpc_order_of(b) == (a, c)
+
+
+def test_each_member_keeps_its_own_rpc_order_and_no_other_can_remap_it() -> None:
+    """Two serving nodes (b and c) share worker a: each one's REGISTER_PEER indices mean its own order. The
+    last order a sender sent wins for that sender only; any other member's order leaves it as it was."""
+    mesh, a, b, c = chain_of_three()
+    mesh.nodes[b].announce_rpc_order((b, a))
+    mesh.nodes[c].announce_rpc_order((c, a))
+    mesh.run()
+    worker = mesh.nodes[a]
+    assert dict(worker.rpc_orders) == {b: (b, a), c: (c, a)}
+    mesh.nodes[c].announce_rpc_order((a, b))  # a later order of c's: c's alone changes
+    mesh.run()
+    assert worker.rpc_order_of(b) == (b, a) and worker.rpc_order_of(c) == (a, b)
+    mesh.disconnect(a, c, "connection closed")  # a member gone takes its order with it
+    assert worker.rpc_order_of(c) == () and dict(worker.rpc_orders) == {b: (b, a)}
+    mesh.connect(a, c)  # and its next connection brings it again
+    mesh.run()
+    assert worker.rpc_order_of(c) == (a, b)
+    mesh.nodes[b].leave("stopped")  # so does a member that leaves
+    mesh.run()
+    assert dict(worker.rpc_orders) == {c: (a, b)}
 
 
 # --- secret rotation ----------------------------------------------------------------------

@@ -13,13 +13,16 @@ import hashlib
 import logging
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 
-from mesh_sidecar.net.tunnel import TunnelListener
+from mesh_sidecar.net.peer_streams import StreamServices, serve_streams
+from mesh_sidecar.net.relay import RelayCounters
+from mesh_sidecar.net.tunnel import TunnelCounters, TunnelListener
 from mesh_sidecar.ports import LOOPBACK, free_tcp_port, loopback_client_uid, socket_owner_uid
 from mesh_sidecar.wire.rpc_outputs import GGML_TYPE_F32, NON_FINITE, Fault, OutputRejected, RpcOutputCheck
 from tests.helpers.tunnels import (
@@ -356,3 +359,52 @@ async def test_a_listener_checks_each_connection_with_the_checks_it_was_made_wit
     finally:
         await listener.close()
         worker.close()
+
+
+# --- REGISTER_PEER: by the sending member's own rpc order ---------------------------------------
+
+HELLO_REPLY_B2B = struct.pack("<Q", 28) + bytes([7, 0, 2, 1]) + bytes(24)
+
+
+def register_peer(index: int, endpoint: bytes) -> bytes:
+    return RPC_HEADER.pack(18, 132) + struct.pack("<I128s", index, endpoint)
+
+
+async def test_a_members_register_peer_resolves_through_its_own_order_only(mesh: Mesh) -> None:
+    """B serves A's streams as a node does (serve_streams): A's REGISTER_PEER indices are looked up in A's
+    table, never in another member's, whatever that member announced."""
+    received = bytearray()
+
+    async def rpc_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, size = RPC_HEADER.unpack(await reader.readexactly(RPC_HEADER.size))
+        await reader.readexactly(size)
+        writer.write(HELLO_REPLY_B2B)
+        await writer.drain()
+        received.extend(await reader.read())
+        writer.close()
+
+    server = await asyncio.start_server(rpc_server, LOOPBACK, 0)
+    a_id, other = mesh.a.identity.node_id, bytes(32)
+    tables = {a_id: {1: "127.0.0.1:40001"}, other: {0: "127.0.0.1:40009"}}
+    asked: list[bytes] = []
+
+    def resolve(sender: bytes, index: int) -> str | None:
+        asked.append(sender)
+        return tables.get(sender, {}).get(index)
+
+    services = StreamServices(server.sockets[0].getsockname()[1], resolve, lambda _sha: None,
+                              None, RelayCounters(), None, lambda: None, "")  # type: ignore[arg-type]
+    serve_streams(mesh.b_from_a, services, TunnelCounters())
+    try:
+        reader, writer = await mesh.connect()
+        writer.write(HELLO_REQUEST)
+        assert await asyncio.wait_for(reader.readexactly(len(HELLO_REPLY_B2B)), HANG_S) == HELLO_REPLY_B2B
+        writer.write(register_peer(0, b"10.0.0.9:50052") + register_peer(1, b"10.0.0.8:50052"))
+        writer.write_eof()
+        await asyncio.wait_for(read_to_end(reader), HANG_S)
+        writer.close()
+    finally:
+        server.close()
+    assert bytes(received) == (register_peer(0, b"")  # index 0 is only in the other member's table: cleared
+                               + register_peer(1, b"127.0.0.1:40001"))
+    assert set(asked) == {a_id}

@@ -149,13 +149,6 @@ int parse_command(char *line, struct command *out, const char **error) {
         out->verb = C_RPC_PORT;
         return small(argv[1], 1, 65535, &out->port);
     }
-    if (!strcmp(verb, "endpoint") && argc == 3) {
-        out->verb = C_ENDPOINT;
-        if (number(argv[1], MAX_ENDPOINTS - 1, &v)) return -1;
-        out->index = (uint32_t)v;
-        out->endpoint = strcmp(argv[2], "-") ? argv[2] : NULL;
-        return !out->endpoint || (strlen(argv[2]) < RW_REGISTER_ENDPOINT_BYTES && printable(argv[2])) ? 0 : -1;
-    }
     if (!strcmp(verb, "new-session") && argc == 1) {
         out->verb = C_NEW_SESSION;
         return 0;
@@ -168,6 +161,13 @@ int parse_command(char *line, struct command *out, const char **error) {
         for (int i = 2; i < argc; i++)
             if (parse_address(argv[i], &out->addresses[out->n_addresses++])) return -1;
         return 0;
+    }
+    if (!strcmp(verb, "endpoint") && argc == 4) { /* the member whose REGISTER_PEERs it resolves */
+        out->verb = C_ENDPOINT;
+        if (number(argv[2], MAX_ENDPOINTS - 1, &v)) return -1;
+        out->index = (uint32_t)v;
+        out->endpoint = strcmp(argv[3], "-") ? argv[3] : NULL;
+        return !out->endpoint || (strlen(argv[3]) < RW_REGISTER_ENDPOINT_BYTES && printable(argv[3])) ? 0 : -1;
     }
     if (!strcmp(verb, "forget") && argc == 2) {
         out->verb = C_FORGET;
@@ -275,18 +275,17 @@ void apply_command(const struct command *c) {
         else report("error more than %d dialects", RW_MAX_DIALECTS);
         break;
     case C_RPC_PORT: rpc_port = c->port; break;
-    case C_ENDPOINT: {
-        char *copy = c->endpoint ? strdup(c->endpoint) : NULL;
-        if (c->endpoint && !copy) { report("error endpoint %u: out of memory", c->index); break; }
-        free(endpoints[c->index]);
-        endpoints[c->index] = copy;
+    case C_ENDPOINT:
+        /* A member's table only: the sidecar names the member before its endpoints, and again after a forget. */
+        if (!(m = find_member(c->node))) report("error endpoint for no member %s", c->node_hex);
+        else if (set_member_endpoint(m, c->index, c->endpoint) < 0) report("error endpoint %u: out of memory", c->index);
         break;
-    }
     case C_MEMBER: add_member(c); break;
     case C_FORGET:
         if (!(m = find_member(c->node))) break;
         close_member_pipes(m, "forgotten");
         forget_judged(&m->judged);
+        forget_endpoints(m);
         memset(m, 0, sizeof *m);
         break;
     case C_NEW_SESSION:

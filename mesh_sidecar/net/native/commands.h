@@ -31,7 +31,7 @@ struct command {
     int port;                                            /* rpc-port; tunnel and probe: the peer's relay */
     uint32_t index;                                      /* endpoint */
     const char *endpoint;                                /* NULL: "-" */
-    uint8_t node[NODE_ID_BYTES];                         /* member, forget, tunnel, probe */
+    uint8_t node[NODE_ID_BYTES];                         /* member, forget, endpoint, tunnel, probe */
     const char *node_hex;
     struct in6_addr addresses[MAX_MEMBER_ADDRESSES];     /* member */
     int n_addresses;

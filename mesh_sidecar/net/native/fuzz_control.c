@@ -57,12 +57,11 @@ static void judge_members(void) {
 }
 
 static void reset_state(void) {
-    for (int i = 0; i < MAX_MEMBERS; i++) forget_judged(&members[i].judged);
-    memset(members, 0, sizeof members);
-    for (int i = 0; i < MAX_ENDPOINTS; i++) {
-        free(endpoints[i]);
-        endpoints[i] = NULL;
+    for (int i = 0; i < MAX_MEMBERS; i++) {
+        forget_judged(&members[i].judged);
+        forget_endpoints(&members[i]);
     }
+    memset(members, 0, sizeof members);
     memset(&rules, 0, sizeof rules);
     guard_history = 64;
 }

@@ -29,7 +29,7 @@ static const char *const setup_lines[] = {
     "dialect mesh-b2b-7 7 0 - 24 28 1 18 19 22 4,5,6,10,12,16,17,20,21,22 20,21,22",
     "dialect upstream-7 7 0 - 24 28 0 - - 17 4,5,6,10,12,16,17 -",
     "member 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f 127.0.0.1",
-    "endpoint 0 127.0.0.1:40001",
+    "endpoint 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f 0 127.0.0.1:40001",
 };
 
 static void set_up(void) {

@@ -1,12 +1,13 @@
 /* Who the sidecar named (members.h). */
+#define _GNU_SOURCE
 #include "members.h"
 
 #include <arpa/inet.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 struct member members[MAX_MEMBERS];
-char *endpoints[MAX_ENDPOINTS];
 
 static int nibble(char c) {
     return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
@@ -28,9 +29,26 @@ struct member *find_member(const uint8_t *id) {
     return NULL;
 }
 
-const char *resolve_endpoint(void *ctx, uint32_t index) {
-    (void)ctx;
-    return index < MAX_ENDPOINTS ? endpoints[index] : NULL;
+const char *member_endpoint(const struct member *m, uint32_t index) {
+    return index < MAX_ENDPOINTS ? m->endpoints[index] : NULL;
+}
+
+int set_member_endpoint(struct member *m, uint32_t index, const char *endpoint) {
+    char *copy = endpoint ? strdup(endpoint) : NULL;
+    if (index >= MAX_ENDPOINTS || (endpoint && !copy)) {
+        free(copy);
+        return -1;
+    }
+    free(m->endpoints[index]);
+    m->endpoints[index] = copy;
+    return 0;
+}
+
+void forget_endpoints(struct member *m) {
+    for (int i = 0; i < MAX_ENDPOINTS; i++) {
+        free(m->endpoints[i]);
+        m->endpoints[i] = NULL;
+    }
 }
 
 static void mapped_v4(struct in6_addr *out, const struct in_addr *v4) {

@@ -1,4 +1,4 @@
-/* Who the sidecar named: members (node keys), and REGISTER_PEER's endpoints on this machine. */
+/* Who the sidecar named: members (node keys), and each one's REGISTER_PEER endpoints on this machine. */
 #ifndef MESH_MEMBERS_H
 #define MESH_MEMBERS_H
 
@@ -17,16 +17,22 @@ struct member {
     struct judged judged;          /* the outputs its replies carried, over all its connections */
     struct in6_addr addresses[MAX_MEMBER_ADDRESSES]; /* where its relay dials from (IPv4 as ::ffff:a.b.c.d) */
     int n_addresses;
+    /* Its REGISTER_PEERs' peer index (in its own rpc order) -> "127.0.0.1:port" here, or NULL. Only its own
+     * connections resolve through it: no member can remap the indices another's REGISTER_PEER uses. */
+    char *endpoints[MAX_ENDPOINTS];
 };
 
 extern struct member members[MAX_MEMBERS];
-extern char *endpoints[MAX_ENDPOINTS]; /* REGISTER_PEER peer index -> "127.0.0.1:port" */
 
 /* `hex`, exactly 2n digits, into `out`; -1 if it is not that. */
 int from_hex(uint8_t *out, size_t n, const char *hex);
 struct member *find_member(const uint8_t *id);
-/* REGISTER_PEER's peer index -> its endpoint here, or NULL (an rw_resolve_fn). */
-const char *resolve_endpoint(void *ctx, uint32_t index);
+/* Member `m`'s REGISTER_PEER index -> its endpoint here, or NULL. */
+const char *member_endpoint(const struct member *m, uint32_t index);
+/* Sets (NULL: clears) one of `m`'s endpoints; -1 out of memory, the old one kept. */
+int set_member_endpoint(struct member *m, uint32_t index, const char *endpoint);
+/* Clears all of `m`'s endpoints (it is forgotten). */
+void forget_endpoints(struct member *m);
 /* A socket's address as member addresses are kept; -1 for a family that has none. */
 int address_of(const struct sockaddr *sa, struct in6_addr *out);
 /* A numeric IPv4 or IPv6 address as member addresses are kept; -1 if it is none. */

@@ -109,7 +109,7 @@ struct pipe *new_pipe(uint32_t id, int outbound, int check, int rewrite) {
     p->up.cap = p->down.cap = BUF_BYTES;
     p->started_ns = now_ns();
     p->deadline_ns = p->started_ns + handshake_timeout_ns;
-    rw_init(&p->watch, &rules, check, rewrite, judge_for_pipe, resolve_endpoint, p);
+    rw_init(&p->watch, &rules, check, rewrite, judge_for_pipe, endpoint_for_pipe, p);
     p->next = pipes;
     pipes = p;
     n_pipes++;
@@ -201,6 +201,7 @@ void watch_events(struct pipe *p) {
         case RW_EV_REWRITTEN: report("event %u rewritten %s", p->id, text); break;
         case RW_EV_UNRESOLVED: report("event %u unresolved %s", p->id, text); break;
         case RW_EV_BROKEN: report("event %u broken %s", p->id, text); break;
+        case RW_EV_DROPPED: report("event %u dropped %s", p->id, text); break;
         case RW_EV_VIOLATION: { /* "REASON DETAILS...": the worker's fault, as a rejected tensor is */
             size_t reason = strcspn(text, " ");
             report("event %u violation %s", p->id, text);
@@ -291,4 +292,9 @@ int judge_for_pipe(void *ctx, const struct rw_measured *t) {
     report("rejected %u %s %s %llu %.6g %.6g %.6g %d", p->id, v.kind, t->name[0] ? t->name : "-",
            (unsigned long long)t->values, t->finite ? t->rms : 0.0, v.low, v.high, v.count);
     return 1;
+}
+
+const char *endpoint_for_pipe(void *ctx, uint32_t index) {
+    const struct pipe *p = ctx;
+    return p->member ? member_endpoint(p->member, index) : NULL;
 }

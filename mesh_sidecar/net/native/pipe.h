@@ -88,5 +88,8 @@ void report_stats(struct pipe *p);
 void watch_events(struct pipe *p);
 /* The judge of a serving pipe's measured outputs (an rw_judge_fn). */
 int judge_for_pipe(void *ctx, const struct rw_measured *t);
+/* An inbound pipe's REGISTER_PEER index -> its endpoint here, through its own member's table only (an
+ * rw_resolve_fn): another member's table never maps this member's indices. */
+const char *endpoint_for_pipe(void *ctx, uint32_t index);
 
 #endif

@@ -29,7 +29,7 @@ int replay(void) {
             uint8_t id[NODE_ID_BYTES];
             sscanf(line + 6, "%d %d %64s", &check, &rewrite, node);
             p.member = from_hex(id, NODE_ID_BYTES, node) ? NULL : find_member(id);
-            rw_init(&p.watch, &rules, check, rewrite, judge_for_pipe, resolve_endpoint, &p);
+            rw_init(&p.watch, &rules, check, rewrite, judge_for_pipe, endpoint_for_pipe, &p);
             p.up.start = p.up.ok = p.up.end = p.down.start = p.down.ok = p.down.end = 0;
         } else if (client || (line[0] == 's' && line[1] == ' ')) {
             struct buf *b = client ? &p.up : &p.down;

@@ -23,13 +23,22 @@ static uint32_t le32(const uint8_t *p) {
 static uint64_t min64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 
 static void push_event(struct rpc_watch *w, enum rw_event_kind kind, const char *text) {
-    if (w->events_count == EVENT_SLOTS) return; /* events are rare; a full queue drops the newest */
+    if (w->events_count == EVENT_SLOTS) { /* events are rare; a full queue drops the newest, counted */
+        w->events_dropped++;
+        return;
+    }
     size_t slot = (w->events_head + w->events_count++) % EVENT_SLOTS;
     w->events[slot] = kind;
     snprintf(w->event_text[slot], sizeof w->event_text[slot], "%s", text);
 }
 
 enum rw_event_kind rw_next_event(struct rpc_watch *w, const char **text) {
+    if (!w->events_count && w->events_dropped) {
+        snprintf(w->dropped_text, sizeof w->dropped_text, "%llu", (unsigned long long)w->events_dropped);
+        w->events_dropped = 0;
+        *text = w->dropped_text;
+        return RW_EV_DROPPED;
+    }
     if (!w->events_count) return RW_EV_NONE;
     size_t slot = w->events_head;
     w->events_head = (w->events_head + 1) % EVENT_SLOTS;

@@ -101,6 +101,8 @@ enum rw_event_kind {
     RW_EV_VIOLATION,   /* text: "<reason> <details...>": the worker broke the protocol (check mode);
                           reason: unsolicited-reply, wrong-reply-size, unknown-dialect or bad-hello-reply.
                           The watch is RW_REJECTED after it, as for a rejected tensor */
+    RW_EV_DROPPED,     /* text: "<count>": events lost to a full queue since the last one taken; comes
+                          after the events kept, so the log says some are missing */
 };
 
 struct rw_expected {
@@ -154,11 +156,14 @@ struct rpc_watch {
     uint64_t allocated_bytes;    /* ALLOC_BUFFER sizes asked for */
     uint64_t checked;
 
-    /* the oldest event not yet taken (events are rare: one slot and a queue of texts is enough) */
+    /* events not yet taken, oldest first (events are rare: a short queue of texts is enough; beyond it
+     * the newest are dropped and counted, and an RW_EV_DROPPED follows the ones kept) */
     enum rw_event_kind events[16];
     char event_text[16][192];
     struct rw_measured rejected;
     size_t events_head, events_count;
+    uint64_t events_dropped;
+    char dropped_text[24];
 };
 
 void rw_init(struct rpc_watch *w, const struct rw_rules *rules, int check, int rewrite,
