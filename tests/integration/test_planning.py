@@ -72,6 +72,24 @@ def test_layers_follow_max_memory(start_node, reference_text):
     assert rpc_rss(small) < rpc_rss(big)
 
 
+def test_a_plan_on_one_worker_runs_over_rpc_to_it(start_node, reference_text):
+    """The serving node too small for any layer: the plan is the worker alone, and llama-server offloads
+    every layer to it over --rpc (it ran alone, loading the whole model on c against its --max-memory)."""
+    a = start_node("a")
+    c = start_node("c", "--join", a.ticket(), "--min-peers", "1", "--max-memory", "60M", serve=True)
+    plan = serving_plan(c)
+    assert [n["name"] for n in plan["nodes"]] == ["a"], plan
+    llama = next(p for p in c.status()["processes"] if p["name"] == "llama-server")
+    argv = psutil.Process(llama["pid"]).cmdline()
+    assert "--rpc" in argv and len(argv[argv.index("--rpc") + 1].split(",")) == 1, argv
+    assert argv[argv.index("--tensor-split") + 1] == str(plan["n_layers"] + 1)
+    # a's rpc-server holds the weights and the head; c keeps only the input embeddings.
+    logged = re.findall(r"RPC\d+\[[^]]+\] model buffer size =\s+([\d.]+) MiB", open(llama_log(c)).read())
+    expected_mib = (plan["nodes"][0]["weights_bytes"] + plan["nodes"][0]["output_bytes"]) / 2**20
+    assert len(logged) == 1 and abs(float(logged[0]) - expected_mib) <= 0.05 * expected_mib, (logged, expected_mib)
+    assert complete(c.serve_port) == reference_text
+
+
 class BackgroundRequests:
     """Short requests, one after another, while a membership change happens.
 
