@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HEADER = struct.Struct("<BQ")
@@ -80,6 +81,31 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def serve_in_front(real: Path, host: str, port: int, rest: list[str], label: str,
+                   relay_one: Callable[[socket.socket, socket.socket], None]) -> None:
+    """Start the real rpc-server on a free port with ``rest`` and relay each client on ``host:port`` to it
+    through ``relay_one``, one at a time as rpc-server serves them, until killed."""
+    real_port = free_port()
+    libc = ctypes.CDLL(None)
+    # The real rpc-server dies with us: tests stop nodes' children by pid.
+    child = subprocess.Popen([str(real), "-H", "127.0.0.1", "-p", str(real_port), *rest],
+                             preexec_fn=lambda: libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL))
+    try:
+        with socket.create_server((host, port)) as listener:
+            print(f"{label} on {host}:{port} -> rpc-server on {real_port}", flush=True)
+            while True:
+                client, _ = listener.accept()
+                with client, connect(real_port) as server:
+                    for conn in (client, server):
+                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    try:
+                        relay_one(client, server)
+                    except OSError:
+                        pass
+    finally:
+        child.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("-H", "--host", default="127.0.0.1")
@@ -88,25 +114,8 @@ def main() -> None:
     parser.add_argument("--trigger", type=Path, required=True)
     parser.add_argument("--delay-s", type=float, help="delay replies (instead of writing NaNs)")
     args, rest = parser.parse_known_args()
-    real_port = free_port()
-    libc = ctypes.CDLL(None)
-    # The real rpc-server dies with us: tests stop nodes' children by pid.
-    real = subprocess.Popen([str(args.real), "-H", "127.0.0.1", "-p", str(real_port), *rest],
-                            preexec_fn=lambda: libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL))
-    try:
-        with socket.create_server((args.host, args.port)) as listener:
-            print(f"fault proxy on {args.host}:{args.port} -> rpc-server on {real_port}", flush=True)
-            while True:
-                client, _ = listener.accept()
-                with client, connect(real_port) as server:
-                    for conn in (client, server):
-                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    try:
-                        relay(client, server, args.trigger, args.delay_s)
-                    except OSError:
-                        pass
-    finally:
-        real.kill()
+    serve_in_front(args.real, args.host, args.port, rest, "fault proxy",
+                   lambda client, server: relay(client, server, args.trigger, args.delay_s))
 
 
 if __name__ == "__main__":

@@ -24,11 +24,8 @@ would close the connection on a command it does not know.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import signal
 import socket
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,7 +44,7 @@ from mesh_sidecar.wire.rpc_framing import (
     RPC_HEADER,
 )
 from mesh_sidecar.wire.rpc_outputs import GGML_TYPE_F16, GGML_TYPE_F32, NO_REPLY_CMDS_7, RPC_TENSOR_TYPE_OFFSET
-from tests.helpers.fault_proxy import PR_SET_PDEATHSIG, connect, free_port, read_exactly
+from tests.helpers.fault_proxy import read_exactly, serve_in_front
 from tests.helpers.llama import wrapped_rpc_build
 
 NAN, SCALED, EARLY_REPLY, WRONG_SIZE = "nan", "scaled", "early-reply", "wrong-size"
@@ -143,25 +140,8 @@ def main() -> None:
     parser.add_argument("--lie-file", type=Path, required=True)
     parser.add_argument("--b2b-hello", action="store_true")
     args, rest = parser.parse_known_args()
-    real_port = free_port()
-    libc = ctypes.CDLL(None)
-    # The real rpc-server dies with us: tests stop nodes' children by pid.
-    real = subprocess.Popen([str(args.real), "-H", "127.0.0.1", "-p", str(real_port), *rest],
-                            preexec_fn=lambda: libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL))
-    try:
-        with socket.create_server((args.host, args.port)) as listener:
-            print(f"lying worker on {args.host}:{args.port} -> rpc-server on {real_port}", flush=True)
-            while True:
-                client, _ = listener.accept()
-                with client, connect(real_port) as server:
-                    for conn in (client, server):
-                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    try:
-                        relay(client, server, args.lie_file, args.b2b_hello)
-                    except OSError:
-                        pass
-    finally:
-        real.kill()
+    serve_in_front(args.real, args.host, args.port, rest, "lying worker",
+                   lambda client, server: relay(client, server, args.lie_file, args.b2b_hello))
 
 
 if __name__ == "__main__":

@@ -145,11 +145,8 @@ DATA_PREAMBLE = b"MESH\x01\x01"
 RPC_HELLO = bytes([14]) + struct.pack("<Q", 24) + bytes(24)
 
 
-def data_port(host: str, port: int, garbage: bool, identity: NodeIdentity | None = None) -> str:
-    """Dial a node's native data port as a stranger (or, given ``identity``, as that member sending
-    broken RPC): a stranger must get nothing at all, a member's broken stream must be dropped."""
-    member = identity is not None
-    identity = identity or generate_identity()
+def presenting(identity: NodeIdentity) -> ssl.SSLContext:
+    """A TLS client context presenting ``identity``'s certificate, as a node's relay dials (no server check)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     with tempfile.NamedTemporaryFile("wb", suffix=".pem") as pem:
@@ -158,6 +155,14 @@ def data_port(host: str, port: int, garbage: bool, identity: NodeIdentity | None
                                                      serialization.NoEncryption()))
         pem.flush()
         context.load_cert_chain(pem.name)
+    return context
+
+
+def data_port(host: str, port: int, garbage: bool, identity: NodeIdentity | None = None) -> str:
+    """Dial a node's native data port as a stranger (or, given ``identity``, as that member sending
+    broken RPC): a stranger must get nothing at all, a member's broken stream must be dropped."""
+    member = identity is not None
+    context = presenting(identity or generate_identity())
     try:
         raw = socket.create_connection((host, port), timeout=10)
     except OSError as exc:  # reset at once: the node closes sources it does not know before any TLS

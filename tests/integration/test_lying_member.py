@@ -17,12 +17,10 @@ import re
 import socket
 import ssl
 import struct
-import tempfile
 import time
 from collections.abc import Sequence
 
 import pytest
-from cryptography.hazmat.primitives import serialization
 
 from mesh_sidecar.identity import NodeIdentity, load_or_create_identity
 from mesh_sidecar.mesh.exclusion import CORRUPT_OUTPUT, FAULT_TEXT
@@ -48,9 +46,10 @@ from mesh_sidecar.wire.rpc_outputs import (
 from tests.helpers.llama import complete
 from tests.helpers.lying_worker import EARLY_REPLY, NAN, SCALED, WRONG_SIZE, lying_rpc_build
 from tests.helpers.nodes import NodeProcess, metrics
-from tests.helpers.stranger import DATA_PREAMBLE, RPC_HELLO
+from tests.helpers.stranger import DATA_PREAMBLE, RPC_HELLO, presenting
 from tests.helpers.waiting import wait_until
 from tests.integration.test_data_path import PATH_TIMEOUT_S, peer_row, relay_connections_to, relay_process
+from tests.integration.test_data_relay import read_exactly
 from tests.integration.test_failover import LONG, Received, assert_goes_on_exactly, receive
 
 pytestmark = pytest.mark.slow
@@ -194,24 +193,8 @@ def forged_endpoints(tunnel_ids: Sequence[int]) -> list[bytes]:
 def member_tls(identity: NodeIdentity, source: str, host: str, port: int) -> ssl.SSLSocket:
     """A TLS connection to a node's data port presenting ``identity``'s key, from ``source`` (the address the node
     sees that member's QUIC connection come from: its data port answers no other), as that member's relay dials."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-    with tempfile.NamedTemporaryFile("wb", suffix=".pem") as pem:
-        pem.write(identity.certificate().public_bytes(serialization.Encoding.PEM))
-        pem.write(identity.private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                     serialization.NoEncryption()))
-        pem.flush()
-        context.load_cert_chain(pem.name)
-    return context.wrap_socket(socket.create_connection((host, port), timeout=30, source_address=(source, 0)))
-
-
-def read_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, f"closed after {len(data)} of {n} bytes"
-        data += chunk
-    return data
+    return presenting(identity).wrap_socket(socket.create_connection((host, port), timeout=30,
+                                                                     source_address=(source, 0)))
 
 
 def host_of(address: str) -> str:
