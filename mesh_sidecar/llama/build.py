@@ -307,6 +307,9 @@ def _fetch_source(source: Path, progress: ProgressCallback, variant: BuildVarian
     gitlink = staging / ".git"
     if gitlink.is_file():
         gitlink.unlink()
+    if shutil.which("git") is None:  # every build applies at least the read-only cache patch
+        raise BuildError("`git` is not installed; it is needed to patch llama.cpp before building it. "
+                         "On Debian/Ubuntu: sudo apt-get install git")
     for patch in variant.patches():
         progress(f"Applying {patch.name}", 0, 0)
         result = subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch)], cwd=staging,

@@ -9,6 +9,7 @@ that nothing answers.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,12 @@ def test_a_node_without_a_build_takes_the_source_from_a_member_and_builds_it(sta
     member = start_node("member")
     cache = tmp_path / "bare-cache"
     bare = offline_cache(cache, pinned_build_dir(), cache_root() / SOURCES_DIR_NAME)
-    # No cmake on its PATH: the build stops at its first step once the source is in, instead of compiling.
-    no_cmake = {**bare, "PATH": str(tmp_path / "empty-path")}
+    # No cmake on its PATH, only git (it patches the source): the build stops at its first step once the
+    # source is in and patched, instead of compiling.
+    only_git = tmp_path / "only-git"
+    only_git.mkdir()
+    (only_git / "git").symlink_to(shutil.which("git"))
+    no_cmake = {**bare, "PATH": str(only_git)}
     joined = cli("--home", str(tmp_path / "home"), "--no-mdns", "--join", member.ticket(), env=no_cmake,
                  timeout=300)
     assert joined.returncode == 1
