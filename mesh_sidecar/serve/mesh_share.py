@@ -49,10 +49,11 @@ class MeshRound:
 
     def with_plan(self, plan: Plan) -> Plan:
         """``plan`` with every member's place once this node runs it (its claim taking the plan's members,
-        as its gossip announces them), and every tier as weighed over its own claim."""
+        as its gossip announces them), the members refused now, and every tier as weighed over its own claim:
+        a plan in service shows a member refused after it was made."""
         mine = dataclasses.replace(self.claim, members=plan.rpc_nodes())
         roles = assign([*self.others, mine], self.offers).seen_by(self.claim.node_id)
-        return dataclasses.replace(plan, roles=tuple(roles.values()), tiers=self.tiers)
+        return dataclasses.replace(plan, roles=tuple(roles.values()), tiers=self.tiers, refused=self.refused)
 
 
 def announced_members(served: ServedModel) -> tuple[bytes, ...] | None:

@@ -17,6 +17,7 @@ from rich.console import Console
 from mesh_sidecar.cli.views import plan_view
 from mesh_sidecar.llama.capacity import Capacity
 from mesh_sidecar.llama.estimate import ModelEstimate
+from mesh_sidecar.mesh.exclusion import WEIGHTS_MISMATCH
 from mesh_sidecar.serve.mesh_share import MeshRound, planning_members
 from mesh_sidecar.serve.planner import Plan, PlanBy, model_needs
 from mesh_sidecar.serve.replan import Tier, plan_largest
@@ -212,6 +213,18 @@ def test_a_plan_on_one_worker_is_not_alone():
     assert names(plan.rpc_nodes()) == {"a"} and not plan.alone
     assert plan.tensor_split() == (SMOL.estimate.n_layers + 1,)  # every layer and the head on a's device
     check_agreement("c", plan)
+
+
+def test_a_plan_in_service_shows_a_member_refused_after_it_was_made():
+    # CI caught it: `plan` on a serving node showed the plan in service with the refused members of
+    # its own round, so a member joining later with other weights was in neither list.
+    plan = run("c", three(), (SMOL,))
+    assert plan.refused == ()
+    other = dataclasses.replace(member("e"), model_sha256="ee" * 32)
+    members = [dataclasses.replace(m, model_sha256="cc" * 32) for m in three()] + [other]
+    shown = share("c", members, (SMOL,)).with_plan(plan)
+    assert [(m.name, why.reason) for m, why in shown.refused] == [("e", WEIGHTS_MISMATCH)]
+    assert shown.rpc_nodes() == plan.rpc_nodes()
 
 
 GIB = 1 << 30
