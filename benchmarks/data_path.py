@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from mesh_sidecar.net.data_relay_build import ensure_data_relay
+from mesh_sidecar.net.data_plane.build import ensure_data_relay
 from tests.helpers.relay_pair import RelayPair
 
 PING_BYTES = 64

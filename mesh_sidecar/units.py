@@ -2,13 +2,16 @@
 
 One meaning everywhere: the plan table, the planner's errors, ``status`` and the
 dashboard show GiB, and ``--max-memory`` reads "2G", "2GB" and "2GiB" all as
-2 GiB, so a number from our messages can be typed back into that option as it is.
+2 GiB, so a number from our messages can be typed back into that option as it is. A member's devices
+in one line (`status`, the dashboard) are sizes for people too, and light to import.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import UsageError
 
@@ -39,3 +42,11 @@ def parse_size(text: str) -> int:
     if match is None:
         raise UsageError(f"{text!r} is not a size. Use e.g. 512M, 2G or 1.5GiB (binary units: G means GiB).")
     return int(float(match["number"]) * _UNIT_BYTES[match["unit"].upper()])
+
+
+def devices_line(devices: Sequence[dict[str, Any]]) -> str:
+    """Devices (as mesh/status.py's ``devices_json`` gives them) for people: ``Vulkan0 2.0 of 2.0 GiB free,
+    21.0 GiB/s, CPU ...`` (the speed: weight bytes a token passes through per second, when measured)."""
+    return ", ".join(f"{d['name']} {format_gib(d['free_bytes'])} of {format_gib(d['total_bytes'])} GiB free"
+                     + (f", {d['decode_bytes_per_s'] / GIB:.1f} GiB/s" if d.get("decode_bytes_per_s") else "")
+                     for d in devices)

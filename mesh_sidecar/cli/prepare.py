@@ -20,7 +20,7 @@ from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..llama.model_files import read_model_header
 from ..llama.projector import Projector, check_pair, read_projector
 from ..llama.weight_cache import WeightCache
-from ..net.data_relay_build import ensure_data_relay
+from ..net.data_plane.build import ensure_data_relay
 from ..progress import PlainProgress, ProgressCallback
 from ..serve import speculation
 from ..wire.gossip import DEVICE_NAME_RE, MAX_DEVICES_PER_MEMBER

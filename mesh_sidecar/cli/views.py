@@ -17,8 +17,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..mesh.devices_line import devices_line
-from ..units import GIB, MIB, format_gib
+from ..units import GIB, MIB, devices_line, format_gib
 
 NAME_CHARS = 12  # a node name this long always shows whole in 80 columns
 STATE_STYLES = {"ready": "green", "loading": "yellow", "unavailable": "red", "connected": "green",

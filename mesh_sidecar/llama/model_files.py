@@ -20,14 +20,28 @@ by it, checks that it hashes to it, then fetches each shard by its own sha256.
 from __future__ import annotations
 
 import json
+import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
 from ..errors import ModelError
-from ..wire.gguf_header import GGUF_MAGIC, GGUFHeader
-from .gguf_file import read_header
+from ..wire.gguf_header import GGUF_MAGIC, GGUFHeader, parse_header
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """``path``'s header, read by mapping the file (only the pages the header spans are read); ModelError if
+    it cannot be read as a GGUF."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped, \
+                memoryview(mapped) as view:
+            return parse_header(view, str(path))
+    except ValueError as exc:  # mmap of an empty file
+        raise ModelError(f"{path} is empty: it is not a GGUF file.") from exc
+    except OSError as exc:
+        raise ModelError(f"Cannot read {path}: {exc.strerror}.") from exc
+
 
 SPLIT_NO_KEY = "split.no"
 SPLIT_COUNT_KEY = "split.count"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import ModelError
 from ..wire.gguf_header import GGUFHeader
-from .gguf_file import read_header
+from .model_files import read_header
 
 ARCHITECTURE_KEY = "general.architecture"
 PROJECTOR_ARCHITECTURE = "clip"

@@ -41,9 +41,8 @@ from ..errors import SetupError
 from ..home import cache_root
 from ..progress import ProgressCallback
 from ..units import MIB
-from .gguf_file import read_header
 from .model import file_sha256
-from .model_files import model_files
+from .model_files import model_files, read_header
 
 log = logging.getLogger(__name__)
 

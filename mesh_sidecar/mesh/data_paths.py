@@ -2,7 +2,7 @@
 
 Two paths lead to a peer's rpc-server (docs/architecture.md, "Data paths"):
 
-- ``tcp+tls``: the native relay (net/data_relay.py): TLS 1.3 over TCP, relayed, checked and
+- ``tcp+tls``: the native relay (net/data_plane/process.py): TLS 1.3 over TCP, relayed, checked and
   timed outside Python. Taken for a peer that announces a data port in gossip, that this node
   reaches directly (not through a relay), and whose relay answered a probe: its key checked and
   an answer back. Probed again whenever the peer's connection or announcement changes, and after
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from ..identity import short_id
 from ..net.connection import PeerConnection
-from ..net.data_relay import DataRelay
+from ..net.data_plane import control_lines as reports
+from ..net.data_plane.process import DataRelay
 from ..net.tunnel import OutputChecks, TunnelCounters, TunnelListener
-from ..wire import data_relay as reports
 from ..wire.rpc_framing import EndpointRewritten, EndpointUnresolved
 from ..wire.rpc_outputs import (
     ABSOLUTE_OUTLIER,

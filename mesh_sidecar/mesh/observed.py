@@ -51,7 +51,7 @@ def tell_observed_addresses(peers: Iterable[Peer]) -> None:
     """Tell each peer the address its datagrams come from, once and again after it changes."""
     for peer in peers:
         if peer.connection.closed or peer.connection.relayed:
-            continue  # a relayed path's address is a stand-in (net/relay.py), not where it sees us
+            continue  # a relayed path's address is a stand-in (net/packet_relay.py), not where it sees us
         address = format_address(peer.connection.remote_address)
         if address != peer.told_address:
             peer.told_address = address

@@ -160,7 +160,7 @@ class PeerTable(Mapping[bytes, Peer]):
         return tuple(sorted(held[:MAX_HELD_ENTRIES]))
 
     async def open_relay_leg(self, source_id: bytes, target_id: bytes) -> StreamPair | str:
-        """For a member asking us to relay: a stream to ``target_id``, or why not (net/relay.py)."""
+        """For a member asking us to relay: a stream to ``target_id``, or why not (net/packet_relay.py)."""
         if target_id == source_id or target_id == self._own_id:
             return "a relay carries packets between two other members"
         peer = self._peers.get(target_id)

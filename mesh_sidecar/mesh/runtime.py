@@ -40,11 +40,11 @@ from ..llama.model import offered_files
 from ..net.addresses import reachable_addresses
 from ..net.api_forward import ApiServer
 from ..net.connection import PeerConnection
-from ..net.data_relay import DataRelay, bind_data_port
+from ..net.data_plane.process import DataRelay, bind_data_port
 from ..net.discovery import LanRecord, mesh_id
 from ..net.model_transfer import fetch_model_over
+from ..net.packet_relay import RelayCounters
 from ..net.peer_streams import StreamServices, serve_streams
-from ..net.relay import RelayCounters
 from ..net.streams import StreamPair
 from ..net.transport import MeshTransport
 from ..net.tunnel import TunnelCounters
@@ -72,10 +72,10 @@ from .dialer import Dialer
 from .health import Sign, lost_reason
 from .lan import LanDialer
 from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
-from .messages import ExclusionNotices, event_message
 from .observed import OwnAddresses, tell_observed_addresses
 from .peers import LEAVE_GRACE_S, PeerTable
 from .saved import SavedMesh
+from .sentences import ExclusionNotices, event_message
 from .serving import MemberJudge, OnRejected, ServingVerdicts
 from .status import MeshView, PeerView, mesh_view, peer_views
 from .timings import MeshTimings

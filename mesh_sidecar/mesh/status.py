@@ -19,7 +19,7 @@ from typing import Any
 from ..identity import short_id
 from ..net.connection import PeerConnection
 from ..net.discovery import LanRecord, lan_record_json, mesh_id
-from ..net.relay import RelayCounters
+from ..net.packet_relay import RelayCounters
 from ..net.transport import MeshTransport
 from ..net.tunnel import TunnelCounters
 from ..wire.gossip import OfferedDevice
@@ -37,7 +37,7 @@ def rtt_ms(seconds: float | None) -> float | None:
 
 
 PATH_DIRECT = "direct"
-PATH_RELAYED = "relayed"  # through a member both reach (net/relay.py)
+PATH_RELAYED = "relayed"  # through a member both reach (net/packet_relay.py)
 
 
 @dataclass(frozen=True)

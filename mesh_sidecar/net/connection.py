@@ -62,10 +62,10 @@ from ..identity import short_id
 from ..wire import auth
 from ..wire.frames import FRAME_HEADER, MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
 from . import path_mtu
+from .connection_ids import ConnectionIdTable
 from .endpoint import Address, Datagram, format_address
+from .packet_relay import is_virtual
 from .quic import QuicConnection, events
-from .relay import is_virtual
-from .routes import RouteTable
 from .streams import MeshStreamReader, MeshStreamWriter, StreamCode, StreamPair, StreamTable
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class ConnectionHost(Protocol):
         ...
 
     @property
-    def routes(self) -> RouteTable[PeerConnection]:
+    def routes(self) -> ConnectionIdTable[PeerConnection]:
         """Where datagrams go by connection id; a connection adds and retires its own ids."""
         ...
 

@@ -24,7 +24,7 @@ from ..wire.stream_kind import StreamKind
 from .api_forward import ApiServer, serve_forwarded_request
 from .connection import PeerConnection
 from .model_transfer import serve_model_file
-from .relay import OpenLeg, RelayCounters, serve_relay_request
+from .packet_relay import OpenLeg, RelayCounters, serve_relay_request
 from .streams import MeshStreamReader, MeshStreamWriter, StreamPair
 from .tunnel import TunnelCounters, serve_inbound_stream
 

@@ -50,10 +50,10 @@ from ..identity import NODE_ID_BYTES, NodeIdentity, short_id
 from ..wire import auth
 from ..wire.stream_kind import StreamKind
 from .connection import AdmissionCounters, PeerConnection
+from .connection_ids import ConnectionIdTable
 from .endpoint import Address, Datagram, UdpEndpoint, format_address
+from .packet_relay import RelayCircuit, request_circuit, virtual_address
 from .quic import QuicConnection, opens_connection, parse_header, quic_configuration
-from .relay import RelayCircuit, request_circuit, virtual_address
-from .routes import RouteTable
 from .streams import MeshStreamReader, MeshStreamWriter
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class MeshTransport:
         self._server_configuration = quic_configuration(identity, is_client=False)
         self._client_configuration = quic_configuration(identity, is_client=True)
         self._removed: set[bytes] = set()
-        self._routes: RouteTable[PeerConnection] = RouteTable()
+        self._routes: ConnectionIdTable[PeerConnection] = ConnectionIdTable()
         self.port: int | None = None  # the UDP port, once started
         self.ignored_datagrams = 0
         self._admission = AdmissionCounters()
@@ -113,7 +113,7 @@ class MeshTransport:
         return self._identity.node_id
 
     @property
-    def routes(self) -> RouteTable[PeerConnection]:
+    def routes(self) -> ConnectionIdTable[PeerConnection]:
         return self._routes
 
     @property

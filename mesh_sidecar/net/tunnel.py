@@ -31,7 +31,7 @@ that names the worker holding them up.
 
 Two data paths: given a NativePath (mesh/data_paths.py), a listener first offers each accepted
 connection to it, before a byte is read; when the peer's native relay is up (tcp+tls), the
-connection's socket goes to the relay (net/data_relay.py), which relays, checks and times it
+connection's socket goes to the relay (net/data_plane/process.py), which relays, checks and times it
 outside Python and reports counters and faults back. Otherwise, or when the relay is missing or
 dead, the connection takes the QUIC stream as above. The port is the same either way.
 """

@@ -12,7 +12,7 @@ from collections import deque
 from typing import Any
 
 from ..wire.ticket import TICKET_PREFIX
-from .replay import DATA_PREFIX, DONE
+from .sse import DATA_PREFIX, DONE
 
 TOKEN_RATE_WINDOW_S = 2.0
 # A rate over a shorter span than this is noise (one token just arrived).

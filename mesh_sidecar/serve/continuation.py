@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .receipt import token_ids
-from .replay import event_payload, sse_event
+from .sse import event_payload, sse_event
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

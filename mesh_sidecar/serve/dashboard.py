@@ -28,8 +28,8 @@ from aiohttp import web
 
 from ..identity import short_id
 from ..llama.capacity import USABLE_KEY
-from ..mesh.devices_line import devices_line
 from ..mesh.status import PeerView, devices_json, rtt_ms
+from ..units import devices_line
 
 PAGE_PATH = "/mesh"
 STATE_PATH = "/mesh/state"

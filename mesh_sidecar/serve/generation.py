@@ -17,7 +17,7 @@ from typing import Any
 from .continuation import Assembly, Continuation, streamed, uncovered
 from .receipt import OutputTap, ask_for_token_ids
 from .recovery import Shape
-from .replay import pin_seed
+from .sse import pin_seed
 
 IMAGE_PART = "image_url"  # a chat message's content part holding an image (a data URL, or a URL)
 

@@ -101,8 +101,8 @@ from .recovery import (
     UpstreamReady,
     WaitForUpstream,
 )
-from .replay import GENERATION_PATHS, EventSplitter, sse_event
 from .routing import MODEL_LOADING_CODE, MODEL_LOADING_MESSAGE, MeshRouter, MeshRoutes, Refusal, Route
+from .sse import GENERATION_PATHS, EventSplitter, sse_event
 from .stall_watch import STALL_TIMEOUT_S, StallWatch
 from .tiers import DEFAULT_MODEL_NAMES, TierView, why_not_served
 from .upstream_http import LlamaServerHttp, MemberApiHttp, UpstreamAnswer, UpstreamClient, post_json

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .continuation import CONTINUE_PATH, Continuation
-from .replay import Replay, StreamLedger
+from .sse import Replay, StreamLedger
 
 MAX_FAILOVERS_PER_REQUEST = 2
 UPSTREAM_FAILED_CODE = "upstream_failed"

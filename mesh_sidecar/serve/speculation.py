@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import ModelError
 from ..home import cache_root
-from ..llama.gguf_file import read_header
+from ..llama.model_files import read_header
 
 AUTO = "auto"
 TOKENS_KEY = "tokenizer.ggml.tokens"

@@ -38,7 +38,7 @@ import aiohttp
 import httpx
 
 from ..errors import UpstreamLostError
-from .replay import EVENT_SEPARATOR
+from .sse import EVENT_SEPARATOR
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@
 
     RPC             a tunnel to the receiver's rpc-server (net/tunnel.py)
     MODEL_FILE      a model file request (net/model_transfer.py)
-    RELAY_REQUEST   relay my packets to a member you reach (wire/relay.py)
-    RELAY_DELIVERY  packets relayed to you from a member (wire/relay.py)
+    RELAY_REQUEST   relay my packets to a member you reach (wire/packet_relay.py)
+    RELAY_DELIVERY  packets relayed to you from a member (wire/packet_relay.py)
     API_FORWARD     an HTTP request for your API, answered on the stream (wire/api_forward.py)
 
 The control stream (stream 0, wire/frames.py) has no kind byte.

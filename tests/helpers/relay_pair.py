@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.net.data_relay import DataRelay, bind_data_port
-from mesh_sidecar.wire import data_relay as reports
+from mesh_sidecar.net.data_plane import control_lines as reports
+from mesh_sidecar.net.data_plane.process import DataRelay, bind_data_port
 from mesh_sidecar.wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 
 

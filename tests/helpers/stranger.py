@@ -39,7 +39,7 @@ from mesh_sidecar.identity import NodeIdentity, generate_identity, load_or_creat
 from mesh_sidecar.net.quic import ALPN
 from mesh_sidecar.net.transport import MeshTransport
 from mesh_sidecar.wire import auth
-from mesh_sidecar.wire.relay import encode_packet
+from mesh_sidecar.wire.packet_relay import encode_packet
 from mesh_sidecar.wire.stream_kind import StreamKind
 
 SILENT_WAIT_S = auth.AUTH_TIMEOUT_S + 5
@@ -139,7 +139,7 @@ def flood(host: str, port: int, count: int) -> str:
     return f"sent {count} datagrams"
 
 
-# What a member's relay sends after TLS: "MESH" | version 1 | kind RPC (net/native/README.md),
+# What a member's relay sends after TLS: "MESH" | version 1 | kind RPC (net/data_plane/native/README.md),
 # then an RPC HELLO (cmd 14, 24 bytes of capabilities).
 DATA_PREAMBLE = b"MESH\x01\x01"
 RPC_HELLO = bytes([14]) + struct.pack("<Q", 24) + bytes(24)

@@ -21,11 +21,11 @@ from cryptography.x509.oid import NameOID
 
 from mesh_sidecar.identity import generate_identity
 from mesh_sidecar.llama.launch import start_rpc_server
-from mesh_sidecar.net.data_relay import MAX_HANDSHAKES
-from mesh_sidecar.net.data_relay_build import ensure_data_relay
+from mesh_sidecar.net.data_plane import control_lines as reports
+from mesh_sidecar.net.data_plane.build import ensure_data_relay
+from mesh_sidecar.net.data_plane.control_lines import MAX_HANDSHAKES_PER_ADDRESS
+from mesh_sidecar.net.data_plane.process import MAX_HANDSHAKES
 from mesh_sidecar.ports import free_tcp_port
-from mesh_sidecar.wire import data_relay as reports
-from mesh_sidecar.wire.data_relay import MAX_HANDSHAKES_PER_ADDRESS
 from mesh_sidecar.wire.rpc_framing import GET_TENSOR_CMD, RPC_TENSOR_BYTES, RPC_TENSOR_NAME_OFFSET
 from mesh_sidecar.wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 from tests.helpers.relay_pair import RelayPair

@@ -1,6 +1,6 @@
 """The native relay's RPC watch against the Python filters it mirrors, on the same byte streams.
 
-``mesh-data-relay --replay`` (net/native/README.md, "Testing") runs rpc_watch.c and the relay's judge
+``mesh-data-relay --replay`` (net/data_plane/native/README.md, "Testing") runs rpc_watch.c and the relay's judge
 over client and server chunks; wire/rpc_outputs.py with serve/output_guard.py and
 wire/rpc_framing.py get the same chunks. Every stream is also split at every byte boundary.
 """
@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import mesh_sidecar.net.native
+import mesh_sidecar.net.data_plane.native
 from mesh_sidecar.mesh.data_paths import DataPaths
-from mesh_sidecar.net.data_relay_build import ensure_data_relay
+from mesh_sidecar.net.data_plane.build import ensure_data_relay
+from mesh_sidecar.net.data_plane.control_lines import Event, ProbeResult, configuration_lines, parse_report
 from mesh_sidecar.serve.output_guard import OutputGuard
-from mesh_sidecar.wire.data_relay import Event, ProbeResult, configuration_lines, parse_report
 from mesh_sidecar.wire.rpc_framing import EndpointRewritten, RpcStreamFilter, printable_word
 from mesh_sidecar.wire.rpc_outputs import (
     ABSOLUTE_OUTLIER,
@@ -231,7 +231,7 @@ int main(void) { /* lines "TYPE HEX" in, "FINITE RMS MAX_ABS" out */
 
 
 def test_rw_measure_finds_the_largest_value_as_pythons_measure(tmp_path):
-    native = Path(mesh_sidecar.net.native.__file__).parent
+    native = Path(mesh_sidecar.net.data_plane.native.__file__).parent
     (tmp_path / "measure_main.c").write_text(_MEASURE_MAIN)
     binary = tmp_path / "measure"
     subprocess.run(["cc", "-O2", "-I", str(native), str(tmp_path / "measure_main.c"), str(native / "rpc_watch.c"),
@@ -349,7 +349,7 @@ def test_an_oversized_frame_breaks_the_worker_side(relay_binary):
 def test_the_watch_survives_random_and_mutated_streams_under_sanitizers(tmp_path):
     """fuzz_rpc_watch.c's standalone driver, built with AddressSanitizer and UBSan: any crash,
     out-of-bounds access or release of more than was shown fails it."""
-    native = Path(mesh_sidecar.net.native.__file__).parent
+    native = Path(mesh_sidecar.net.data_plane.native.__file__).parent
     binary = tmp_path / "fuzz_rpc_watch"
     subprocess.run(["cc", "-O1", "-g", "-DMESH_FUZZ_STANDALONE", "-fsanitize=address,undefined",
                     "-fno-sanitize-recover=all", str(native / "fuzz_rpc_watch.c"), str(native / "rpc_watch.c"),

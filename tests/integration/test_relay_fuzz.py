@@ -1,4 +1,4 @@
-"""The relay's libFuzzer harnesses (net/native/fuzz_control.c, fuzz_pipe.c) run without libFuzzer.
+"""The relay's libFuzzer harnesses (net/data_plane/native/fuzz_control.c, fuzz_pipe.c) run without libFuzzer.
 
 CI machines need not have clang, so each harness is built with the system compiler, AddressSanitizer
 and UBSan, beside ``fuzz/standalone.c``: a driver that feeds it its seed corpus (``fuzz/corpus/``) and
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import mesh_sidecar.net.native
+import mesh_sidecar.net.data_plane.native
 
-NATIVE = Path(mesh_sidecar.net.native.__file__).parent
+NATIVE = Path(mesh_sidecar.net.data_plane.native.__file__).parent
 ITERATIONS = 20000
 
 

@@ -3,7 +3,7 @@
 ``pip install .`` (not editable) gets only what the wheel holds: every module of
 ``mesh_sidecar``, and the plain files it reads beside its modules: the native helper's
 C source (``llama/native/tensor_cache.c``), the native data relay's sources
-(``net/native/``), the /mesh dashboard (``serve/dashboard/*``) and the llama.cpp patches
+(``net/data_plane/native/``), the /mesh dashboard (``serve/dashboard/*``) and the llama.cpp patches
 (``llama/patches/*.patch``). A file missing from
 ``[tool.setuptools.package-data]`` works from a checkout and breaks once installed, so
 this builds the wheel and compares it with the source tree. Tests and benchmarks stay out.
@@ -36,7 +36,7 @@ NOT_SOURCE = (".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pyca
 # What the package reads from beside its modules, relative to the package (each must match something).
 RUNTIME_DATA = ("llama/native/tensor_cache.c", "serve/dashboard/index.html", "serve/dashboard/*.js",
                 "serve/dashboard/*.css", "llama/patches/*.patch",
-                "net/native/*.c", "net/native/*.h", "net/native/CMakeLists.txt")
+                "net/data_plane/native/*.c", "net/data_plane/native/*.h", "net/data_plane/native/CMakeLists.txt")
 BUILD_TIMEOUT_S = 300
 
 

@@ -1,5 +1,5 @@
 """The native relay's cached binary is run only if it is this user's and no one else's to write
-(net/data_relay_build.py): the relay is handed the node's key."""
+(net/data_plane/build.py): the relay is handed the node's key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from mesh_sidecar.errors import SetupError
-from mesh_sidecar.net.data_relay_build import verify_data_relay
+from mesh_sidecar.net.data_plane.build import verify_data_relay
 
 
 @pytest.fixture

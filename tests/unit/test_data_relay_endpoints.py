@@ -1,4 +1,4 @@
-"""What the sidecar tells the native relay of each member's REGISTER_PEER endpoints (net/data_relay.py): one
+"""What the sidecar tells the native relay of each member's REGISTER_PEER endpoints (net/data_plane/process.py): one
 table per member, told only while the relay knows that member, told again when it is named again."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 from mesh_sidecar.identity import generate_identity
-from mesh_sidecar.net.data_relay import DataRelay
+from mesh_sidecar.net.data_plane.process import DataRelay
 
 X, Y = bytes(range(32)), bytes(range(32, 64))
 

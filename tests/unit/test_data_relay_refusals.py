@@ -8,7 +8,7 @@ import logging
 
 from mesh_sidecar.mesh import data_paths
 from mesh_sidecar.mesh.data_paths import DataPaths
-from mesh_sidecar.wire import data_relay as reports
+from mesh_sidecar.net.data_plane import control_lines as reports
 
 
 class NoChecks:

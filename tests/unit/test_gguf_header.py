@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from mesh_sidecar.errors import ModelError
-from mesh_sidecar.llama.gguf_file import read_header
+from mesh_sidecar.llama.model_files import read_header
 from mesh_sidecar.wire.gguf_header import parse_header
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from mesh_sidecar.net.packet_relay import RelayCounters
 from mesh_sidecar.net.peer_streams import StreamServices, serve_streams
-from mesh_sidecar.net.relay import RelayCounters
 from mesh_sidecar.net.tunnel import TunnelCounters, TunnelListener
 from mesh_sidecar.ports import LOOPBACK, free_tcp_port, loopback_client_uid, socket_owner_uid
 from mesh_sidecar.wire.rpc_outputs import GGML_TYPE_F32, NON_FINITE, Fault, OutputRejected, RpcOutputCheck

@@ -1,12 +1,12 @@
-"""The transport's route table (net/routes.py): connection ids to connections, and who owns which."""
+"""The transport's route table (net/connection_ids.py): connection ids to connections, and who owns which."""
 
 from __future__ import annotations
 
-from mesh_sidecar.net.routes import RouteTable
+from mesh_sidecar.net.connection_ids import ConnectionIdTable
 
 
 def test_a_connection_is_reached_by_every_id_it_was_given_until_one_is_retired() -> None:
-    routes: RouteTable[str] = RouteTable()
+    routes: ConnectionIdTable[str] = ConnectionIdTable()
     routes.add("a", b"a1", b"a2")
     routes.add("b")  # not routed yet (an Initial not answered), but live
     assert routes.connections == {"a", "b"}
@@ -18,7 +18,7 @@ def test_a_connection_is_reached_by_every_id_it_was_given_until_one_is_retired()
 
 
 def test_a_removed_connection_takes_its_ids_but_not_one_taken_over_since() -> None:
-    routes: RouteTable[str] = RouteTable()
+    routes: ConnectionIdTable[str] = ConnectionIdTable()
     routes.add("a", b"x", b"y")
     routes.add("b", b"z")
     routes.route(b"y", "b")  # an id that now leads to another connection stays with it

@@ -1,7 +1,7 @@
 """The native data relay process: started, told what it needs, listened to, restarted when it dies.
 
 ``DataRelay`` owns the TCP port members' relays dial (bound here, handed to the child, so a
-restarted relay keeps it) and the control socket (wire/data_relay.py's lines). It keeps what it
+restarted relay keeps it) and the control socket (net/data_plane/control_lines.py's lines). It keeps what it
 told the relay (members, our rpc-server's port, each member's REGISTER_PEER endpoints) and tells it all again
 after a restart; every report goes to ``on_report``, and a death to ``on_exit`` (the connections it
 carried are gone: llama-server sees them reset, and the serving node's recovery takes over).
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
-from ..errors import MalformedMessageError
-from ..identity import NodeIdentity
-from ..wire.data_relay import MAX_REPORT_LINE_BYTES, HandedBack, Report, configuration_lines, parse_report
-from .data_relay_build import verify_data_relay
+from ...errors import MalformedMessageError
+from ...identity import NodeIdentity
+from .build import verify_data_relay
+from .control_lines import MAX_REPORT_LINE_BYTES, HandedBack, Report, configuration_lines, parse_report
 
 log = logging.getLogger(__name__)
 

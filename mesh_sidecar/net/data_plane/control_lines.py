@@ -1,6 +1,6 @@
 """The native data relay's control channel: what the sidecar tells it and what it reports. Pure.
 
-The sidecar and ``mesh-data-relay`` (net/native/, README.md there) share a Unix stream socket.
+The sidecar and ``mesh-data-relay`` (net/data_plane/native/, README.md there) share a Unix stream socket.
 Each message is one line of ASCII words separated by single spaces, ending in ``\\n``; a tunnel
 line carries the accepted TCP socket beside it (SCM_RIGHTS)::
 
@@ -49,9 +49,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import MalformedMessageError
-from .rpc_framing import DIALECTS, MAX_HELD_BEFORE_REPLY_BYTES, MAX_RPC_FRAME_BYTES, RpcDialect
-from .rpc_outputs import (
+from ...errors import MalformedMessageError
+from ...wire.rpc_framing import DIALECTS, MAX_HELD_BEFORE_REPLY_BYTES, MAX_RPC_FRAME_BYTES, RpcDialect
+from ...wire.rpc_outputs import (
     ABSOLUTE_OUTLIER,
     LAST_CMD_MESH_B2B_7,
     LAST_CMD_UPSTREAM_7,

@@ -8,7 +8,7 @@
  *
  * Input: byte 0 picks the role (bit 0 check, bit 1 rewrite); then chunks of
  * [side u8 (bit 0: server)] [length u8] [bytes]. The dialect rows below are a fixed sample of
- * what the sidecar tells the relay (wire/data_relay.py): enough to reach every state.
+ * what the sidecar tells the relay (net/data_plane/control_lines.py): enough to reach every state.
  */
 #include <assert.h>
 #include <stdint.h>

@@ -1,6 +1,6 @@
 /* mesh-data-relay: the native data path between members (README.md in this folder).
  *
- * One process per node, supervised by the sidecar (net/data_relay.py). One epoll loop, no threads.
+ * One process per node, supervised by the sidecar (net/data_plane/process.py). One epoll loop, no threads.
  * It relays each RPC tunnel connection over TLS 1.3 on TCP to the peer's relay, which connects it
  * to its own rpc-server; both ends are authenticated by their node keys (the certificate the node
  * already presents over QUIC) and only members the sidecar named are accepted. What passes is read

@@ -1,4 +1,4 @@
-/* The control channel to the sidecar (wire/data_relay.py): report lines out, command lines and the
+/* The control channel to the sidecar (net/data_plane/control_lines.py): report lines out, command lines and the
  * sockets passed beside them in. */
 #ifndef MESH_CONTROL_H
 #define MESH_CONTROL_H

@@ -1,4 +1,4 @@
-/* The sidecar's command lines (wire/data_relay.py's grammar): parsed once, strictly, then acted on.
+/* The sidecar's command lines (net/data_plane/control_lines.py's grammar): parsed once, strictly, then acted on.
  *
  * Parsing is pure (no I/O, no state: fuzz_control.c drives it): every word is checked for its form and
  * range, and a line that does not fit is refused whole, never half applied. */

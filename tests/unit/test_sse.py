@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh_sidecar.errors import MalformedMessageError, ReplayMismatchError
-from mesh_sidecar.serve.replay import EventSplitter, Replay, StreamLedger, pin_seed
+from mesh_sidecar.serve.sse import EventSplitter, Replay, StreamLedger, pin_seed
 
 
 def chat_event(content: str | None, *, id_: str = "chatcmpl-1", role: bool = False, finish: str | None = None) -> bytes:

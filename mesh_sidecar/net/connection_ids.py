@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 C = TypeVar("C", bound=Hashable)
 
 
-class RouteTable(Generic[C]):
+class ConnectionIdTable(Generic[C]):
     """Connection ids to live connections, and every live connection, routed or not."""
 
     def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """The native data relay's build: compiled once per source version with cmake and ninja, cached.
 
-The sources are net/native/ (CMakeLists.txt, the C files); the binary lands in the shared cache
+The sources are net/data_plane/native/ (CMakeLists.txt, the C files); the binary lands in the shared cache
 under a name that carries the sources' digest, so a changed relay is built again and two versions
 never mix. Built by ``mesh-inference setup`` and, when missing, at a node's start. The relay holds the
 node's key, so a cached binary is run only if this user owns it and no one else can write it or its
@@ -18,12 +18,12 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from ..errors import SetupError
-from ..home import cache_root
-from ..progress import ProgressCallback
+from ...errors import SetupError
+from ...home import cache_root
+from ...progress import ProgressCallback
 
 BINARY_NAME = "mesh-data-relay"
-_SOURCES_PACKAGE = "mesh_sidecar.net.native"
+_SOURCES_PACKAGE = "mesh_sidecar.net.data_plane.native"
 _SOURCE_SUFFIXES = (".c", ".h", ".txt")
 OPENSSL_PACKAGE = "libssl-dev"
 

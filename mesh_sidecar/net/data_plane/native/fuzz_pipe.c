@@ -23,7 +23,7 @@
 
 #define CHECK(x) do { if (!(x)) __builtin_trap(); } while (0)
 
-/* What the sidecar tells a relay at its start (wire/data_relay.py), as far as a pipe reads it. */
+/* What the sidecar tells a relay at its start (net/data_plane/control_lines.py), as far as a pipe reads it. */
 static const char *const setup_lines[] = {
     "limits 68719476736 65536 67108864 5000 256 16 4",
     "dialect mesh-b2b-7 7 0 - 24 28 1 18 19 22 4,5,6,10,12,16,17,20,21,22 20,21,22",

@@ -1,11 +1,11 @@
-"""The native relay's control lines (wire/data_relay.py): what the sidecar says, what it accepts back."""
+"""The native relay's control lines (net/data_plane/control_lines.py): what the sidecar says, what it accepts back."""
 
 from __future__ import annotations
 
 import pytest
 
 from mesh_sidecar.errors import MalformedMessageError
-from mesh_sidecar.wire import data_relay as reports
+from mesh_sidecar.net.data_plane import control_lines as reports
 
 NODE = bytes(range(32))
 

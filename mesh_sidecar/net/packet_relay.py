@@ -3,7 +3,7 @@
 When neither of two members can reach the other (a router that maps every
 destination to a new port, carrier-grade NAT), their QUIC connection runs over a
 *circuit*: a stream to a member both reach (the relay), which copies packets to a
-stream of its own to the other member (wire/relay.py). The QUIC connection over
+stream of its own to the other member (wire/packet_relay.py). The QUIC connection over
 it is an ordinary one, addressed to a *virtual address* that stands for the
 circuit (0.x.y.z, "this network": never a destination on the wire, so nothing
 leaks to the network if one were ever used as one). TLS, admission and the
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..errors import MalformedMessageError, RelayRefusedError
 from ..identity import NODE_ID_BYTES, short_id
 from ..units import KIB
-from ..wire.relay import PACKET_HEADER, PacketDecoder, RelayAnswer, encode_packet
+from ..wire.packet_relay import PACKET_HEADER, PacketDecoder, RelayAnswer, encode_packet
 from .endpoint import Address, Datagram
 from .streams import MeshStreamReader, MeshStreamWriter
 
