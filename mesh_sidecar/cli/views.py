@@ -17,6 +17,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ..net.data_plane.build import BINARY_NAME as DATA_RELAY_PROCESS
 from ..units import GIB, MIB, devices_line, format_gib
 
 NAME_CHARS = 12  # a node name this long always shows whole in 80 columns
@@ -189,8 +190,16 @@ def status_view(snapshot: dict[str, Any], *, wide: bool = False) -> Group:
     parts.append(processes_table(snapshot["processes"], wide=wide))
     connected = sum(p["state"] == "connected" for p in snapshot["peers"])
     mesh = snapshot["mesh"]
-    parts.append(Text(f"Mesh: {connected} peer(s) connected, UDP port {mesh['quic_port']}, secret rotated "
+    data_port = next((p["port"] for p in snapshot["processes"] if p["name"] == DATA_RELAY_PROCESS and p["running"]),
+                     None)
+    ports = f"UDP port {mesh['quic_port']}" + (f", TCP port {data_port} (data path)" if data_port else "")
+    parts.append(Text(f"Mesh: {connected} peer(s) connected, {ports}, secret rotated "
                       f"{mesh.get('secret_epoch', 0)} time(s)"))
+    if data_port and (quic_only := quic_only_peers(snapshot["peers"])):
+        parts.append(Text(f"{', '.join(quic_only)}: reached over QUIC only, although both sides run the native "
+                          f"data path: a firewall likely closes TCP (port {data_port} here, the peer's own there). "
+                          "Open the mesh's port for TCP as well as UDP on both machines (docs/quickstart.md, "
+                          "'Open the firewall'); the layers' round trip is about 20x over QUIC.", style="yellow"))
     lan = mesh.get("lan")
     if lan is None:
         parts.append(Text("LAN discovery (mDNS): off"))
@@ -203,6 +212,12 @@ def status_view(snapshot: dict[str, Any], *, wide: bool = False) -> Group:
         parts.extend(Text(f"{peer['name']}: {peer['refused']}: {peer['refused_detail']}.", style="bold red")
                      for peer in snapshot["peers"] if peer.get("refused"))
     return Group(*parts)
+
+
+def quic_only_peers(peers: list[dict[str, Any]]) -> list[str]:
+    """The connected peers reached directly that run a data relay, whose RPC still goes over QUIC."""
+    return [peer["name"] for peer in peers if peer["state"] == "connected" and peer.get("path") == "direct"
+            and peer.get("data_port") and peer.get("data_path") == "quic"]
 
 
 def api_line(api: dict[str, Any] | None, counters: dict[str, Any] | None) -> str:

@@ -53,6 +53,7 @@ class PeerView:
     via: str | None  # with PATH_RELAYED: the relaying member's name
     # How RPC reaches it: "tcp+tls" (native relay), "quic" or "relayed via NAME"; None: no connection.
     data_path: str | None
+    data_port: int  # the TCP port its native data relay listens on, as it announces it (0: it runs none)
     health: HealthState | None  # from heartbeats; LOST for a lost member without a connection
     rtt_last_s: float | None  # the last heartbeat's round trip
     rtt_p50_s: float | None
@@ -130,6 +131,7 @@ def peer_json(view: PeerView) -> dict[str, Any]:
         "path": view.path,
         "via": view.via,
         "data_path": view.data_path,
+        "data_port": view.data_port or None,
         "addr": view.address if view.path is not None else None,
         "health": None if view.health is None else view.health.value,
         "rtt_ms": rtt_ms(view.rtt_last_s),
@@ -206,6 +208,7 @@ def peer_views(membership: Membership, peers: Mapping[bytes, Peer],
             via=membership.name_of(relay_id) if relay_id is not None else None,
             data_path=(None if peer is None else f"relayed via {membership.name_of(relay_id)}"
                        if relay_id is not None else data_path_of(info.node_id)),
+            data_port=info.data_port,
             health=(health.state if health is not None
                     else HealthState.LOST if state is MemberState.LOST else None),
             rtt_last_s=health.rtt_last_s if health else None,

@@ -27,7 +27,8 @@ SERVER_ID, WORKER_ID = "aa" * 32, "bb" * 32
 
 
 WORKER = PeerView(node_id=bytes.fromhex(WORKER_ID), name="worker", state=MemberState.CONNECTED,
-                  address="127.0.0.1:47471", path="direct", via=None, data_path="quic", health=HealthState.CONNECTED,
+                  address="127.0.0.1:47471", path="direct", via=None, data_path="quic", data_port=0,
+                  health=HealthState.CONNECTED,
                   rtt_last_s=0.0008, rtt_p50_s=0.0007, rtt_p95_s=0.0012, quic_rtt_s=0.001, datagram_bytes=1452,
                   missed_heartbeats=0, tunnel_port=40000,
                   rpc_server_up=True, serving=False, capacity={"usable_bytes": 2_000_000_000},
