@@ -1,7 +1,7 @@
 """The security boundary, with real nodes in network namespaces (issue: no stranger reaches an rpc-server).
 
-A and B are workers, C serves the API; D is a stranger's host and E a member
-with a different model file. The tests run in file order against one mesh.
+A and B are workers, C serves the API; D is a stranger's host, E a member
+with a different model file and F one whose firewall drops TCP. The tests run in file order against one mesh.
 """
 
 from __future__ import annotations
@@ -238,3 +238,28 @@ def test_no_prompt_text_in_any_log(lab_mesh):
                "llama-server's log shows the request's timings")
     leaks = [path for path in root.rglob("*") if path.is_file() and MARKER.encode() in path.read_bytes()]
     assert leaks == []
+
+
+def test_a_member_whose_firewall_drops_tcp_is_named_in_status(lab_mesh):
+    # Issue 52: a user who opened only UDP got the QUIC path and no word of it. F's firewall drops TCP to
+    # its mesh port (its data path's), as `ufw allow 47470/udp` alone would; A and B stay open.
+    lab, hosts, nodes, _, root = lab_mesh
+    f = lab.add_host("f")
+    for command in ("add table inet firewall",
+                    "add chain inet firewall input { type filter hook input priority 0 ; policy accept ; }",
+                    f"add rule inet firewall input tcp dport {QUIC_PORT} drop"):
+        subprocess.run(f.exec_argv("nft", command), check=True, capture_output=True)
+    # The ticket now: kicking E rotated the secret.
+    ticket = cli("ticket", "--home", str(nodes["a"].home), prefix=hosts["a"].exec_argv()).stdout.strip()
+    nodes["f"] = start_in(f, root / "f", "--join", ticket)
+    wait_until(lambda: peer_states(nodes["c"]).get("f") == "connected" or nodes["f"].proc.poll() is not None, 60,
+               "F joins")
+    assert nodes["f"].proc.poll() is None, nodes["f"].text()
+    nodes["f"].extra_pids = nodes["f"].child_pids()
+    wait_until(lambda: all(peer_row["data_path"] == "tcp+tls" for peer_row in nodes["c"].status()["peers"]
+                           if peer_row["name"] in ("a", "b")), 30, "C reaches A and B over the native path")
+    shown = cli("status", "--home", str(nodes["c"].home), prefix=hosts["c"].exec_argv())
+    text = " ".join(shown.stdout.split())
+    assert f"UDP port {QUIC_PORT}, TCP port" in text, text
+    assert "f: reached over QUIC only" in text, text
+    assert next(p for p in nodes["c"].status()["peers"] if p["name"] == "f")["data_path"] == "quic"
