@@ -76,7 +76,7 @@ from .observed import OwnAddresses, tell_observed_addresses
 from .peers import LEAVE_GRACE_S, PeerTable
 from .saved import SavedMesh
 from .sentences import ExclusionNotices, event_message
-from .serving import MemberJudge, OnRejected, ServingVerdicts
+from .serving import OnRejected, ServingVerdicts
 from .status import MeshView, PeerView, mesh_view, peer_views
 from .timings import MeshTimings
 
@@ -295,11 +295,18 @@ class Mesh:
         """What this node announces about itself now."""
         return self._membership.self_info
 
-    def install_serving(self, judge: MemberJudge | None, on_rejected: OnRejected) -> None:
-        """This node serves, from now on: check the float tensors every peer's rpc-server returns through
-        its tunnel with ``judge`` (None: no check), report a rejected reply to ``on_rejected``. Once; the
-        serving side then leaves members out through ``verdicts``."""
-        self.verdicts.install(judge, on_rejected)
+    def install_serving(self, check_outputs: bool, on_rejected: OnRejected) -> None:
+        """This node serves, from now on: judge the float tensors every peer's rpc-server returns through
+        its tunnel by the output rule (``check_outputs``; False: no check), report a rejected reply to
+        ``on_rejected``. Once; the serving side then leaves members out through ``verdicts``."""
+        self.verdicts.install(check_outputs, on_rejected)
+
+    def new_serving_session(self) -> None:
+        """llama-server starts again: the output rule's histories per worker begin anew, ours and the
+        native relay's (docs/architecture.md, "The output check")."""
+        self.verdicts.new_session()
+        if (relay := self.data_paths.relay) is not None:
+            relay.new_session()
 
     def announce_serving(self, serves: Callable[[], ServedModel | None]) -> None:
         """What this node serves, asked again at each announcement; announced now."""

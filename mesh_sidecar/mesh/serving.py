@@ -1,9 +1,11 @@
 """The serving node's side of the mesh: output checks on its workers' tunnels, members it leaves out.
 
-The serving loop installs it once (``Mesh.install_serving``) with the judge of the
-float tensors workers return (serve/output_guard.py) and what to do when a reply
-fails; through it (``Mesh.verdicts``) it leaves members out (corrupt_output, slow)
-and reads how long each one kept it waiting. Every tunnel holds it from its start
+It holds the judge of the float tensors workers return (wire/rpc_outputs.py's
+OutputGuard, the output rule) and its histories per worker, cleared when llama-server
+starts again (``Mesh.new_serving_session``). The serving loop installs it once
+(``Mesh.install_serving``): whether to check, and what to do when a reply fails;
+through it (``Mesh.verdicts``) it leaves members out (corrupt_output, slow) and reads
+how long each one kept it waiting. Every tunnel holds it from its start
 as its OutputChecks (net/tunnel.py): connections a tunnel accepts before the
 install relay unchecked, as do all those of a node that never serves.
 
@@ -17,12 +19,11 @@ import time
 from collections.abc import Callable
 
 from ..wire.gossip import CorruptOutput, MemberInfo, SlowWorker
-from ..wire.rpc_outputs import Fault, OutputRejected, RpcOutputCheck, TensorMeasured
+from ..wire.rpc_outputs import OutputGuard, OutputRejected, RpcOutputCheck
 from .exclusion import SLOW_EXCLUSION_S
 from .peers import PeerTable
 from .verdicts import Verdicts
 
-MemberJudge = Callable[[bytes, TensorMeasured], Fault | None]  # (worker, tensor) -> what is wrong, or None
 OnRejected = Callable[[bytes, OutputRejected], None]
 
 
@@ -38,21 +39,29 @@ class ServingVerdicts:
         self._changed = changed  # the verdicts changed: announce them, wake who watches the mesh
         self._verdicts = Verdicts()
         self._installed = False
-        self._judge: MemberJudge | None = None
+        self._guard = OutputGuard()  # the output rule, with its histories per worker
+        self._check_outputs = False
         self._on_rejected: OnRejected | None = None
 
-    def install(self, judge: MemberJudge | None, on_rejected: OnRejected) -> None:
-        """Serving starts: check outputs with ``judge`` (None: no check) and report failures to ``on_rejected``."""
+    def install(self, check_outputs: bool, on_rejected: OnRejected) -> None:
+        """Serving starts: judge outputs by the output rule (``check_outputs``; False: no check) and report
+        failures to ``on_rejected``."""
         if self._installed:
             raise RuntimeError("a node's serving side is installed once")
         self._installed = True
-        self._judge, self._on_rejected = judge, on_rejected
+        self._check_outputs, self._on_rejected = check_outputs, on_rejected
+
+    def new_session(self) -> None:
+        """llama-server starts again: the output rule's histories per worker begin anew."""
+        self._guard.new_session()
 
     # --- the output checks, as tunnels ask for them (net/tunnel.py's OutputChecks) ---
 
     def check_for(self, node_id: bytes) -> RpcOutputCheck | None:
-        judge = self._judge
-        return None if judge is None else RpcOutputCheck(lambda tensor: judge(node_id, tensor))
+        if not self._check_outputs:
+            return None
+        judge = self._guard.judge
+        return RpcOutputCheck(lambda tensor: judge(node_id, tensor))
 
     def rejected(self, node_id: bytes, event: OutputRejected) -> None:
         if self._on_rejected is not None:

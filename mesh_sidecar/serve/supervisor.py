@@ -10,7 +10,7 @@ The serving node's loop::
         start llama-server on that tier with the plan's --rpc order and --tensor-split
         proxy serves
         wait for trouble: llama-server exited | a member of the plan is lost
-                          | a worker returned a corrupt layer output (output_guard.py)
+                          | a worker returned a corrupt layer output (wire/rpc_outputs.py's rule)
                           | membership changed and the plan (or the tier) would change
                           | a bigger tier has fitted long enough
         drain (bounded; none when a member of the plan is unreachable), stop llama-server
@@ -63,7 +63,6 @@ from .failover_timeline import FailoverTimeline
 from .generation import Generation
 from .mesh_share import MeshRound, planning_members
 from .metrics import Metrics
-from .output_guard import OutputGuard
 from .pace import Slow
 from .planner import Plan, PlanBy
 from .proxy import ApiProxy, ServingHooks
@@ -201,7 +200,6 @@ class ServingSupervisor:
         self._restart_reason: str | None = None
         self._slow_kept: set[bytes] = set()  # slow workers kept because the model needs them (said once)
         self.speeds = ObservedSpeeds()  # how much slower each worker runs than it announced
-        self._guard = OutputGuard()  # judges the workers' layer outputs (output_guard.py)
         self._speed_replanned_at: float | None = None  # loop time of the last replan for speed
         self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
@@ -373,7 +371,7 @@ class ServingSupervisor:
     async def _open(self) -> None:
         """Before the first plan: llama-server's key file, the output check, requests held, the claim announced."""
         write_private_file(self._upstream_key_file, self._host.upstream_key + "\n")
-        self._mesh.install_serving(self._guard.judge if output_check() else None, self._on_corrupt_output)
+        self._mesh.install_serving(output_check(), self._on_corrupt_output)
         self._proxy.hold()
         self._snapshot()  # the claim's figures, before the first announcement
         self._mesh.announce_serving(self.served)
@@ -502,9 +500,7 @@ class ServingSupervisor:
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(self.plan.rpc_nodes())
         load_progress = self._host.load_progress
-        self._guard.new_session()
-        if (relay := self._mesh.data_paths.relay) is not None:
-            relay.new_session()  # its judge keeps histories per worker too
+        self._mesh.new_serving_session()  # the output rule's histories per worker begin anew
         try:
             self.llama_server = await start_llama_server(
                 argv, self.llama_port, self._host.logs, load_progress() if load_progress else None)

@@ -1,4 +1,5 @@
-"""Check the layer outputs a worker's rpc-server returns, before llama-server reads them.
+"""Check the layer outputs a worker's rpc-server returns, before llama-server reads them: the
+measurement (:class:`RpcOutputCheck`, :func:`measure`) and the rule that judges it (:class:`OutputGuard`).
 
 Where it sits (serving node, one check per TCP connection through a peer's tunnel)::
 
@@ -17,9 +18,9 @@ commands (rpc-server serves one command at a time per connection), so a queue of
 pending command expects pairs every reply with its request. A GET_TENSOR reply of an F32 or
 F16 tensor (at most MAX_CHECKED_REPLY_BYTES) is held until it is whole, measured
 (:class:`TensorMeasured`: all values finite, root mean square, largest absolute value) and
-handed to the ``judge``: passed on when the judge finds nothing, kept back for good when it
-names a fault (:class:`OutputRejected`; the caller closes the connection, so no corrupt value
-reaches llama-server). Every other reply passes as it arrives.
+handed to the ``judge`` (the serving node's :class:`OutputGuard`): passed on when the judge finds
+nothing, kept back for good when it names a fault (:class:`OutputRejected`; the caller closes the
+connection, so no corrupt value reaches llama-server). Every other reply passes as it arrives.
 
 Commands with no reply are upstream 7.x's (read from the pinned ``ggml-rpc.cpp``) and, in our
 b2b build, its asynchronous pushes (rpc_framing.py).
@@ -140,7 +141,22 @@ class CheckOff:
     """Why, for the log."""
 
 
-# The judge's figures (serve/output_guard.py judges with them; the native relay is told them).
+# --- the output rule: whether a measured tensor is corrupt -----------------------------------
+#
+# Theory of operation: a healthy model's layer output has a root mean square that stays within a
+# narrow band per layer, token after token (it is the residual stream's scale). Faulty memory or a
+# faulty GPU returns NaN/Inf, zeros, or bit-flipped values whose scale is off by orders of
+# magnitude. So each (worker, tensor name) keeps the RMS of its last HISTORY_SAMPLES healthy
+# outputs, and once it has MIN_HISTORY_SAMPLES, an RMS more than NORM_RATIO above the largest or
+# below the smallest of them is a fault. The bound is wide on purpose: a false alarm takes a healthy
+# machine out of the mesh, while real garbage is off by far more. The relative rule needs a history,
+# so beside it absolute bounds (MAX_OUTPUT_RMS, MAX_OUTPUT_ABS) judge from the very first reply: a
+# worker returning every value scaled by 1e30 from the start would otherwise build its own history.
+# A member who returns plausible finite values is not caught (docs/security.md). The native relay
+# judges by the same rule with these figures (net/data_plane/native/judge.c, told them in its
+# ``guard`` line); docs/architecture.md, "The output check", names every place the check acts.
+
+# The rule's figures (OutputGuard judges with them; the native relay is told them).
 HISTORY_SAMPLES = 64  # healthy RMS values kept per worker and tensor name
 MIN_HISTORY_SAMPLES = 8  # norms are judged only with at least this many
 NORM_RATIO = 64.0  # an RMS this far outside the recent range (either way) is a fault
@@ -172,6 +188,39 @@ def protocol_fault(reason: str, detail: str = "") -> Fault:
     """``reason``: one of PROTOCOL_REASONS; ``detail``: its figures, when known."""
     return Fault(PROTOCOL_VIOLATION, f"its rpc-server broke the RPC protocol: {reason}"
                                      + (f" ({detail})" if detail else ""))
+
+
+class OutputGuard:
+    """The serving node's judge of its workers' layer outputs (the rule above); mesh/serving.py holds one.
+
+    Whose history: one per worker and tensor name, kept across that worker's connections, so a worker
+    cannot start afresh by dropping its tunnel connection. Only :meth:`new_session` clears it, called
+    when llama-server (our own process) starts again; nothing a worker does can.
+    """
+
+    def __init__(self) -> None:
+        self._history: dict[tuple[bytes, str], deque[float]] = {}
+
+    def judge(self, worker: bytes, tensor: TensorMeasured) -> Fault | None:
+        """A fault in ``tensor`` returned by ``worker``, or None (then it joins the worker's history)."""
+        if not tensor.finite:
+            return non_finite_fault(tensor)
+        rms = tensor.rms
+        assert rms is not None  # finite values have one
+        if rms > MAX_OUTPUT_RMS or (tensor.max_abs is not None and tensor.max_abs > MAX_OUTPUT_ABS):
+            return absolute_outlier_fault(tensor)
+        history = self._history.setdefault((worker, tensor.name), deque(maxlen=HISTORY_SAMPLES))
+        if len(history) >= MIN_HISTORY_SAMPLES:
+            low, high = min(history), max(history)
+            if rms > high * NORM_RATIO or rms < low / NORM_RATIO:
+                return norm_outlier_fault(tensor, low, high, len(history))
+        history.append(rms)
+        return None
+
+    def new_session(self) -> None:
+        """llama-server starts again: its warm-up's outputs are far from a running session's (a first
+        token's), so the histories begin anew. The one thing that clears them (the class docstring)."""
+        self._history.clear()
 
 
 OutputEvent = OutputRejected | CheckOff

@@ -1,8 +1,8 @@
 """The native relay's RPC watch against the Python filters it mirrors, on the same byte streams.
 
 ``mesh-data-relay --replay`` (net/data_plane/native/README.md, "Testing") runs rpc_watch.c and the relay's judge
-over client and server chunks; wire/rpc_outputs.py with serve/output_guard.py and
-wire/rpc_framing.py get the same chunks. Every stream is also split at every byte boundary.
+over client and server chunks; wire/rpc_outputs.py (its check and its rule, OutputGuard)
+and wire/rpc_framing.py get the same chunks. Every stream is also split at every byte boundary.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import mesh_sidecar.net.data_plane.native
 from mesh_sidecar.mesh.data_paths import DataPaths
 from mesh_sidecar.net.data_plane.build import ensure_data_relay
 from mesh_sidecar.net.data_plane.control_lines import Event, ProbeResult, configuration_lines, parse_report
-from mesh_sidecar.serve.output_guard import OutputGuard
 from mesh_sidecar.wire.rpc_framing import EndpointRewritten, RpcStreamFilter, printable_word
 from mesh_sidecar.wire.rpc_outputs import (
     ABSOLUTE_OUTLIER,
@@ -29,6 +28,7 @@ from mesh_sidecar.wire.rpc_outputs import (
     MIN_HISTORY_SAMPLES,
     NORM_RATIO,
     PROTOCOL_VIOLATION,
+    OutputGuard,
     OutputRejected,
     RpcOutputCheck,
     measure,

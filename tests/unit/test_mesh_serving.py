@@ -11,7 +11,7 @@ from mesh_sidecar.mesh.exclusion import SLOW_EXCLUSION_S
 from mesh_sidecar.mesh.peers import PeerTable
 from mesh_sidecar.mesh.serving import ServingVerdicts
 from mesh_sidecar.wire.gossip import CorruptOutput, MemberInfo
-from mesh_sidecar.wire.rpc_outputs import NON_FINITE, Fault, OutputRejected, TensorMeasured
+from mesh_sidecar.wire.rpc_outputs import MIN_HISTORY_SAMPLES, NON_FINITE, NORM_OUTLIER, NORM_RATIO, OutputRejected
 from tests.unit.test_gossip import info
 from tests.unit.test_rpc_outputs import exchange
 
@@ -52,25 +52,34 @@ def rejections_of(side: Side, node_id: bytes, values: np.ndarray) -> list[Output
 def test_tunnels_relay_unchecked_until_serving_is_installed_then_each_check_names_its_worker() -> None:
     side = Side()
     assert side.verdicts.check_for(WORKER) is None
-    judged: list[bytes] = []
     reported: list[tuple[bytes, OutputRejected]] = []
-
-    def judge(node_id: bytes, tensor: TensorMeasured) -> Fault | None:
-        judged.append(node_id)
-        return None if tensor.finite else Fault(NON_FINITE, "NaN or Inf")
-
-    side.verdicts.install(judge, lambda node_id, event: reported.append((node_id, event)))
-    assert rejections_of(side, WORKER, np.ones(16, dtype=np.float32)) == []
-    (rejected,) = rejections_of(side, WORKER, np.full(16, np.nan, dtype=np.float32))
-    assert judged == [WORKER, WORKER] and reported == [(WORKER, rejected)]
+    side.verdicts.install(True, lambda node_id, event: reported.append((node_id, event)))
+    for _ in range(MIN_HISTORY_SAMPLES):
+        assert rejections_of(side, WORKER, np.ones(16, dtype=np.float32)) == []
+    far = np.full(16, 2 * NORM_RATIO, dtype=np.float32)
+    assert rejections_of(side, STRANGER, far) == []  # judged by its own history, not WORKER's
+    (rejected,) = rejections_of(side, WORKER, far)
+    assert rejected.fault.kind == NORM_OUTLIER and reported == [(WORKER, rejected)]
+    (rejected,) = rejections_of(side, STRANGER, np.full(16, np.nan, dtype=np.float32))
+    assert rejected.fault.kind == NON_FINITE and reported[1:] == [(STRANGER, rejected)]
     with pytest.raises(RuntimeError, match="installed once"):
-        side.verdicts.install(judge, lambda node_id, event: None)
+        side.verdicts.install(True, lambda node_id, event: None)
 
 
-def test_installed_without_a_judge_nothing_is_checked() -> None:
+def test_installed_without_the_check_nothing_is_checked() -> None:
     side = Side()
-    side.verdicts.install(None, lambda node_id, event: None)
+    side.verdicts.install(False, lambda node_id, event: None)
     assert side.verdicts.check_for(WORKER) is None
+
+
+def test_a_new_session_judges_every_worker_afresh() -> None:
+    """The rule's histories are the serving side's, cleared as llama-server starts again (Mesh.new_serving_session)."""
+    side = Side()
+    side.verdicts.install(True, lambda node_id, event: None)
+    for _ in range(MIN_HISTORY_SAMPLES):
+        assert rejections_of(side, WORKER, np.ones(16, dtype=np.float32)) == []
+    side.verdicts.new_session()
+    assert rejections_of(side, WORKER, np.full(16, 2 * NORM_RATIO, dtype=np.float32)) == []
 
 
 def test_a_member_left_out_is_announced_until_it_restarts() -> None:

@@ -1,4 +1,5 @@
-"""Corrupt layer outputs: the serving node's judge, the refusal both sides name, and its gossip."""
+"""Corrupt layer outputs: the output rule (wire/rpc_outputs.py's OutputGuard), the refusal both sides name,
+and its gossip."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ import pytest
 
 from mesh_sidecar.errors import MalformedMessageError
 from mesh_sidecar.mesh.exclusion import CORRUPT_OUTPUT, exclusion_of
-from mesh_sidecar.serve.output_guard import MIN_HISTORY_SAMPLES, NORM_RATIO, OutputGuard
 from mesh_sidecar.wire.gossip import MAX_JUDGED_MEMBERS, CorruptOutput, MemberInfo
 from mesh_sidecar.wire.rpc_outputs import (
     ABSOLUTE_OUTLIER,
     GGML_TYPE_F32,
     MAX_OUTPUT_ABS,
     MAX_OUTPUT_RMS,
+    MIN_HISTORY_SAMPLES,
     NON_FINITE,
     NORM_OUTLIER,
+    NORM_RATIO,
     PROTOCOL_VIOLATION,
+    OutputGuard,
     OutputRejected,
     RpcOutputCheck,
     TensorMeasured,
