@@ -33,18 +33,7 @@ from ..net.data_plane import control_lines as reports
 from ..net.data_plane.process import DataRelay
 from ..net.tunnel import OutputChecks, TunnelCounters, TunnelListener
 from ..wire.rpc_framing import EndpointRewritten, EndpointUnresolved
-from ..wire.rpc_outputs import (
-    ABSOLUTE_OUTLIER,
-    NON_FINITE,
-    PROTOCOL_VIOLATION,
-    Fault,
-    OutputRejected,
-    TensorMeasured,
-    absolute_outlier_fault,
-    non_finite_fault,
-    norm_outlier_fault,
-    protocol_fault,
-)
+from ..wire.rpc_outputs import rejected_natively
 
 log = logging.getLogger(__name__)
 
@@ -318,17 +307,5 @@ class DataPaths:
         entry = self._tunnels.get(report.id)
         if entry is None:
             return
-        tensor: TensorMeasured | None
-        fault: Fault
-        if report.kind == PROTOCOL_VIOLATION:  # no tensor: the name field carries the reason
-            tensor, fault = None, protocol_fault(report.name)
-        elif report.kind == NON_FINITE:
-            tensor = TensorMeasured(report.name, report.values, False, None)
-            fault = non_finite_fault(tensor)
-        elif report.kind == ABSOLUTE_OUTLIER:
-            tensor = TensorMeasured(report.name, report.values, True, report.rms, report.max_abs)
-            fault = absolute_outlier_fault(tensor)
-        else:
-            tensor = TensorMeasured(report.name, report.values, True, report.rms)
-            fault = norm_outlier_fault(tensor, report.low, report.high, report.count)
-        self._checks.rejected(entry[0], OutputRejected(tensor, fault))
+        self._checks.rejected(entry[0], rejected_natively(report.kind, report.name, report.values, report.rms,
+                                                          report.max_abs, (report.low, report.high, report.count)))

@@ -223,6 +223,23 @@ class OutputGuard:
         self._history.clear()
 
 
+def rejected_natively(kind: str, name: str, values: int, rms: float, max_abs: float | None,
+                      history: tuple[float, float, int]) -> OutputRejected:
+    """A fault the native relay's judge found by this rule (judge.c), reported as figures: the rejection in
+    this rule's own words, as if OutputGuard had found it. ``name`` is the tensor's, or for a
+    PROTOCOL_VIOLATION its reason; ``history``: a NORM_OUTLIER's range and sample count (low, high, samples)."""
+    if kind == PROTOCOL_VIOLATION:  # no tensor was read
+        return OutputRejected(None, protocol_fault(name))
+    if kind == NON_FINITE:
+        tensor = TensorMeasured(name, values, False, None)
+        return OutputRejected(tensor, non_finite_fault(tensor))
+    if kind == ABSOLUTE_OUTLIER:
+        tensor = TensorMeasured(name, values, True, rms, max_abs)
+        return OutputRejected(tensor, absolute_outlier_fault(tensor))
+    tensor = TensorMeasured(name, values, True, rms)
+    return OutputRejected(tensor, norm_outlier_fault(tensor, *history))
+
+
 OutputEvent = OutputRejected | CheckOff
 Judge = Callable[[TensorMeasured], Fault | None]  # what is wrong with the tensor, or None
 

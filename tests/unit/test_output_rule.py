@@ -21,10 +21,13 @@ from mesh_sidecar.wire.rpc_outputs import (
     NORM_OUTLIER,
     NORM_RATIO,
     PROTOCOL_VIOLATION,
+    UNSOLICITED_REPLY,
     OutputGuard,
     OutputRejected,
     RpcOutputCheck,
     TensorMeasured,
+    protocol_fault,
+    rejected_natively,
 )
 from tests.unit.test_gossip import info
 from tests.unit.test_rpc_outputs import HELLO_REPLY, HELLO_REQUEST, get_tensor, reply
@@ -142,3 +145,21 @@ def test_the_fields_are_optional_within_version_4() -> None:
         MemberInfo.from_body({**body, "corrupt_outputs": [{**body["corrupt_outputs"][0], "fault": "Bad!"}]})
     with pytest.raises(MalformedMessageError, match="perhaps run_id"):
         MemberInfo.from_body({**body, "other": 1})
+
+
+def test_a_fault_the_native_judge_reports_reads_as_the_rules_own() -> None:
+    """judge.c judges by the same rule and reports figures; they become what OutputGuard would have said."""
+    guard = OutputGuard()
+    nan = TensorMeasured("l_out-11", 576, False, None)
+    assert rejected_natively(NON_FINITE, "l_out-11", 576, 0.0, None, (0.0, 0.0, 0)) \
+        == OutputRejected(nan, guard.judge(WORKER, nan))
+    huge = TensorMeasured("l_out-11", 576, True, 1e30, 1e30)
+    assert rejected_natively(ABSOLUTE_OUTLIER, "l_out-11", 576, 1e30, 1e30, (0.0, 0.0, 0)) \
+        == OutputRejected(huge, guard.judge(WORKER, huge))
+    for _ in range(MIN_HISTORY_SAMPLES):
+        assert guard.judge(WORKER, tensor(1.0)) is None
+    far = tensor(2 * NORM_RATIO)
+    assert rejected_natively(NORM_OUTLIER, "l_out-11", 576, 2 * NORM_RATIO, None, (1.0, 1.0, MIN_HISTORY_SAMPLES)) \
+        == OutputRejected(far, guard.judge(WORKER, far))
+    assert rejected_natively(PROTOCOL_VIOLATION, UNSOLICITED_REPLY, 0, 0.0, None, (0.0, 0.0, 0)) \
+        == OutputRejected(None, protocol_fault(UNSOLICITED_REPLY))
