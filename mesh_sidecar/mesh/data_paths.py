@@ -14,6 +14,10 @@ A connection keeps the path it started on; a switch applies to connections made 
 serving node's next llama-server), so a stream in flight is never cut by one. A relay that dies
 takes its connections with it: llama-server sees them reset, and serving's recovery continues
 the stream on a new llama-server, over QUIC until the relay is back and probed.
+
+The relay checks a serving node's tunnels by the output rule in C (judge.c); a fault it reports is
+read back in the Python rule's words (rpc_outputs.rejected_natively) and blamed through the same
+OutputChecks.rejected as the QUIC path's (docs/architecture.md, "The output check").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ it cannot talk to, corrupt layer outputs, or tokens held up.
 Pure: both sides decide from the MemberInfo gossip carries, so the serving node
 (plan, status) and the member left out (its own output and status) name the
 same reason with the same words. Corrupt output is found at run time by the
-serving node (serve/output_guard.py), and so is slowness (serve/pace.py): it lists the member
+serving node (wire/rpc_outputs.py's rule), and so is slowness (serve/pace.py): it lists the member
 in its own gossip (``corrupt_outputs``, ``slow_workers``) with the member's run id, and a restart
 clears it (verdicts.py).
 """

@@ -2,9 +2,10 @@
 
 Pure. Both are announced in the serving node's gossip (``corrupt_outputs``, ``slow_workers``)
 with the member's run id, so the member hears why (exclusion.py) and a restart (a new run id)
-clears them. Corrupt output stays until then: hardware that returned garbage once is not
-trusted again in that run. Slowness is often passing (another program took the GPU), so a
-slow verdict also ends after SLOW_EXCLUSION_S and the member is tried again.
+clears them. Corrupt output (the output rule's verdict, docs/architecture.md, "The output check")
+stays until then: hardware that returned garbage once is not trusted again in that run. Slowness
+is often passing (another program took the GPU), so a slow verdict also ends after SLOW_EXCLUSION_S
+and the member is tried again.
 
 At most MAX_JUDGED_MEMBERS verdicts are kept, the newest, whatever their kind (gossip's limit).
 """

@@ -21,8 +21,9 @@ peer_streams.py hands it to ``serve_inbound_stream`` on the other side.
 
 Given OutputChecks at construction (the serving node's, mesh/serving.py), a listener
 asks them for a check on each connection it accepts; a check measures the float tensors
-P's rpc-server returns (wire/rpc_outputs.py) before llama-server reads them, and on a fault
-(a corrupt tensor, or P breaking the RPC protocol, which would otherwise stop the check) the
+P's rpc-server returns and judges them by the output rule (wire/rpc_outputs.py; every place the
+check acts: docs/architecture.md, "The output check") before llama-server reads them, and on a
+fault (a corrupt tensor, or P breaking the RPC protocol, which would otherwise stop the check) the
 listener keeps the reply back, resets the connection (llama-server aborts rather than
 compute on garbage) and reports it through ``OutputChecks.rejected``, which blames P.
 

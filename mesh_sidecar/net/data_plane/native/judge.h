@@ -1,4 +1,5 @@
-/* The output judge: serve/output_guard.py's rule, with the sidecar's figures (the `guard` line). */
+/* The output judge: wire/rpc_outputs.py's rule (OutputGuard), with the sidecar's figures (the `guard` line).
+ * Every place the output check acts: docs/architecture.md, "The output check". */
 #ifndef MESH_JUDGE_H
 #define MESH_JUDGE_H
 
@@ -6,7 +7,7 @@
 
 #include "rpc_watch.h"
 
-struct history {                   /* recent healthy RMS of one tensor name (serve/output_guard.py) */
+struct history {                   /* recent healthy RMS of one tensor name (OutputGuard) */
     char name[RW_TENSOR_NAME_BYTES + 1];
     double *rms;
     int cap, count, next;

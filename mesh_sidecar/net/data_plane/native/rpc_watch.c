@@ -1,5 +1,5 @@
 /* rpc_watch: see rpc_watch.h. Mirrors wire/rpc_framing.py and wire/rpc_outputs.py rule for rule;
- * tests/unit/test_native_watch.py feeds both the same streams, split at every boundary. */
+ * tests/integration/test_native_watch.py feeds both the same streams, split at every boundary. */
 #include "rpc_watch.h"
 
 #include <math.h>
