@@ -185,6 +185,17 @@ class OutputTap:
 
 
 @dataclass(frozen=True)
+class Generation:
+    """One finished generation request, for its receipt: the request as sent (seed pinned) and what came back."""
+
+    path: str
+    request: dict[str, Any]
+    output: OutputTap
+    model: str  # the id of the model that answered
+    continued_at: tuple[int, ...] = ()  # the tokens delivered at each continuation after a failover
+
+
+@dataclass(frozen=True)
 class ReplayRequest:
     """A receipt's request as a replay sends it to a serving node's API."""
 

@@ -1,8 +1,8 @@
 """One generation request's way through failovers, as a machine: events in, decisions out.
 
-The proxy (proxy.py) asks llama-server and relays the answer; this module decides
+The exchange (exchange.py) asks llama-server and relays the answer; this module decides
 what to ask, and what to do when the llama-server under a request dies, stalls
-or is found slow (a failover). It does no I/O: the proxy performs each decision
+or is found slow (a failover). It does no I/O: the exchange performs each decision
 and feeds back what happened, in h11's shape. Theory of operation:
 
     event                        what the client has / the request   decision

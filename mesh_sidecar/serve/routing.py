@@ -2,7 +2,7 @@
 
 The proxy (proxy.py) asks the router two things:
 
-    route(requested, ...)       where a request naming ``requested`` goes: this node's llama-server,
+    route(request, ...)         where a request goes, by the model it names: this node's llama-server,
                                 the replicas of a model in the mesh, or a refusal (404, 503)
     replica(route, failed)      the replica to ask now (None: this node's own llama-server); after a
                                 failure, another one, waiting (bounded) while the model loads, or
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
@@ -25,7 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..errors import ServiceUnavailableError
-from .catalog import MeshCatalog, choose_replica, conversation_key
+from .api_request import ApiRequest
+from .catalog import MeshCatalog, choose_replica
 
 MODEL_UNAVAILABLE_CODE = "model_unavailable"
 MODEL_NOT_FOUND_CODE = "model_not_found"
@@ -87,11 +87,12 @@ class MeshRouter:
     def name_of(self, node_id: bytes) -> str:
         return self._routes.name_of(node_id) if self._routes is not None else node_id.hex()[:12]
 
-    def route(self, requested: str, *, forwarded: bool, ours: Callable[[str], bool] | None, own_in_flight: int,
-              path: str, body: bytes, images: bool = False) -> Route | Refusal:
-        """Where a request naming ``requested`` goes. ``ours``: whether a name is this node's model or one of
-        its tiers (None: this node serves none). ``images``: the request holds images, refused (400) for a
-        model no member runs with a projector."""
+    def route(self, request: ApiRequest, *, forwarded: bool, ours: Callable[[str], bool] | None,
+              own_in_flight: int) -> Route | Refusal:
+        """Where ``request`` goes, by the model it names. ``ours``: whether a name is this node's model or one
+        of its tiers (None: this node serves none). A request holding images is refused (400) for a model no
+        member runs with a projector."""
+        requested, images = request.model, request.images
         if forwarded or self._routes is None:
             # A member forwarded it here because we serve it (or said so a moment ago).
             if ours is None or (forwarded and not ours(requested)):
@@ -110,11 +111,7 @@ class MeshRouter:
                            "published beside the model).", "invalid_request_error", NO_IMAGES_CODE)
         if model.local() is not None and len(model.replicas) == 1:
             return LOCAL
-        try:
-            key = conversation_key(path, json.loads(body))
-        except ValueError:
-            key = None
-        return Route(model.id, key, len(model.replicas), images=images)
+        return Route(model.id, request.conversation, len(model.replicas), images=images)
 
     async def replica(self, route: Route, failed: bytes | None, own_in_flight: int) -> bytes | None:
         """The member to ask for ``route`` now: a ready replica (None: this node's own llama-server),

@@ -18,7 +18,6 @@ completion chunks ``choices[i].text``.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,23 +29,6 @@ EVENT_SEPARATOR = b"\n\n"
 DATA_PREFIX = b"data: "
 DONE = b"[DONE]"
 MAX_PENDING_EVENT_BYTES = 4 * MIB
-SEED_BITS = 31
-
-
-def pin_seed(body: bytes) -> tuple[bytes, bool]:
-    """The request body with a ``seed`` (kept if the client gave one), and whether it streams.
-
-    Bodies that are not JSON objects pass unchanged: llama-server will answer them.
-    """
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return body, False
-    if not isinstance(request, dict):
-        return body, False
-    if not isinstance(request.get("seed"), int) or request["seed"] < 0:
-        request["seed"] = random.getrandbits(SEED_BITS)
-    return json.dumps(request).encode(), request.get("stream") is True
 
 
 class EventSplitter:

@@ -59,13 +59,14 @@ from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
 from ..wire.rpc_outputs import OutputRejected
 from . import receipt
 from .catalog import LOADING, READY, UNAVAILABLE
+from .exchange import ServingHooks
 from .failover_timeline import FailoverTimeline
-from .generation import Generation
 from .mesh_share import MeshRound, planning_members
 from .metrics import Metrics
 from .pace import Slow
 from .planner import Plan, PlanBy
-from .proxy import ApiProxy, ServingHooks
+from .proxy import ApiProxy
+from .receipt import Generation
 from .replan import (
     Blame,
     Replan,

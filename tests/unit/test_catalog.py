@@ -8,6 +8,7 @@ import json
 import pytest
 
 from mesh_sidecar.errors import ServiceUnavailableError
+from mesh_sidecar.serve.api_request import ApiRequest
 from mesh_sidecar.serve.catalog import (
     LOADING,
     READY,
@@ -129,8 +130,8 @@ class FakeMesh:
 
 def route(router: MeshRouter, requested: str, *, ours=None, forwarded: bool = False) -> Route | Refusal:
     body = json.dumps({"model": requested, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    return router.route(requested, forwarded=forwarded, ours=ours, own_in_flight=0,
-                        path="/v1/chat/completions", body=body)
+    return router.route(ApiRequest.parse("POST", "/v1/chat/completions", body), forwarded=forwarded, ours=ours,
+                        own_in_flight=0)
 
 
 def test_routes_by_model() -> None:

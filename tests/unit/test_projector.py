@@ -12,8 +12,8 @@ from mesh_sidecar.cli.prepare import identify_projectors, read_projectors
 from mesh_sidecar.errors import ModelError, UsageError
 from mesh_sidecar.llama.model_files import read_model_header
 from mesh_sidecar.llama.projector import check_pair, read_projector
+from mesh_sidecar.serve.api_request import ApiRequest
 from mesh_sidecar.serve.catalog import mesh_catalog
-from mesh_sidecar.serve.generation import has_images
 from mesh_sidecar.serve.planner import NodeCapacity, assess_tiers
 from mesh_sidecar.serve.routing import NO_IMAGES_CODE, MeshRouter, MeshRoutes, Refusal, Route
 from mesh_sidecar.wire.gossip import MemberInfo, ServedModel
@@ -74,6 +74,13 @@ def test_the_plan_counts_the_projector_on_the_serving_node() -> None:
                                                            if n.name == "s")
 
 
+IMAGE_CHAT = json.dumps({"messages": image_chat_messages()}).encode()
+
+
+def has_images(body: bytes) -> bool:
+    return ApiRequest.parse("POST", "/v1/chat/completions", body).images
+
+
 def test_images_are_told_apart_from_text() -> None:
     assert has_images(json.dumps({"messages": image_chat_messages()}).encode())
     assert not has_images(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
@@ -96,8 +103,8 @@ def test_a_model_without_a_projector_refuses_images_and_one_with_it_routes_them(
         catalog = mesh_catalog(own, members, lambda node_id: node_id.hex()[:4])
         router = MeshRouter(MeshRoutes(lambda _, catalog=catalog: catalog, lambda: 0, None, None, str),
                             1.0)
-        routed = router.route("", forwarded=False, ours=None, own_in_flight=0, path="/v1/chat/completions",
-                              body=b"{}", images=True)
+        routed = router.route(ApiRequest.parse("POST", "/v1/chat/completions", IMAGE_CHAT), forwarded=False,
+                              ours=None, own_in_flight=0)
         if refused:
             assert isinstance(routed, Refusal) and (routed.status, routed.code) == (400, NO_IMAGES_CODE)
             assert catalog.openai_entries(0)[0]["capabilities"] == ["completion"]

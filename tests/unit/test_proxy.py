@@ -14,9 +14,10 @@ import pytest
 from aiohttp import web
 
 from mesh_sidecar.ports import free_tcp_port
+from mesh_sidecar.serve.exchange import ServingHooks
 from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.serve.pace import STALL_FLOOR_S, Slow
-from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions, ServingHooks
+from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions
 from tests.helpers.stand_ins import start_stand_in, stream_events
 
 PIECES = ["The", " keeper", " lit", " the", " lamp", "."]

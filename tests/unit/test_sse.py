@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh_sidecar.errors import MalformedMessageError, ReplayMismatchError
-from mesh_sidecar.serve.sse import EventSplitter, Replay, StreamLedger, pin_seed
+from mesh_sidecar.serve.sse import EventSplitter, Replay, StreamLedger
 
 
 def chat_event(content: str | None, *, id_: str = "chatcmpl-1", role: bool = False, finish: str | None = None) -> bytes:
@@ -102,11 +102,3 @@ def test_event_splitter_handles_any_chunking() -> None:
 def test_event_splitter_caps_what_it_holds() -> None:
     with pytest.raises(MalformedMessageError):
         EventSplitter().feed(b"data: " + b"x" * (5 * 1024 * 1024))
-
-
-def test_seed_is_pinned_unless_given() -> None:
-    body, streaming = pin_seed(json.dumps({"prompt": "hi", "stream": True}).encode())
-    assert streaming and isinstance(json.loads(body)["seed"], int)
-    body, streaming = pin_seed(json.dumps({"prompt": "hi", "seed": 5}).encode())
-    assert not streaming and json.loads(body)["seed"] == 5
-    assert pin_seed(b"not json") == (b"not json", False)

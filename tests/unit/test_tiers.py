@@ -19,6 +19,7 @@ from mesh_sidecar.llama.estimate import ModelEstimate
 from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.serve.assignment import Claim, Offer, assign, pick_workers
 from mesh_sidecar.serve.assignment import fits as assignment_fits
+from mesh_sidecar.serve.exchange import ServingHooks
 from mesh_sidecar.serve.metrics import Metrics
 from mesh_sidecar.serve.planner import (
     NodeCapacity,
@@ -29,7 +30,7 @@ from mesh_sidecar.serve.planner import (
     plan_layers,
     tier_needs_bytes,
 )
-from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions, ServingHooks
+from mesh_sidecar.serve.proxy import ApiProxy, ProxyOptions
 from mesh_sidecar.serve.replan import ServingSnapshot, Tier, choose_plan, replan_reason
 from mesh_sidecar.serve.step_up import StepUpGate, StepUpRules
 from mesh_sidecar.serve.tiers import models_list, tier_claim, tier_views, why_not_served
