@@ -85,7 +85,7 @@ class DataRelay:
         self._on_report = on_report
         self._on_exit = on_exit
         self._take_back = take_back  # a tunnel connection the relay could not carry, unread
-        self._guard = guard  # history, min_history, norm_ratio (serve/output_guard.py)
+        self._guard = guard  # history, min_history, norm_ratio (wire/rpc_outputs.py, OutputGuard)
         self._members: dict[bytes, tuple[str, ...]] = {}  # each member's addresses (where its relay dials from)
         # Per member, its REGISTER_PEER endpoints (told while it is a member: the relay drops them on a forget).
         self._endpoints: dict[bytes, dict[int, str]] = {}
