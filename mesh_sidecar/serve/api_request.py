@@ -16,6 +16,7 @@ for (continuation.py). Pure: the client's bytes in, what to send and what reads 
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -44,7 +45,6 @@ class ApiRequest:
     model: str  # the ``model`` it names ("" for none, or a body we cannot read)
     stream: bool  # it asks for a stream (``"stream": true``)
     images: bool  # a chat request holding an image part (OpenAI's ``image_url`` content parts)
-    conversation: str | None  # what stays the same over its conversation's requests (catalog.conversation_key)
 
     @classmethod
     def parse(cls, method: str, path: str, body: bytes, path_qs: str | None = None) -> ApiRequest:
@@ -57,7 +57,13 @@ class ApiRequest:
         model = parsed.get("model") if parsed is not None else None
         return cls(method, path, path if path_qs is None else path_qs, body, parsed,
                    model if isinstance(model, str) else "", parsed is not None and parsed.get("stream") is True,
-                   _holds_images(parsed), conversation_key(path, document))
+                   _holds_images(parsed))
+
+    @functools.cached_property
+    def conversation(self) -> str | None:
+        """What stays the same over its conversation's requests (catalog.conversation_key): hashed only for a
+        model with several replicas, where it keeps the conversation with one."""
+        return conversation_key(self.path, self.parsed)
 
     @property
     def generation(self) -> bool:

@@ -1,6 +1,6 @@
 """Continuing a stream after a failover from the tokens already delivered.
 
-A replay (replay.py) asks the new plan for the whole answer again and drops what
+A replay (sse.py) asks the new plan for the whole answer again and drops what
 the client has: it recomputes every token already sent, one network round per
 token, and it needs llama.cpp to repeat itself, which batching concurrent
 requests does not guarantee. A continuation asks the new plan to go on from
