@@ -17,7 +17,6 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..net.data_plane.build import BINARY_NAME as DATA_RELAY_PROCESS
 from ..units import GIB, MIB, devices_line, format_gib
 
 NAME_CHARS = 12  # a node name this long always shows whole in 80 columns
@@ -190,8 +189,7 @@ def status_view(snapshot: dict[str, Any], *, wide: bool = False) -> Group:
     parts.append(processes_table(snapshot["processes"], wide=wide))
     connected = sum(p["state"] == "connected" for p in snapshot["peers"])
     mesh = snapshot["mesh"]
-    data_port = next((p["port"] for p in snapshot["processes"] if p["name"] == DATA_RELAY_PROCESS and p["running"]),
-                     None)
+    data_port = mesh.get("data_port")
     ports = f"UDP port {mesh['quic_port']}" + (f", TCP port {data_port} (data path)" if data_port else "")
     parts.append(Text(f"Mesh: {connected} peer(s) connected, {ports}, secret rotated "
                       f"{mesh.get('secret_epoch', 0)} time(s)"))

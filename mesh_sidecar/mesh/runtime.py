@@ -360,8 +360,9 @@ class Mesh:
 
     def mesh_view(self) -> MeshView:
         """This node's side of the mesh, for `mesh-inference status` (status.py)."""
-        return mesh_view(self.port, self._saved, self.model_sha256, self._transport, self.relay_counters,
-                         self._dialer.punch_counters, None if self._lan is None else tuple(self._lan.records()))
+        return mesh_view(self.port, self.data_paths.port, self._saved, self.model_sha256, self._transport,
+                         self.relay_counters, self._dialer.punch_counters,
+                         None if self._lan is None else tuple(self._lan.records()))
 
     def peer_views(self) -> tuple[PeerView, ...]:
         """Every member we know of, as it stands now (status.py)."""

@@ -92,6 +92,7 @@ class MeshView:
     """This node's side of the mesh."""
 
     quic_port: int | None
+    data_port: int  # the native data path's TCP port (0: no relay)
     secret_epoch: int
     removed: tuple[bytes, ...]  # node keys this node refuses, sorted
     ignored_datagrams: int
@@ -111,10 +112,10 @@ def devices_json(devices: Sequence[OfferedDevice]) -> list[dict[str, Any]]:
             for d in devices]
 
 
-def mesh_view(port: int | None, saved: SavedMesh, model_sha256: str, transport: MeshTransport, relay: RelayCounters,
-              punch: PunchCounters, lan: tuple[LanRecord, ...] | None) -> MeshView:
-    """This node's side of the mesh, listening on ``port`` (None before it starts)."""
-    return MeshView(port, saved.epoch, tuple(sorted(saved.removed)), transport.ignored_datagrams,
+def mesh_view(port: int | None, data_port: int, saved: SavedMesh, model_sha256: str, transport: MeshTransport,
+              relay: RelayCounters, punch: PunchCounters, lan: tuple[LanRecord, ...] | None) -> MeshView:
+    """This node's side of the mesh, listening on ``port`` (None before it starts) and ``data_port``."""
+    return MeshView(port, data_port, saved.epoch, tuple(sorted(saved.removed)), transport.ignored_datagrams,
                     transport.admission.refused_connections, transport.admission.unadmitted_streams,
                     model_sha256, mesh_id(saved.secret), relay, punch, lan)
 
@@ -170,7 +171,7 @@ def peers_json(views: Sequence[PeerView]) -> list[dict[str, Any]]:
 
 def mesh_json(view: MeshView) -> dict[str, Any]:
     """``status --json``'s "mesh"."""
-    return {"quic_port": view.quic_port, "secret_epoch": view.secret_epoch,
+    return {"quic_port": view.quic_port, "data_port": view.data_port or None, "secret_epoch": view.secret_epoch,
             "removed": [short_id(n) for n in view.removed],
             "ignored_datagrams": view.ignored_datagrams,
             "refused_connections": view.refused_connections,

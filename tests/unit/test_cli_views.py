@@ -207,16 +207,15 @@ def test_status_in_80_columns_cuts_nothing_and_shows_each_peer_whole():
 
 def test_status_says_the_tcp_port_and_warns_when_a_peer_with_a_relay_is_reached_over_quic():
     # Issue 52: a user who opened only UDP in the firewall got the QUIC path silently.
-    relay = {"name": "mesh-data-relay", "pid": 4243, "running": True, "port": 47470, "log": f"{HOME}/logs/x.log"}
     peers = [{**peer, "data_port": 47470, "data_path": "tcp+tls" if peer["name"] == "bravo-worker" else "quic"}
              for peer in STATUS["peers"]]
-    status = {**STATUS, "processes": [*STATUS["processes"], relay], "peers": peers}
+    status = {**STATUS, "mesh": {**STATUS["mesh"], "data_port": 47470}, "peers": peers}
     text = " ".join(rendered(status_view(status), NARROW).split())
     assert "UDP port 47470, TCP port 47470 (data path)" in text
     # delta is degraded but connected; echo is refused but connected: both reached directly over QUIC.
     assert "charlie-gpu1, delta-laptop, echo-old: reached over QUIC only" in text
     assert "bravo-worker, charlie-gpu1" not in text  # its layers take the native path
-    without_relay = " ".join(rendered(status_view({**status, "processes": STATUS["processes"]}), NARROW).split())
+    without_relay = " ".join(rendered(status_view({**status, "mesh": STATUS["mesh"]}), NARROW).split())
     assert "TCP port" not in without_relay and "reached over QUIC only" not in without_relay
 
 
