@@ -45,7 +45,7 @@ from ..serve import dashboard
 from ..serve.access import OPEN_ACCESS, ApiAccess
 from ..serve.activity import RecentEvents
 from ..serve.catalog import MeshCatalog, mesh_catalog
-from ..serve.mesh_share import plan_over_mesh
+from ..serve.mesh_round import plan_over_mesh
 from ..serve.metrics import Metrics
 from ..serve.planner import Plan, PlanBy
 from ..serve.proxy import ApiProxy, ProxyOptions

@@ -173,7 +173,7 @@ class Plan:
     def alone(self) -> bool:
         """Whether the serving node holds every layer itself (its llama-server runs with no ``--rpc``).
 
-        The serving node is the last member offered (mesh_share.py): a plan whose one node is a worker is
+        The serving node is the last member offered (mesh_round.py): a plan whose one node is a worker is
         not alone, llama-server offloads every layer to it and keeps only the input embeddings, which every
         plan already takes off the serving node's offer (``assess_tiers``)."""
         serving = self.offered[-1][0] if self.offered else self.nodes[-1].node_id
@@ -331,7 +331,7 @@ def device_shares(node_id: bytes, name: str, usable_bytes: int, devices: Sequenc
     llama-server's), its usable bytes (capped by its --max-memory) shared out by each device's free memory.
 
     Each device's speed is the one the member announced times ``speed_factor`` (what planning may weigh of
-    it and the traffic's correction, mesh_share.py; 0: unknown); ``settled``: whether that speed is confirmed
+    it and the traffic's correction, mesh_round.py; 0: unknown); ``settled``: whether that speed is confirmed
     (NodeCapacity.speed_settled); ``link_s``: the member's round trip, what each of its stages adds to a token.
     """
     if not devices:

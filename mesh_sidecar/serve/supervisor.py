@@ -61,7 +61,7 @@ from . import receipt
 from .catalog import LOADING, READY, UNAVAILABLE
 from .exchange import ServingHooks
 from .failover_timeline import FailoverTimeline
-from .mesh_share import MeshRound, planning_members
+from .mesh_round import MeshRound, planning_members
 from .metrics import Metrics
 from .pace import Slow
 from .planner import Plan, PlanBy

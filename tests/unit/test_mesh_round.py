@@ -18,7 +18,7 @@ from mesh_sidecar.cli.views import plan_view
 from mesh_sidecar.llama.capacity import Capacity
 from mesh_sidecar.llama.estimate import ModelEstimate
 from mesh_sidecar.mesh.exclusion import WEIGHTS_MISMATCH
-from mesh_sidecar.serve.mesh_share import MeshRound, planning_members
+from mesh_sidecar.serve.mesh_round import MeshRound, planning_members
 from mesh_sidecar.serve.planner import Plan, PlanBy, model_needs
 from mesh_sidecar.serve.replan import Tier, plan_largest
 from mesh_sidecar.serve.speeds import ObservedSpeeds
