@@ -1,0 +1,148 @@
+"""A Hugging Face hub on 127.0.0.1: the part of its HTTP API huggingface_hub 2.x and llama/hub_models.py use.
+
+    GET  /api/models/USER/REPO[/revision/REV]      the repo's info; ``?blobs=true`` adds each file's size, git
+                                                   blob id and LFS sha256 (``siblings``)
+    GET  /USER/REPO/resolve/REV/PATH (and HEAD)    a file, with ``X-Repo-Commit``, ``ETag`` (the LFS sha256),
+                                                   ``X-Linked-Size``; a ``Range: bytes=N-`` answered 206
+
+A missing repo answers 404 with ``X-Error-Code: RepoNotFound``; a gated repo's files answer 401 with
+``X-Error-Code: GatedRepo`` to a request without ``Authorization``, as the real hub does. Repos are
+prepared by the test (``add_repo``). A file can be served damaged (``corrupt``: one byte flipped, the
+published sha256 kept) and slowly (``bytes_per_s``). ``requests`` records (method, path, Range header).
+
+Runs aiohttp on its own event loop in a thread: ``with LocalHub() as hub: hub.endpoint``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+CHUNK_BYTES = 64 * 1024
+
+
+@dataclass
+class _Repo:
+    commit: str
+    files: dict[str, bytes]
+    gated: bool = False
+    corrupt: set[str] = field(default_factory=set)
+
+
+class LocalHub:
+    """A hub serving the repos a test adds, on a free port of 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.repos: dict[str, _Repo] = {}
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.bytes_per_s: int | None = None  # serve files this slowly (None: at once)
+        self.endpoint = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def add_repo(self, repo: str, files: dict[str, bytes], *, gated: bool = False) -> str:
+        """Serve ``files`` (path in the repo: content) as ``repo`` (USER/REPO); its commit id."""
+        commit = hashlib.sha1(repr(sorted(files.items())).encode()).hexdigest()
+        self.repos[repo] = _Repo(commit, dict(files), gated)
+        return commit
+
+    def corrupt(self, repo: str, path: str) -> None:
+        """Serve ``path`` with a byte flipped, still publishing the sha256 of its true content."""
+        self.repos[repo].corrupt.add(path)
+
+    def file_requests(self, path_end: str) -> list[tuple[str, str, str | None]]:
+        return [r for r in self.requests if r[1].endswith(path_end)]
+
+    def __enter__(self) -> LocalHub:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop serving (a later resolve must make do with the cache)."""
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+            self._runner = None
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/api/models/{user}/{repo}", self._info)
+        app.router.add_get("/api/models/{user}/{repo}/revision/{revision}", self._info)
+        app.router.add_route("*", "/{user}/{repo}/resolve/{revision}/{path:.+}", self._file)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def _repo(self, request: web.Request) -> tuple[str, _Repo]:
+        self.requests.append((request.method, request.path, request.headers.get("Range")))
+        name = f"{request.match_info['user']}/{request.match_info['repo']}"
+        repo = self.repos.get(name)
+        if repo is None:
+            raise web.HTTPNotFound(headers={"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"})
+        return name, repo
+
+    async def _info(self, request: web.Request) -> web.Response:
+        name, repo = self._repo(request)
+        siblings = []
+        for path, data in sorted(repo.files.items()):
+            sibling: dict[str, object] = {"rfilename": path}
+            if request.query.get("blobs") == "true":
+                sibling.update(size=len(data), blobId=_git_blob_id(data),
+                               lfs={"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                                    "pointerSize": 134})
+            siblings.append(sibling)
+        return web.json_response({"id": name, "modelId": name, "sha": repo.commit, "private": False,
+                                  "gated": "manual" if repo.gated else False, "siblings": siblings})
+
+    async def _file(self, request: web.Request) -> web.StreamResponse:
+        _, repo = self._repo(request)
+        path = request.match_info["path"]
+        if repo.gated and "Authorization" not in request.headers:
+            raise web.HTTPUnauthorized(headers={"X-Error-Code": "GatedRepo", "X-Error-Message": "Access restricted"})
+        data = repo.files.get(path)
+        if data is None:
+            raise web.HTTPNotFound(headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit})
+        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                   "X-Linked-Size": str(len(data)), "Accept-Ranges": "bytes"}
+        if path in repo.corrupt:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        start = _range_start(request.headers.get("Range"))
+        status = 206 if start else 200
+        if start:
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        body = data[start:]
+        response = web.StreamResponse(status=status, headers=headers)
+        response.content_length = len(body)
+        await response.prepare(request)
+        if request.method == "GET":
+            for offset in range(0, len(body), CHUNK_BYTES):
+                await response.write(body[offset:offset + CHUNK_BYTES])
+                if self.bytes_per_s:
+                    await asyncio.sleep(CHUNK_BYTES / self.bytes_per_s)
+        await response.write_eof()
+        return response
+
+
+def _range_start(header: str | None) -> int:
+    """Where a ``Range: bytes=N-`` asks to start (0 without one)."""
+    if not header or not header.startswith("bytes="):
+        return 0
+    return int(header[len("bytes="):].split("-")[0] or 0)
+
+
+def _git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
