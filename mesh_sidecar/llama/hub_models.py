@@ -48,7 +48,7 @@ from huggingface_hub.utils import WeakFileLock, build_hf_headers, hf_raise_for_s
 
 from ..errors import ModelError, UsageError
 from ..progress import ProgressCallback
-from ..units import GIB, MIB
+from ..units import MIB, format_gib
 from .model_files import shard_name
 
 PREFIX = "hf:"
@@ -390,8 +390,9 @@ def _check_space(storage: Path, files: list[RepoFile]) -> None:
             needed += file.size_bytes - (partial.stat().st_size if partial.exists() else 0)
     free = shutil.disk_usage(blobs).free
     if needed and needed + SPACE_MARGIN_BYTES > free:
-        raise ModelError(f"The model needs {needed / GIB:.2f} GiB more in {blobs}, and {free / GIB:.2f} GiB is "
-                         "free there. Free some space, or set HF_HUB_CACHE (or HF_HOME) to a larger disk.")
+        raise ModelError(f"The model needs {format_gib(needed, up=True)} GiB more in {blobs}, and "
+                         f"{format_gib(free)} GiB is free there. Free some space, or set HF_HUB_CACHE (or HF_HOME) "
+                         "to a larger disk.")
 
 
 def _partial(blobs: Path, file: RepoFile) -> Path:
