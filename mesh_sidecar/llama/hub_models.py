@@ -278,12 +278,18 @@ def resolve(name: HubModelName, *, progress: ProgressCallback, offline: bool = F
     ``HF_HUB_CACHE``/``HF_HOME``, ``HF_TOKEN`` or a ``hf auth login``). ModelError says what to do.
     """
     storage = Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=name.repo, repo_type="model")
+    offline = offline or constants.is_offline_mode()
     cached = _read_listing(storage)
     if cached is not None:
-        choice = choose_files(name, cached.files, projector=projector)
-        if all(_pointer(storage, cached.commit, f).exists() for f in choice.files):
-            return _resolved(name, storage, cached, choice)
-    if offline or constants.is_offline_mode():
+        try:
+            choice = choose_files(name, cached.files, projector=projector)
+        except ModelError:
+            if offline:
+                raise
+        else:  # a quant the repo lacked then may be there now: only a choice made and cached ends here
+            if all(_pointer(storage, cached.commit, f).exists() for f in choice.files):
+                return _resolved(name, storage, cached, choice)
+    if offline:
         raise ModelError(f"{name} is not in the cache ({storage}) and the node is offline. Start once with the "
                          "network (HF_HUB_OFFLINE unset) to download it.")
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")

@@ -150,3 +150,11 @@ def test_a_download_killed_midway_resumes_on_the_next_start(hub, tmp_path):
     resolved = fetch(hub, "hf:u/m-GGUF", tmp_path / "hub", projector=False)
     assert resolved.model_path.read_bytes() == MODEL and not partial.exists()
     assert hub.file_requests("m-Q4_K_M.gguf")[-1][2] == f"bytes={kept}-"
+
+
+def test_a_quant_added_since_the_listing_was_cached_is_found(hub, tmp_path):
+    fetch(hub, "hf:u/m-GGUF", tmp_path)
+    hub.add_repo("u/m-GGUF", {**FILES, "m-Q6_K.gguf": b"GGUF q6"})
+    assert fetch(hub, "hf:u/m-GGUF:Q6_K", tmp_path).model_path.read_bytes() == b"GGUF q6"
+    with pytest.raises(ModelError, match="no Q5_K_M quant"):
+        fetch(hub, "hf:u/m-GGUF:Q5_K_M", tmp_path, offline=True)
