@@ -1,6 +1,6 @@
 """What a command readies before a node runs: the llama.cpp build, the model and its identity, a draft
-model, the weight cache, the devices to offer; slow steps report on a live bar on a terminal, else in plain
-lines."""
+model, the projectors' identity, the weight cache, the data relay; slow steps report on a live bar on a
+terminal, else in plain lines."""
 
 from __future__ import annotations
 
@@ -11,19 +11,18 @@ from pathlib import Path
 
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
-from ..errors import SetupError, UsageError
+from ..errors import SetupError
 from ..home import NodeHome
 from ..llama import weight_cache
 from ..llama.backends import Backend, recorded_backend
 from ..llama.build import B2B, STOCK, ensure_binaries, ensure_source_archive
 from ..llama.model import check_gguf, ensure_model, model_sha256
 from ..llama.model_files import read_model_header
-from ..llama.projector import Projector, check_pair, read_projector
+from ..llama.projector import Projector, check_pair
 from ..llama.weight_cache import WeightCache
 from ..net.data_plane.build import ensure_data_relay
 from ..progress import PlainProgress, ProgressCallback
 from ..serve import speculation
-from ..wire.gossip import DEVICE_NAME_RE, MAX_DEVICES_PER_MEMBER
 from .output import err_console
 
 
@@ -84,21 +83,6 @@ def prepare(llama_bin: Path | None, model: Path | None, *, uses_model: bool = Tr
         return binaries, model_path, sha256, tuple((path, model_sha256(path, progress)) for path in more)
 
 
-NO_PROJECTOR = "none"  # --mmproj none: this tier takes no images
-
-
-def read_projectors(mmproj: Sequence[str], n_models: int, *, serving: bool) -> list[Projector | None]:
-    """--mmproj, checked as projectors (before any build): one per --model, or none at all."""
-    if not mmproj:
-        return []
-    if not serving:
-        raise UsageError("--mmproj works on the serving node only: add --serve PORT (workers need no projector).")
-    if len(mmproj) != n_models:
-        raise UsageError(f"Give --mmproj once per --model, in the same order ('{NO_PROJECTOR}' for a model without "
-                         f"one): {n_models} model(s), {len(mmproj)} projector(s).")
-    return [None if arg == NO_PROJECTOR else read_projector(Path(arg).expanduser()) for arg in mmproj]
-
-
 def identify_projectors(projectors: Sequence[Projector | None],
                         models: Sequence[Path]) -> tuple[Projector | None, ...]:
     """Each projector checked against its model's embedding width, and hashed (its identity in gossip)."""
@@ -112,13 +96,12 @@ def identify_projectors(projectors: Sequence[Projector | None],
     return tuple(identified)
 
 
-def draft_for(model: Path | None, draft: str | None, serving: bool) -> Path | None:
-    """The draft model --draft-model names (checked against the model's tokenizer), or None."""
+def draft_for(model: Path | None, draft: str | None) -> Path | None:
+    """The draft model --draft-model names (checked against the model's tokenizer), or None. Only a
+    serving node takes one (node/options.py checks), and it has its model."""
     if draft is None:
         return None
-    if not serving:
-        raise UsageError("--draft-model works on the serving node only: add --serve PORT.")
-    assert model is not None  # a serving node has its model
+    assert model is not None
     path = speculation.find_draft(model) if draft == speculation.AUTO else check_gguf(Path(draft))
     speculation.check_pair(model, path)
     return path
@@ -137,19 +120,6 @@ def prepare_weight_cache(home: NodeHome, model: Path | None, sha256: str,
         if model is not None and sha256:
             weight_cache.seed(cache, tool, model, sha256, progress)
     return cache, tool
-
-
-def device_names(devices: str | None) -> tuple[str, ...]:
-    """--devices as names (UsageError for one llama.cpp could not name, or too many for gossip)."""
-    if devices is None:
-        return ()
-    names = tuple(name.strip() for name in devices.split(","))
-    if not all(DEVICE_NAME_RE.fullmatch(name) for name in names) or len(set(names)) != len(names):
-        raise UsageError(f"--devices takes distinct device names as llama.cpp gives them, comma-separated "
-                         f"(e.g. Vulkan0,CPU), not {devices!r}. `mesh-inference status` shows a node's devices.")
-    if len(names) > MAX_DEVICES_PER_MEMBER:
-        raise UsageError(f"--devices names {len(names)} devices; a node offers at most {MAX_DEVICES_PER_MEMBER}.")
-    return names
 
 
 def keep_source(say: Callable[[str], None]) -> Path | None:

@@ -1,145 +1,79 @@
-"""Start a node from the command line's options: check them, ready the build, the model and the
-weight cache (prepare.py), then run the node until Ctrl-C or SIGTERM; or, with --lan, list the meshes
-nearby. main.py imports this only to run a node, so read-only commands stay quick."""
+"""Start a node from the command line's options: checked and assembled by node/options.py, the build,
+the model and the weight cache readied (prepare.py), then the node run until Ctrl-C or SIGTERM; or, with
+--lan, the meshes nearby listed. main.py imports this only to run a node, so read-only commands stay quick."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import logging.handlers
 import signal
 import socket
 import sys
-from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
-from ..errors import SourceUnavailableError, UsageError
+from ..errors import SourceUnavailableError
 from ..home import NodeHome
 from ..identity import load_or_create_identity, short_id
-from ..llama.build import LlamaBinaries
-from ..llama.kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
 from ..logs import CHILD_LOG_BACKUPS, CHILD_LOG_MAX_BYTES, SIDECAR_LOG_NAME
 from ..mesh.saved import SavedMesh
 from ..mesh.source_fetch import fetch_source_archive
 from ..net.discovery import LAN_BROWSE_S, browse_lan
-from ..node.lifecycle import ApiOptions, Node, NodeOptions
-from ..ports import DEFAULT_API_PORT, LOOPBACK, check_tcp_port_free
-from ..serve.access import ApiAccess
-from ..serve.planner import PlanBy
-from ..serve.step_up import StepUpRules
-from ..serve.supervisor import PlanAnnouncement, ServeOptions
-from ..units import parse_size
-from ..wire.ticket import decode_ticket
+from ..node.lifecycle import Node
+from ..node.options import NodeArgs, Readied, check, node_options
+from ..serve.supervisor import PlanAnnouncement
 from .output import console
-from .prepare import (
-    device_names,
-    draft_for,
-    identify_projectors,
-    prepare,
-    prepare_data_relay,
-    prepare_weight_cache,
-    read_projectors,
-    setup_progress,
-)
+from .prepare import draft_for, identify_projectors, prepare, prepare_data_relay, prepare_weight_cache, setup_progress
 from .views import plan_view
 
 
-def start_node(*, serve: int | None, api_port: int | None, no_api: bool, model: list[Path] | None, spread: bool,
-               plan_by: str, name: str | None, home: Path | None, llama_bin: Path | None, b2b: bool,
-               join: str | None, port: int | None, min_peers: int, step_up_after_s: float,
-               step_up_interval_s: float, max_memory: str | None, devices: str | None, threads: int | None,
-               ctx_size: int, cache_type_k: str, cache_type_v: str, api_key: str | None, cors_origin: str | None,
-               use_weight_cache: bool, mmproj: list[str] | None, draft_model: str | None, speculation_mode: str,
-               receipt: Path | None, fetch_model: bool, data_path: str, no_mdns: bool, lan: bool,
-               verbose: bool) -> None:
-    """`mesh-inference` without a subcommand, with its options (main.py's ``run_node`` names them)."""
-    node_home = NodeHome.resolve(home)
-    if lan:
+def start_node(**typed: Any) -> None:
+    """`mesh-inference` without a subcommand, with its options as typed (main.py's ``run_node`` names them)."""
+    args = NodeArgs(**typed)
+    node_home = NodeHome.resolve(args.home)
+    if args.lan:
         show_lan(node_home)
         return
-    ticket = decode_ticket(join) if join is not None else None
-    max_memory_bytes = parse_size(max_memory) if max_memory is not None else None
-    api = _api_options(serve, api_port, no_api, ApiAccess(api_key, cors_origin))
-    if spread and serve is None:
-        raise UsageError("--spread works on a serving node only: add --serve PORT.")
-    if plan_by not in (rule.value for rule in PlanBy):
-        raise UsageError(f"--plan-by takes 'speed' or 'memory', not {plan_by!r}.")
-    kv_cache = KvCacheTypes(cache_type_k, cache_type_v)  # UsageError naming the allowed types
-    if kv_cache != DEFAULT_KV_CACHE and serve is None:
-        raise UsageError("--cache-type-k and --cache-type-v work on the serving node only: add --serve PORT.")
-    if model and len(model) > 1 and serve is None:
-        raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
-                         "or give a worker one --model.")
-    projectors = read_projectors(mmproj or [], len(model or [None]), serving=serve is not None)
-    # A worker without --model fetches no model and hashes none: the serving node sends what it holds.
-    uses_model = serve is not None or bool(model)
-
-    def ready() -> tuple[LlamaBinaries, Path | None, str, tuple[tuple[Path, str], ...]]:
-        return prepare(llama_bin, model[0] if model else None, uses_model=uses_model, identify_model=uses_model,
-                       b2b=b2b, more_models=model[1:] if model else ())
-
+    checked = check(args)
     try:
-        binaries, model_path, sha256, more_models = ready()
+        readied = _ready(args)
     except SourceUnavailableError:
-        if ticket is None:
+        if checked.ticket is None:
             raise  # its message says what to do
         node_home.create()
         console.print("No llama.cpp build here, and PyPI is out of reach: taking the llama.cpp source from the "
                       "member the ticket names, to build it here.", highlight=False, soft_wrap=True)
         with setup_progress() as progress:
-            asyncio.run(fetch_source_archive(ticket, load_or_create_identity(node_home.root), progress))
-        binaries, model_path, sha256, more_models = ready()
-    if data_path not in ("auto", "quic"):
-        raise UsageError(f"--data-path takes 'auto' or 'quic', not {data_path!r}.")
-    if speculation_mode not in ("auto", "off"):
-        raise UsageError(f"--speculation takes 'auto' or 'off', not {speculation_mode!r}.")
-    if speculation_mode == "off" and draft_model is not None:
-        raise UsageError("--speculation off and --draft-model contradict each other: drop one.")
-    draft_path = draft_for(model_path, draft_model, serve is not None)
-    if receipt is not None and serve is None:
-        raise UsageError("--receipt works on the serving node only: add --serve PORT.")
+            asyncio.run(fetch_source_archive(checked.ticket, load_or_create_identity(node_home.root), progress))
+        readied = _ready(args)
+    model_path, sha256 = readied.models[0] if readied.models else (None, "")
+    draft_path = draft_for(model_path, args.draft_model)
     node_home.create()
-    _configure_logging(node_home, verbose)
+    _configure_logging(node_home, args.verbose)
     identity = load_or_create_identity(node_home.root)
-    node_name = name or socket.gethostname()
+    node_name = args.name or socket.gethostname()
     # Said before the weight cache is seeded, so the seeding lines belong to this node.
     console.print(f"Node {identity.short_id} ({node_name}), home {node_home.root}", highlight=False)
-    cache, tool = prepare_weight_cache(node_home, model_path, sha256, _say) if use_weight_cache else (None, None)
-    data_relay = prepare_data_relay(_say) if data_path == "auto" else None
-    serving = None
-    if serve is not None:
-        assert model_path is not None  # prepare fetched or checked it: a serving node uses a model
-        models = ((model_path, sha256), *more_models)
-        serving = ServeOptions(models=models, projectors=identify_projectors(projectors, [p for p, _ in models]),
-                               ctx_size=ctx_size, min_peers=min_peers,
-                               step_up=StepUpRules(step_up_after_s, step_up_interval_s),
-                               spread=spread, plan_by=PlanBy(plan_by), draft_model=draft_path,
-                               receipts=receipt.expanduser().resolve() if receipt else None,
-                               speculate=speculation_mode == "auto", kv_cache=kv_cache)
-    options = NodeOptions(home=node_home, name=node_name, model=model_path, binaries=binaries, api=api,
-                          serving=serving,
-                          join=ticket, quic_port=port, max_memory_bytes=max_memory_bytes, ctx_size=ctx_size,
-                          devices=device_names(devices), rpc_threads=threads,
-                          model_sha256=sha256, weight_cache=cache, weight_cache_tool=tool, fetch_model=fetch_model,
-                          mdns=not no_mdns, plain_progress=not console.is_terminal, data_relay=data_relay)
+    cache, tool = prepare_weight_cache(node_home, model_path, sha256, _say) if args.use_weight_cache else (None, None)
+    readied = dataclasses.replace(
+        readied, draft_model=draft_path, weight_cache=cache, weight_cache_tool=tool,
+        data_relay=prepare_data_relay(_say) if args.data_path == "auto" else None)
+    if args.serving:
+        readied = dataclasses.replace(readied, projectors=identify_projectors(checked.projectors,
+                                                                              [p for p, _ in readied.models]))
+    options = node_options(checked, node_home, node_name, readied, plain_progress=not console.is_terminal)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
 
 
-
-def _api_options(serve: int | None, api_port: int | None, no_api: bool, access: ApiAccess) -> ApiOptions:
-    """Where this node's API listens: --serve PORT and --api-port name the same port; a port the user
-    chose must be free now (the default one may fall back to a free port)."""
-    if serve is not None and api_port is not None and serve != api_port:
-        raise UsageError(f"--serve {serve} and --api-port {api_port} both set the API's port: give one.")
-    if no_api and api_port is not None:
-        raise UsageError("--no-api and --api-port contradict each other: drop one.")
-    # With --no-api, --serve's port stays closed: members still reach the model through the mesh.
-    chosen = None if no_api else serve if serve is not None else api_port
-    if chosen is not None:
-        check_tcp_port_free(LOOPBACK, chosen, "the API (--serve / --api-port)")
-    return ApiOptions(port=DEFAULT_API_PORT if chosen is None else chosen, enabled=not no_api,
-                      port_given=chosen is not None, access=access)
+def _ready(args: NodeArgs) -> Readied:
+    """The build and the models (prepare.py): the node's model, its sha256 when it uses one, the other tiers'."""
+    binaries, model_path, sha256, more_models = prepare(
+        args.llama_bin, args.model[0] if args.model else None, uses_model=args.uses_model,
+        identify_model=args.uses_model, b2b=args.b2b, more_models=args.model[1:] if args.model else ())
+    return Readied(binaries, ((model_path, sha256), *more_models) if model_path is not None else ())
 
 
 def show_lan(node_home: NodeHome) -> None:

@@ -16,46 +16,43 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..errors import ChildExitedError, MeshError, ModelError, PlanError, PortInUseError, UsageError
-from ..home import NodeHome
 from ..identity import NodeIdentity
 from ..llama import weight_cache
 from ..llama.announced_build import local_build
-from ..llama.build import LlamaBinaries
 from ..llama.calibration import DeviceSpeed, SpeedRecord, calibrate_devices, measure_while_idle
 from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, Device, backend_of, measure, parse_device_listing
-from ..llama.kv_cache import DEFAULT_CTX_SIZE, DEFAULT_KV_CACHE
+from ..llama.kv_cache import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.model_files import model_files
-from ..llama.weight_cache import WeightCache
 from ..logs import SIDECAR_LOG_NAME
 from ..mesh.exclusion import LLAMA_BUILD_MISMATCH, SAME_BUILD_REMEDY
 from ..mesh.runtime import Mesh
 from ..mesh.saved import SavedMesh
 from ..mesh.status import PeerView, mesh_json, peers_json
 from ..net.api_forward import ApiServer, MeshForwardTransport
-from ..ports import DEFAULT_API_PORT, LOOPBACK, free_tcp_port
+from ..net.data_plane.build import BINARY_NAME
+from ..ports import LOOPBACK, free_tcp_port
 from ..progress import PlainProgress, ProgressCallback, ignore_progress
 from ..serve import dashboard
-from ..serve.access import OPEN_ACCESS, ApiAccess
 from ..serve.activity import RecentEvents
 from ..serve.catalog import MeshCatalog, mesh_catalog
 from ..serve.mesh_round import plan_over_mesh
 from ..serve.metrics import Metrics
+from ..serve.options import ServeOptions
 from ..serve.planner import Plan, PlanBy
 from ..serve.proxy import ApiProxy, ProxyOptions
 from ..serve.replan import Tier
 from ..serve.routing import MeshRoutes
-from ..serve.supervisor import ServeOptions, ServingHost, ServingSupervisor, estimate_off_loop
+from ..serve.supervisor import ServingHost, ServingSupervisor, estimate_off_loop
 from ..units import format_gib
 from ..wire.gossip import LlamaBuild, OfferedDevice
-from ..wire.ticket import Ticket
 from .control import ControlServer
+from .options import NodeOptions
 
 log = logging.getLogger(__name__)
 
@@ -65,51 +62,6 @@ MODEL_FETCH_POLL_S = 2.0
 MODEL_FETCH_RETRY_S = 10.0
 # After a calibration that left a device unmeasured: how long an rpc-server that aborted on it takes to be seen gone.
 CALIBRATION_EXIT_GRACE_S = 0.5
-
-
-@dataclass(frozen=True)
-class ApiOptions:
-    """The node's API: every node has one, on loopback."""
-
-    port: int = DEFAULT_API_PORT
-    enabled: bool = True  # --no-api: no port for people (a serving node still answers members' forwarded requests)
-    port_given: bool = False  # the user chose the port: taken is an error, not a reason to use another
-    access: ApiAccess = OPEN_ACCESS  # --api-key, --cors-origin: at whichever node a client calls
-
-
-@dataclass(frozen=True)
-class NodeOptions:
-    """What the user asked this node to be."""
-
-    home: NodeHome
-    name: str
-    model: Path | None  # None: a worker that holds no model file (the serving node sends its layers)
-    binaries: LlamaBinaries
-    api: ApiOptions = ApiOptions()
-    # --serve: this node serves a model; its tiers begin with ``model``. None: a worker.
-    serving: ServeOptions | None = None
-    join: Ticket | None = None
-    quic_port: int | None = None
-    max_memory_bytes: int | None = None
-    ctx_size: int = DEFAULT_CTX_SIZE
-    # sha256 of the model file, announced to members: set on a serving node and
-    # on any node given --model; "" on a worker that holds no model file.
-    model_sha256: str = ""
-    # The devices rpc-server offers (--devices), by ggml's names; (): its own rule (every GPU, else the CPU).
-    devices: tuple[str, ...] = ()
-    rpc_threads: int | None = None  # --threads: rpc-server's CPU threads; None: the physical cores
-    # rpc-server's weight cache (`-c`), seeded from the model file; None: off.
-    weight_cache: WeightCache | None = None
-    weight_cache_tool: Path | None = None
-    # Fetch the serving node's model file over the mesh when this node lacks it.
-    fetch_model: bool = False
-    # Advertise on the LAN and re-find members there (mDNS, discovery.py).
-    mdns: bool = False
-    # Also say the progress of steps a terminal shows nothing of (llama-server's load stages, seeding
-    # the weight cache after a fetch): for output that is not a terminal, such as a CI log.
-    plain_progress: bool = False
-    # The native data relay's binary (--data-path auto); None: every tunnel over QUIC.
-    data_relay: Path | None = None
 
 
 class _StopRequested(Exception):
@@ -478,7 +430,7 @@ class Node:
                       "log": str(child.log_path)} for child, port in children if child is not None]
         if self.mesh is not None and (relay := self.mesh.data_paths.relay) is not None:
             # It writes no log of its own: the sidecar logs what it reports.
-            processes.append({"name": "mesh-data-relay", "pid": relay.pid, "running": relay.running,
+            processes.append({"name": BINARY_NAME, "pid": relay.pid, "running": relay.running,
                               "port": relay.port, "log": str(self.options.home.logs / SIDECAR_LOG_NAME),
                               "restarts": relay.restarts})
         # With model tiers, the one in service (or last planned).

@@ -49,7 +49,6 @@ from ..llama.estimate import ModelEstimate, estimate_model
 from ..llama.kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
 from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
 from ..llama.model import model_sha256, model_shards
-from ..llama.projector import Projector
 from ..mesh.exclusion import SLOW_EXCLUSION_S
 from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
@@ -63,6 +62,7 @@ from .exchange import ServingHooks
 from .failover_timeline import FailoverTimeline
 from .mesh_round import MeshRound, planning_members
 from .metrics import Metrics
+from .options import ServeOptions
 from .pace import Slow
 from .planner import Plan, PlanBy
 from .proxy import ApiProxy
@@ -80,7 +80,7 @@ from .replan import (
 )
 from .speculation import Speculation, choose
 from .speeds import ObservedSpeeds
-from .step_up import StepUpGate, StepUpRules
+from .step_up import StepUpGate
 from .tiers import TierView, model_id, tier_views
 
 log = logging.getLogger(__name__)
@@ -114,33 +114,6 @@ class PlanAnnouncement:
         nodes = ", ".join(f"{n['name']} [{n['layers'][0]}, {n['layers'][1]})" for n in self.plan_json["nodes"])
         title = f"Plan for {self.plan_json['model']}" if self.plan_json.get("model") else "Plan"
         return f"{title}: {self.plan_json['n_layers']} layers over {nodes}"
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """What the user asked of the serving node: ``--serve`` and the options that go with it."""
-
-    models: tuple[tuple[Path, str], ...]  # (path, sha256) of every --model, in the order given: the tiers
-    ctx_size: int
-    min_peers: int = 0  # wait for this many peers before loading the model
-    step_up: StepUpRules = StepUpRules()  # with several tiers: when a bigger one may replace the one in service
-    spread: bool = False  # --spread: split over every free worker, even when the model fits on fewer
-    plan_by: PlanBy = PlanBy.SPEED  # --plan-by: what the layer counts follow
-    draft_model: Path | None = None  # a draft model (same tokenizer) for speculative decoding on this node's CPU
-    receipts: Path | None = None  # write a signed run receipt per generation request here
-    speculate: bool = True  # let the node choose speculative decoding (False: never)
-    kv_cache: KvCacheTypes = DEFAULT_KV_CACHE  # --cache-type-k/-v, for llama-server and the estimate
-    # Each tier's --mmproj projector, in the order of ``models`` (None, or no entry: that tier takes no images).
-    projectors: tuple[Projector | None, ...] = ()
-
-    def projector(self, tier: int) -> Projector | None:
-        return self.projectors[tier] if tier < len(self.projectors) else None
-
-    def tier_estimate(self, tier: int, estimate: ModelEstimate) -> ModelEstimate:
-        """``estimate`` of tier ``tier``'s model with its projector's memory on the serving node."""
-        projector = self.projector(tier)
-        return estimate if projector is None else dataclasses.replace(estimate,
-                                                                      projector_bytes=projector.memory_bytes)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mesh_sidecar.cli.prepare import identify_projectors, read_projectors
+from mesh_sidecar.cli.prepare import identify_projectors
 from mesh_sidecar.errors import ModelError, UsageError
 from mesh_sidecar.llama.model_files import read_model_header
 from mesh_sidecar.llama.projector import check_pair, read_projector
+from mesh_sidecar.node.options import read_projectors
 from mesh_sidecar.serve.api_request import ApiRequest
 from mesh_sidecar.serve.catalog import mesh_catalog
 from mesh_sidecar.serve.planner import NodeCapacity, assess_tiers
