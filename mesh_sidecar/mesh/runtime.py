@@ -32,13 +32,10 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ConnectionClosedError, MeshError, PortInUseError
-from ..home import NodeHome
-from ..identity import NodeIdentity, short_id
+from ..identity import short_id
 from ..llama.build import offered_source
-from ..llama.capacity import Capacity
 from ..llama.model import offered_files
 from ..net.addresses import reachable_addresses
-from ..net.api_forward import ApiServer
 from ..net.connection import PeerConnection
 from ..net.data_plane.process import DataRelay, bind_data_port
 from ..net.discovery import LanRecord, mesh_id
@@ -55,7 +52,6 @@ from ..wire.gossip import (
     MAX_ADDRESSES,
     MAX_DEVICES_PER_MEMBER,
     MAX_RUN_ID,
-    LlamaBuild,
     MemberInfo,
     Observed,
     OfferedDevice,
@@ -67,18 +63,18 @@ from ..wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 from ..wire.ticket import MAX_TICKET_ADDRESSES, Ticket, encode_ticket
 from . import events
 from .changes import Changes
+from .config import MeshConfig
 from .data_paths import DataPaths
 from .dialer import Dialer
 from .health import Sign, lost_reason
 from .lan import LanDialer
-from .membership import Dial, Disconnect, Membership, MemberState, Send, find_member
+from .membership import Dial, Disconnect, MemberState, Send, find_member
 from .observed import OwnAddresses, tell_observed_addresses
 from .peers import LEAVE_GRACE_S, PeerTable
 from .saved import SavedMesh
 from .sentences import ExclusionNotices, event_message
 from .serving import OnRejected, ServingVerdicts
 from .status import MeshView, PeerView, mesh_view, peer_views
-from .timings import MeshTimings
 
 log = logging.getLogger(__name__)
 
@@ -91,39 +87,20 @@ LEFT_FOR_GOOD_REASON = "left the mesh for good"  # `mesh-inference leave`: membe
 class Mesh:
     """One node's membership in the mesh, from its QUIC port to its tunnel ports."""
 
-    def __init__(
-        self,
-        identity: NodeIdentity,
-        name: str,
-        home: NodeHome,
-        rpc_port: int,
-        capacity: Callable[[], Capacity],
-        say: Callable[[str], None],
-        *,
-        saved: SavedMesh,
-        build: LlamaBuild,
-        serving: bool = False,
-        model_sha256: str = "",
-        model_file: Path | None = None,
-        lan: bool = False,
-        local_api: Callable[[], ApiServer | None] = lambda: None,
-        forward_token: str = "",
-        timings: MeshTimings = MeshTimings(),
-        membership: type[Membership] = Membership,  # tests put a faulty one in its place
-        devices: tuple[OfferedDevice, ...] = (),  # what our rpc-server offers, as it listed them
-        data_relay: Path | None = None,  # the native relay's binary; None: every tunnel over QUIC
-    ) -> None:
+    def __init__(self, config: MeshConfig) -> None:
+        identity, name, home, rpc_port, say = config.identity, config.name, config.home, config.rpc_port, config.say
+        timings, saved, model_sha256, model_file = config.timings, config.saved, config.model_sha256, config.model_file
         self.identity = identity
         self._timings = timings
         self._name = name
         self._home = home
         self._rpc_port = rpc_port
-        self._capacity = capacity
+        self._capacity = config.capacity
         self._say = say
-        self._serving = serving
-        self.build = build  # announced; members and the serving node compare it (exclusion.py)
+        self._serving = config.serving
+        self.build = config.build  # announced; members and the serving node compare it (exclusion.py)
         self.model_sha256 = model_sha256
-        self.devices = devices[:MAX_DEVICES_PER_MEMBER]
+        self.devices = config.devices[:MAX_DEVICES_PER_MEMBER]
         # The model's files members may fetch, by sha256 (a split model's manifest and shards).
         self._offered = offered_files(model_file, model_sha256) if model_file is not None and model_sha256 else {}
         self._saved = saved
@@ -135,7 +112,7 @@ class Mesh:
         self._transport.refuse_nodes(saved.removed)
         self._tasks: set[asyncio.Task[None]] = set()  # dials and deferred closes
         self._relay_task: asyncio.Task[None] | None = None  # the native data relay's, from run to close
-        self._data_relay_binary = data_relay
+        self._data_relay_binary = config.data_relay
         self._peers = PeerTable(identity.node_id, self._spawn, retire_idle_s=timings.retire_idle_s,
                                 retire_poll_s=timings.retire_poll_s)
         self._addresses = OwnAddresses()
@@ -154,20 +131,20 @@ class Mesh:
             # source, which a member without package access builds from (mesh/source_fetch.py).
             lambda sha256: self._offered.get(sha256) or offered_source(sha256),
             self._peers.open_relay_leg, self.relay_counters, self._transport.serve_circuit,
-            local_api, forward_token)
+            config.local_api, config.forward_token)
         # A serving node's announcement of what it serves (serve/supervisor.py), read at each announcement.
         self._serves: Callable[[], ServedModel | None] = lambda: None
         # What each member serves and its devices' speeds, as last heard: news for planning when they change.
         self._planning_said: dict[bytes, tuple[ServedModel | None, tuple[tuple[int, bool], ...]]] = {}
         # Without a port yet, this node announces no addresses: start() adds them.
-        self._membership = membership(self._self_info(), degraded_after_s=timings.degraded_after_s,
+        self._membership = config.membership(self._self_info(), degraded_after_s=timings.degraded_after_s,
                                       lost_after_s=timings.lost_after_s,
                                       heartbeat_interval_s=timings.heartbeat_interval_s)
         # mDNS (lan.py): advertise this node, dial members whose records show up.
         self._lan = LanDialer(
             self._lan_record,
             lambda node_id: not (node_id in self._peers or node_id in self._saved.removed or self._leaving),
-            lambda node_id, addresses: self._dialer.redial(node_id, addresses)) if lan else None
+            lambda node_id, addresses: self._dialer.redial(node_id, addresses)) if config.lan else None
         self._dialer = Dialer(identity.node_id, self._transport,
                               lambda: {node_id: peer.connection for node_id, peer in self._peers.items()},
                               self._spawn, say, self.name_of, self._disconnected, self._membership.info_of,

@@ -30,6 +30,7 @@ from ..llama.kv_cache import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.model_files import model_files
 from ..logs import SIDECAR_LOG_NAME
+from ..mesh.config import MeshConfig
 from ..mesh.exclusion import LLAMA_BUILD_MISMATCH, SAME_BUILD_REMEDY
 from ..mesh.runtime import Mesh
 from ..mesh.saved import SavedMesh
@@ -255,13 +256,13 @@ class Node:
 
     async def _start_mesh(self) -> Mesh:
         assert self.rpc_port is not None and self.build is not None
-        self.mesh = Mesh(self.identity, self.options.name, self.options.home, self.rpc_port, self.capacity,
-                         self._say, saved=SavedMesh.load(self.options.home, self.options.join), build=self.build,
-                         serving=self.options.serving is not None, model_sha256=self.options.model_sha256,
-                         model_file=self.options.model if self.options.model_sha256 else None,
-                         lan=self.options.mdns, local_api=self._local_api, forward_token=self._forward_token,
-                         devices=self._offered_devices(),
-                         data_relay=self.options.data_relay)
+        self.mesh = Mesh(MeshConfig(
+            self.identity, self.options.name, self.options.home, self.rpc_port, self.capacity, self._say,
+            saved=SavedMesh.load(self.options.home, self.options.join), build=self.build,
+            serving=self.options.serving is not None, model_sha256=self.options.model_sha256,
+            model_file=self.options.model if self.options.model_sha256 else None, lan=self.options.mdns,
+            local_api=self._local_api, forward_token=self._forward_token, devices=self._offered_devices(),
+            data_relay=self.options.data_relay))
         await self.mesh.start(self.options.quic_port)
         ticket = self.mesh.ticket()
         self._say(f"Node ticket: {ticket}")

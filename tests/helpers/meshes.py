@@ -8,6 +8,7 @@ from pathlib import Path
 from mesh_sidecar.home import NodeHome
 from mesh_sidecar.identity import NodeIdentity, generate_identity
 from mesh_sidecar.llama.capacity import Capacity
+from mesh_sidecar.mesh.config import MeshConfig
 from mesh_sidecar.mesh.runtime import Mesh
 from mesh_sidecar.mesh.saved import SavedMesh
 from mesh_sidecar.mesh.status import peers_json
@@ -32,8 +33,8 @@ def make_mesh(root: Path, name: str, secret: bytes, say: Callable[[str], None] =
     home.create()
     saved = SavedMesh(secret)
     saved.save(home)
-    return Mesh(identity or generate_identity(), name, home, rpc_port, tiny_capacity, say, saved=saved,
-                **{"build": PINNED_BUILD, **options})
+    return Mesh(MeshConfig(identity or generate_identity(), name, home, rpc_port, tiny_capacity, say, saved=saved,
+                           **{"build": PINNED_BUILD, **options}))
 
 
 def ticket_of(mesh: Mesh, secret: bytes) -> Ticket:
