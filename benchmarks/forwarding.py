@@ -50,23 +50,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import (
-    _TICKET,
-    GREEDY,
-    PROMPT,
+from benchmarks.report import stats, write_report
+from benchmarks.setup import (
     QUIC_PORT,
     REPO_ROOT,
     START_TIMEOUT_S,
+    TICKET,
     Started,
-    _quiet,
-    _resolve_model,
-    _stats,
-    _status,
     cpu_seconds,
     lacks_root,
+    node_status,
+    quiet,
+    resolve_model,
     run_benchmark,
-    write_report,
 )
+from benchmarks.turns import GREEDY, PROMPT
 from tests.helpers.waiting import wait_until
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "forwarding.json"
@@ -178,7 +176,7 @@ class Node:
         return self.log.read_text(errors="replace")
 
     def ticket(self) -> str:
-        return wait_until(lambda: _TICKET.search(self.text()), 60, f"{self.name} prints a ticket").group(1)
+        return wait_until(lambda: TICKET.search(self.text()), 60, f"{self.name} prints a ticket").group(1)
 
 
 def _start(host, started: Started, workdir: Path, slots: CpuSlots, label: str, *args: str) -> Node:
@@ -202,8 +200,8 @@ def _serving(nodes: list[Node], serving: Node, started: Started) -> list[str]:
 
     wait_until(ready, START_TIMEOUT_S, f"{serving.name} loads the model")
     for node in nodes:
-        started.extra_pids += [p["pid"] for p in _status(node.host, node.home)["processes"]]
-    llama = next(p for p in _status(serving.host, serving.home)["processes"] if p["name"] == "llama-server")
+        started.extra_pids += [p["pid"] for p in node_status(node.host, node.home)["processes"]]
+    llama = next(p for p in node_status(serving.host, serving.home)["processes"] if p["name"] == "llama-server")
     argv = Path(f"/proc/{llama['pid']}/cmdline").read_bytes().decode().split("\0")
     return argv[argv.index("--rpc") + 1].split(",") if "--rpc" in argv else []
 
@@ -228,9 +226,9 @@ def _watched(nodes: list[Node]) -> list[tuple[str, subprocess.Popen, Path]]:
 
 def _summary(answers: list[dict[str, Any]]) -> dict[str, Any]:
     server = [a["server_decode_tok_s"] for a in answers if a["server_decode_tok_s"] is not None]
-    return {"head_ms": _stats([a["head_ms"] for a in answers]), "ttft_ms": _stats([a["ttft_ms"] for a in answers]),
-            "client_decode_tok_s": _stats([a["client_decode_tok_s"] for a in answers]),
-            "server_decode_tok_s": _stats(server) if server else None,
+    return {"head_ms": stats([a["head_ms"] for a in answers]), "ttft_ms": stats([a["ttft_ms"] for a in answers]),
+            "client_decode_tok_s": stats([a["client_decode_tok_s"] for a in answers]),
+            "server_decode_tok_s": stats(server) if server else None,
             "text_events": [a["text_events"] for a in answers],
             "texts_all_identical": len({a["text"] for a in answers}) == 1}
 
@@ -287,7 +285,7 @@ def run_forwarding(profile: str, spec: dict[str, Any], workdir: Path, started: S
         answers, cpu_ms = _alternate({"direct": (s.host, request), "forwarded": (f.host, request)}, spec["reps"],
                                      watched, slots, (s, f))
         probe = _ask(f.host, {**request, "requests": 0, "ping": s.host.ip, "metrics": True}, watched, slots)
-        peer = next(p for p in _status(f.host, f.home)["peers"] if p["name"] == "s")
+        peer = next(p for p in node_status(f.host, f.home)["peers"] if p["name"] == "s")
     finally:
         started.stop_all()
         lab.close()
@@ -295,7 +293,7 @@ def run_forwarding(profile: str, spec: dict[str, Any], workdir: Path, started: S
         "profile": profile, "link": LINK_PROFILES[profile], "began": began,
         "ended": datetime.now(UTC).isoformat(timespec="seconds"), "loadavg_1min_at_end": os.getloadavg()[0],
         "serving_rpc_endpoints": rpc,
-        "ping_rtt_ms": _stats(probe["ping_rtt_ms"]), "mesh_rtt_p50_ms": peer["rtt_p50_ms"],
+        "ping_rtt_ms": stats(probe["ping_rtt_ms"]), "mesh_rtt_p50_ms": peer["rtt_p50_ms"],
         "f_metrics": probe["metrics"], "raw": answers,
     }
     for side, side_answers in answers.items():
@@ -477,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--cpus-per-host {args.cpus_per_host} needs {args.cpus_per_host * slots_needed} CPUs "
               f"({slots_needed} slots); this machine has {os.cpu_count()}", file=sys.stderr)
         return 2
-    binaries = ensure_binaries(None, _quiet)
-    model = _resolve_model(None)
+    binaries = ensure_binaries(None, quiet)
+    model = resolve_model(None)
     spec = {"n_predict": args.n_predict, "reps": args.reps}
     report: dict[str, Any] = {
         "benchmark": "forwarding", "date": datetime.now(UTC).isoformat(timespec="seconds"), "model": model.name,

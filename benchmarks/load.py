@@ -43,7 +43,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import (
+from benchmarks.report import write_report
+from benchmarks.setup import (
     DIRECT_API_PORT,
     DIRECT_RPC_PORT,
     MESH_API_PORT,
@@ -51,13 +52,12 @@ from benchmarks.decode import (
     REPO_ROOT,
     START_TIMEOUT_S,
     Started,
-    _listening,
-    _quiet,
-    _resolve_model,
-    _status,
     lacks_root,
+    listening,
+    node_status,
+    quiet,
+    resolve_model,
     run_benchmark,
-    write_report,
 )
 from tests.helpers.waiting import wait_until
 
@@ -120,7 +120,7 @@ def run_direct(hosts, started: Started, workdir: Path, binaries, model: Path, ro
         started.popen(f"rpc {name}", host.exec_argv(str(binaries.rpc_server), "-H", host.ip, "-p",
                                                     str(DIRECT_RPC_PORT)), workdir / f"direct-rpc-{name}-{round_}.out")
     for name in "abc":
-        wait_until(partial(_listening, hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name}")
+        wait_until(partial(listening, hosts[name], DIRECT_RPC_PORT), 30, f"rpc-server on {name}")
     endpoints = [f"{hosts[n].ip}:{DIRECT_RPC_PORT}" for n in "abc"]
     rx_before = {n: _rx_bytes(hosts[n]) for n in "ab"}
     _warm_page_cache(model)
@@ -163,9 +163,9 @@ def run_mesh(hosts, started: Started, workdir: Path, model: Path, seeded: bool, 
     wait_until(lambda: "API ready" in log_c.read_text(errors="replace"), START_TIMEOUT_S * 3, f"{label}: c loads",
                poll_s=0.05)
     ready_at = time.monotonic()
-    status = _status(hosts["c"], homes["c"])
+    status = node_status(hosts["c"], homes["c"])
     for name in "abc":
-        started.extra_pids += [p["pid"] for p in _status(hosts[name], homes[name])["processes"]]
+        started.extra_pids += [p["pid"] for p in node_status(hosts[name], homes[name])["processes"]]
     return {"load_s": ready_at - planned_at, "startup_s": ready_at - started_at, "workers_start_s": seeding_s,
             "rx_bytes": {n: _rx_bytes(hosts[n]) - rx_before[n] for n in "ab"},
             "tunnel_bytes_to_peer": {p["name"]: p["bytes_to_peer"] for p in status["peers"]},
@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.profile not in LINK_PROFILES:
         parser.error(f"unknown --profile {args.profile!r}; choose from {', '.join(LINK_PROFILES)}")
-    binaries = ensure_binaries(None, _quiet)
-    model = _resolve_model(args.model).resolve() if args.model else ensure_synthetic_model(CACHE_TEST)
+    binaries = ensure_binaries(None, quiet)
+    model = resolve_model(args.model).resolve() if args.model else ensure_synthetic_model(CACHE_TEST)
     started = Started()
     workdir = Path(tempfile.mkdtemp(prefix="bench-load-"))
     report: dict[str, Any] = {"benchmark": "load", "date": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -8,7 +8,7 @@ destination (they stay ``relayed`` through p). For each: the time from both home
 nodes having joined p to each seeing the other on a path (from the nodes' own
 event clocks), decode tok/s of a greedy completion from h2 (llama-server's timings),
 and on p the sidecar's CPU seconds and the bytes it relayed meanwhile, so CPU
-seconds per GB relayed. Decode runs the client of ``benchmarks/decode.py``.
+seconds per GB relayed. Decode runs the client of ``benchmarks/turns.py``.
 
 Run as root: ``.venv/bin/python -m benchmarks.nat [--reps N] [--n-predict N] [--json PATH]``.
 Figures are printed and written as JSON; nothing is asserted.
@@ -23,7 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import PROMPT, Started, _run_client, cpu_seconds, lacks_root, run_benchmark, write_report
+from benchmarks.report import write_report
+from benchmarks.setup import Started, cpu_seconds, lacks_root, run_benchmark
+from benchmarks.turns import PROMPT, run_client
 from tests.helpers.natlab import NatMesh, peer, start_nat_mesh, stop_nat_mesh
 from tests.helpers.netns import API_PORT
 
@@ -37,7 +39,7 @@ def measure(mesh: NatMesh, reps: int, n_predict: int) -> dict[str, Any]:
     relay_before = p.status()["mesh"]["relay"]["relayed_bytes"]
     cpu_before = cpu_seconds(p.proc.pid)
     watched = [(name, node.proc, node.output) for name, node in mesh.nodes.items()]
-    result = _run_client(mesh.homes[1].host, spec, {"mesh": {"port": API_PORT}}, watched)["mesh"]
+    result = run_client(mesh.homes[1].host, spec, {"mesh": {"port": API_PORT}}, watched)["mesh"]
     cpu_s = cpu_seconds(p.proc.pid) - cpu_before
     relayed_bytes = p.status()["mesh"]["relay"]["relayed_bytes"] - relay_before
     row = peer(mesh.nodes["h2"], "h1")

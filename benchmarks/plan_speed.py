@@ -45,7 +45,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import GREEDY, PROMPT, Started, run_benchmark, terminate
+from benchmarks.setup import Started, run_benchmark
+from benchmarks.turns import GREEDY, PROMPT
 from tests.helpers.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -220,8 +221,7 @@ def measure(started: Started, binaries, model: Path, split: Split, rpc_ports: Se
         warmup = ask()
         reps = [ask() for _ in range(spec["reps"])]
     finally:
-        terminate(proc, 30)
-        started.procs = [(n, p) for n, p in started.procs if p is not proc]
+        started.stop(proc)
     rates = [r["timings"]["predicted_per_second"] for r in reps]
     buffers = [line.strip() for line in log.read_text(errors="replace").splitlines()
                if "model buffer size" in line]

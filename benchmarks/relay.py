@@ -57,14 +57,14 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import cpu_seconds, lacks_root, run_benchmark, terminate, write_report
+from benchmarks.report import stats, write_report
+from benchmarks.setup import REPO_ROOT, Started, cpu_seconds, lacks_root, run_benchmark, run_watched
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "relay.json"
 QUIC_PORT = 47470
 TARGET_PORT = 47480
@@ -231,32 +231,6 @@ async def _node_main(spec: dict[str, Any]) -> None:
 # The orchestrator: lab, processes, figures.
 # --------------------------------------------------------------------------------------------
 
-@dataclass
-class Started:
-    """Every process this run started, stopped by pid (last started, first stopped)."""
-
-    procs: list[tuple[str, subprocess.Popen, Path]] = field(default_factory=list)
-
-    def popen(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                start_new_session=True, env=env)
-        self.procs.append((name, proc, log))
-        return proc
-
-    def check(self) -> None:
-        for name, proc, log in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-
-    def stop(self, proc: subprocess.Popen) -> None:
-        terminate(proc, 10)
-        self.procs = [p for p in self.procs if p[1] is not proc]
-
-    def stop_all(self) -> None:
-        while self.procs:
-            self.stop(self.procs[-1][1])
-
-
 def _role_argv(host, role: str, spec: dict[str, Any]) -> list[str]:
     return host.exec_argv(sys.executable, "-m", "benchmarks.relay", "--role", role, "--spec", json.dumps(spec))
 
@@ -289,21 +263,11 @@ def _measure(bench: Bench, spec: dict[str, Any], watched: dict[str, int]) -> dic
     hosts = bench.hosts.values()
     drops_before = _udp_drops(hosts)
     before = {name: cpu_seconds(pid) for name, pid in watched.items()}
-    proc = subprocess.Popen(_role_argv(bench.hosts["a"], "client", spec), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-    try:
-        while proc.poll() is None:
-            bench.started.check()
-            time.sleep(0.05)
-        out, err = proc.communicate()
-        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in watched.items()}
-        drops = {name: n - drops_before[name] for name, n in _udp_drops(hosts).items()}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        raise RuntimeError(f"client failed ({proc.returncode}):\n{err[-3000:]}")
+    returncode, out, err = run_watched(_role_argv(bench.hosts["a"], "client", spec), bench.started.check, 0.05)
+    cpu = {name: cpu_seconds(pid) - before[name] for name, pid in watched.items()}
+    drops = {name: n - drops_before[name] for name, n in _udp_drops(hosts).items()}
+    if returncode != 0:
+        raise RuntimeError(f"client failed ({returncode}):\n{err[-3000:]}")
     return {**json.loads(out), "cpu_s": cpu, "udp_drops": drops}
 
 
@@ -421,10 +385,6 @@ def _start_mesh(bench: Bench, library: str) -> tuple[dict, dict]:
     return a, b
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def _percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
@@ -435,7 +395,7 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
     gigabytes = bulk[0]["bytes"] / 1e9
     cpu = {name: statistics.median(r["cpu_s"][name] for r in bulk) / gigabytes for name in bulk[0]["cpu_s"]}
     return {
-        "bulk_gbit_s": _stats([r["gbit_s"] for r in bulk]),
+        "bulk_gbit_s": stats([r["gbit_s"] for r in bulk]),
         "rtt_us": {"p50": _percentile(rtt, 50), "p95": _percentile(rtt, 95), "p99": _percentile(rtt, 99),
                    "mean": statistics.fmean(rtt)},
         "cpu_s_per_gb": cpu,
@@ -526,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO_ROOT))
     from tests.helpers.netns import Lab
 
-    started = Started()
+    started = Started(stop_timeout_s=10)
     labs: list = []  # closed by run_benchmark, however the run ends
     workdir = Path(tempfile.mkdtemp(prefix="bench-relay-"))
 

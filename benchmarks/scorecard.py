@@ -35,7 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import REPO_ROOT, lacks_root, write_report
+from benchmarks.report import write_report
+from benchmarks.setup import REPO_ROOT, lacks_root
 from mesh_sidecar.environment import DEFAULT_QUIC_LIBRARY
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "scorecard.json"

@@ -27,18 +27,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.decode import (
-    PROMPT,
-    REPO_ROOT,
-    Started,
-    _quiet,
-    _summary,
-    lacks_root,
-    run_benchmark,
-    run_direct,
-    run_mesh,
-    write_report,
-)
+from benchmarks.report import summary, write_report
+from benchmarks.setup import REPO_ROOT, Started, lacks_root, quiet, run_benchmark
+from benchmarks.turns import PROMPT, run_direct, run_mesh
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "speculative.json"
 DEFAULT_PROFILES = "0ms,5ms,20ms"
@@ -75,7 +66,7 @@ def run_profile(profile: str, target: Path, draft: Path, spec: dict[str, Any], w
         started.stop_all()
         lab.close()
     for name, result in (("direct", direct), ("mesh", plain), ("mesh + draft", drafted)):
-        entry[name] = {**_summary(result), "draft_acceptance": _acceptance(result)}
+        entry[name] = {**summary(result), "draft_acceptance": _acceptance(result)}
     entry["speculation"] = speculation
     base = entry["direct"]["decode_tok_s"]["median"]
     for name in ("mesh", "mesh + draft"):
@@ -117,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     from mesh_sidecar.llama.build import ensure_binaries
     from mesh_sidecar.llama.model import ensure_model
 
-    ensure_binaries(None, _quiet)  # built now, not under a node's start timeout
-    draft = ensure_model(None, _quiet)
+    ensure_binaries(None, quiet)  # built now, not under a node's start timeout
+    draft = ensure_model(None, quiet)
     target = ensure_padded_target(draft)
     spec = {"prompt": PROMPT, "n_predict": args.n_predict, "reps": args.reps}
     started = Started()

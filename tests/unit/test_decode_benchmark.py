@@ -2,7 +2,8 @@
 
 import pytest
 
-from benchmarks.decode import LoopbackHost, _round_ratios, direct_llama_argv, direct_rpc_argv, host_port
+from benchmarks.report import round_ratios
+from benchmarks.setup import LoopbackHost, direct_llama_argv, direct_rpc_argv, host_port
 
 
 def test_direct_runs_the_meshs_own_llama_server_argv_over_tcp():
@@ -31,6 +32,6 @@ def test_each_rounds_ratio_is_taken_within_the_round():
     def reps(*tok_s: float) -> dict:
         return {"reps": [{"tok_s": t} for t in tok_s]}
 
-    ratios = _round_ratios(reps(9, 45, 20), reps(10, 50, 40), lambda r: r["tok_s"])
+    ratios = round_ratios(reps(9, 45, 20), reps(10, 50, 40), lambda r: r["tok_s"])
     assert ratios["median"] == pytest.approx(0.9)  # not 20/40: each mesh round against its own direct round
     assert ratios["q1"] <= ratios["median"] <= ratios["q3"]
