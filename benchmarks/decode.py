@@ -58,11 +58,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import (
+    failed_row,
+    make_table,
     ratio_of_medians,
     round_ratios,
     sidecar_cpu_ms_per_token,
     summary,
     tunnel_bytes,
+    wide_console,
     write_report,
 )
 from benchmarks.setup import (
@@ -173,19 +176,15 @@ def run_profile(profile: str, model: Path, spec: dict[str, Any], workdir: Path,
 
 
 def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 120))
+    console = wide_console(120)
     d, m = report["direct"], report["mesh"]
-    table = Table(title=f"decode on {report['profile']}: {report['model']}, {report['n_predict']} tokens, "
-                        f"{report['reps']} reps, "
-                        f"prompt {d['prompt_tokens']} tokens, rpc order {','.join(report['order'])}")
     streams = d.get("streams")
-    for col in ("setup", "prompt tok/s (med)", "decode tok/s (med)", "decode min–max", "TTFT ms (med)",
-                "decode /direct", "TTFT /direct",
-                *((f"{streams['count']} streams tok/s (med)", "streams /direct") if streams else ())):
-        table.add_column(col, justify="right" if col != "setup" else "left")
+    table = make_table(f"decode on {report['profile']}: {report['model']}, {report['n_predict']} tokens, "
+                       f"{report['reps']} reps, "
+                       f"prompt {d['prompt_tokens']} tokens, rpc order {','.join(report['order'])}",
+                       ("setup", "prompt tok/s (med)", "decode tok/s (med)", "decode min–max", "TTFT ms (med)",
+                        "decode /direct", "TTFT /direct",
+                        *((f"{streams['count']} streams tok/s (med)", "streams /direct") if streams else ())))
     setups = [("direct", d), ("mesh", m)] + ([("mesh --b2b", report["mesh_b2b"])] if "mesh_b2b" in report else [])
 
     def over_direct(name: str, s: dict[str, Any], *figure: str) -> str:
@@ -205,9 +204,8 @@ def _print(report: dict[str, Any]) -> None:
             for name, r in report["rounds_mesh_over_direct"].items()))
     if "b2b_over_stock" in report:
         console.print(f"decode mesh --b2b / stock mesh: {report['b2b_over_stock']:.2f}")
-    tunnels = Table(title="mesh tunnels on c, over the timed repetitions")
-    for col in ("tunnel", "bytes c→peer / token", "bytes peer→c / token", "RPC commands / token"):
-        tunnels.add_column(col, justify="right" if col != "tunnel" else "left")
+    tunnels = make_table("mesh tunnels on c, over the timed repetitions",
+                         ("tunnel", "bytes c→peer / token", "bytes peer→c / token", "RPC commands / token"))
     for setup, key in (("", "mesh_tunnels"), (" (--b2b)", "mesh_b2b_tunnels")):
         for name, row in sorted(report.get(key, {}).items()):
             tunnels.add_row(name + setup, f"{row['to_peer_per_token']:,.0f}", f"{row['from_peer_per_token']:,.0f}",
@@ -230,19 +228,14 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def _print_summary(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"decode across link profiles: {report['model']}, {report['n_predict']} tokens, "
-                        f"{report['reps']} reps (medians)")
-    columns = ("profile", "decode tok/s direct", "mesh", "mesh/direct", "mesh --b2b", "b2b/direct", "b2b/mesh",
-               "TTFT ms direct", "mesh", "mesh/direct", "streams tok/s direct", "mesh",
-               "mesh/direct", "prompt tok/s direct", "mesh", "same text")
-    for col in columns:
-        table.add_column(col, justify="left" if col == "profile" else "right")
+    table = make_table(f"decode across link profiles: {report['model']}, {report['n_predict']} tokens, "
+                       f"{report['reps']} reps (medians)",
+                       ("profile", "decode tok/s direct", "mesh", "mesh/direct", "mesh --b2b", "b2b/direct",
+                        "b2b/mesh", "TTFT ms direct", "mesh", "mesh/direct", "streams tok/s direct", "mesh",
+                        "mesh/direct", "prompt tok/s direct", "mesh", "same text"))
     for e in report["profiles"]:
         if "error" in e:
-            table.add_row(e["profile"], "failed", *[""] * (len(columns) - 2))
+            failed_row(table, e["profile"])
             continue
         d, m, b = e["direct"], e["mesh"], e.get("mesh_b2b")
         streams = (*(f"{s['streams']['aggregate_tok_s']['median']:.1f}" for s in (d, m)),
@@ -255,7 +248,7 @@ def _print_summary(report: dict[str, Any]) -> None:
                       f"{m['ttft_ms']['median']:.0f}", f"{e['ttft_ratio_mesh_over_direct']:.2f}", *streams,
                       f"{d['prompt_tok_s']['median']:.1f}",
                       f"{m['prompt_tok_s']['median']:.1f}", "yes" if e["greedy_texts_identical"] else "NO")
-    Console(width=max(Console().width, 180)).print(table)
+    wide_console(180).print(table)
     for e in report["profiles"]:
         if "mesh_quic" in e:
             print(f"[{e['profile']}] mesh with --data-path quic: decode "

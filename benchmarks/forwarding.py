@@ -50,7 +50,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import stats, write_report
+from benchmarks.report import failed_row, make_table, stats, wide_console, write_report
 from benchmarks.setup import (
     QUIC_PORT,
     REPO_ROOT,
@@ -362,23 +362,18 @@ def run_split(spec: dict[str, Any], workdir: Path, started: Started, binaries, m
 
 
 def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 160))
+    console = wide_console(160)
     pinned = report["cpus_per_host"]
     head = (f"{report['model']}, {report['n_predict']} tokens, {report['reps']} reps, medians, "
             + (f"{pinned} CPUs a host" if pinned else f"{report['cpu_count']} CPUs shared"))
     if report["forwarding"]:
-        table = Table(title=f"(a) forwarded through f vs. asking s: {head}")
-        columns = ("profile", "ping RTT ms", "TTFT ms direct", "forwarded", "+ms", "bound ms", "head +ms",
-                   "decode tok/s direct", "forwarded", "fwd/direct", "paired", "llama's fwd/direct",
-                   "CPU ms/tok s (direct)", "s (fwd)", "f (fwd)", "same text")
-        for col in columns:
-            table.add_column(col, justify="left" if col == "profile" else "right")
+        table = make_table(f"(a) forwarded through f vs. asking s: {head}",
+                           ("profile", "ping RTT ms", "TTFT ms direct", "forwarded", "+ms", "bound ms", "head +ms",
+                            "decode tok/s direct", "forwarded", "fwd/direct", "paired", "llama's fwd/direct",
+                            "CPU ms/tok s (direct)", "s (fwd)", "f (fwd)", "same text"))
         for e in report["forwarding"]:
             if "error" in e:
-                table.add_row(e["profile"], "failed", *[""] * (len(columns) - 2))
+                failed_row(table, e["profile"])
                 continue
             d, fw = e["direct"], e["forwarded"]
             llama = e.get("llama_decode_ratio_forwarded_over_direct")
@@ -393,11 +388,10 @@ def _print(report: dict[str, Any]) -> None:
         console.print(table)
     split = report.get("split")
     if split and "error" not in split:
-        table = Table(title=f"(b) a model that fits one node: alone vs. split over three, each alternating with "
-                            f"a plain llama-server: {head}")
-        for col in ("setup", "--rpc endpoints", "TTFT ms", "plain", "/plain", "decode tok/s", "plain", "/plain",
-                    "paired", "llama's /plain", "c CPU ms/tok", "same text"):
-            table.add_column(col, justify="left" if col == "setup" else "right")
+        table = make_table(f"(b) a model that fits one node: alone vs. split over three, each alternating with "
+                           f"a plain llama-server: {head}",
+                           ("setup", "--rpc endpoints", "TTFT ms", "plain", "/plain", "decode tok/s", "plain", "/plain",
+                            "paired", "llama's /plain", "c CPU ms/tok", "same text"))
         for label in ("alone", "split"):
             m, p = split[label], split[label]["plain"]
             llama = m["server_decode_tok_s_over_plain"]

@@ -26,6 +26,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from benchmarks.report import make_table, wide_console
 from benchmarks.setup import lacks_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -147,25 +148,21 @@ def measure(profile: str, pings: int, seconds: float) -> dict:
 
 
 def _print(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     def late(stats: dict | None) -> str:
         if not stats:
             return ""
         return "/".join(f"{stats['late_ms'][k]:.2f}" for k in ("p50", "p99", "max"))
 
-    table = Table(title="link profiles: a → b (switch: how late frames left it, ms p50/p99/max)")
-    for col in ("profile", "RTT ms min", "median", "p99", "max", "switch while pinging", "TCP Mbit/s",
-                "switch while streaming", "switch CPU s / GB"):
-        table.add_column(col, justify="left" if col == "profile" else "right")
+    table = make_table("link profiles: a → b (switch: how late frames left it, ms p50/p99/max)",
+                       ("profile", "RTT ms min", "median", "p99", "max", "switch while pinging", "TCP Mbit/s",
+                        "switch while streaming", "switch CPU s / GB"))
     for r in rows:
         rtt, streaming = r["rtt_ms"], r["switch_while_streaming"]
         cpu = f"{streaming['cpu_s'] / (r['tcp_bytes'] / 1e9):.1f}" if streaming else ""
         table.add_row(r["profile"], f"{rtt['min']:.3f}", f"{rtt['median']:.3f}", f"{rtt['p99']:.3f}",
                       f"{rtt['max']:.3f}", late(r["switch_while_pinging"]), f"{r['tcp_mbit_s']:,.0f}",
                       late(streaming), cpu)
-    Console(width=max(Console().width, 130)).print(table)
+    wide_console(130).print(table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import write_report
+from benchmarks.report import make_table, wide_console, write_report
 from benchmarks.setup import (
     DIRECT_API_PORT,
     DIRECT_RPC_PORT,
@@ -183,15 +183,11 @@ def _summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     stock = report["mesh stock"]
-    table = Table(title=f"load: {report['model']} ({report['model_bytes'] / 1e6:.0f} MB), 3 hosts, c serves, "
-                        f"{report['profile']} links, median of {report['reps']}")
-    for col in ("setup", "load s", "min-max", "vs mesh stock", "c start→API s", "MB into a", "MB into b",
-                "tunnel MB c→a", "tunnel MB c→b", "workers' first start s"):
-        table.add_column(col, justify="left" if col == "setup" else "right")
+    table = make_table(f"load: {report['model']} ({report['model_bytes'] / 1e6:.0f} MB), 3 hosts, c serves, "
+                       f"{report['profile']} links, median of {report['reps']}",
+                       ("setup", "load s", "min-max", "vs mesh stock", "c start→API s", "MB into a", "MB into b",
+                        "tunnel MB c→a", "tunnel MB c→b", "workers' first start s"))
     for name in SETUPS:
         r = report[name]
         tunnels = r.get("tunnel_bytes_to_peer", {})
@@ -200,7 +196,7 @@ def _print(report: dict[str, Any]) -> None:
                       f"{r['rx_bytes']['a'] / 1e6:.1f}", f"{r['rx_bytes']['b'] / 1e6:.1f}",
                       *(f"{tunnels[n] / 1e6:.2f}" if n in tunnels else "-" for n in "ab"),
                       f"{r['workers_start_s']:.1f}" if "workers_start_s" in r else "-")
-    Console(width=max(Console().width, 110)).print(table)
+    wide_console(110).print(table)
     seeded, stock_bytes = report["mesh seeded"], sum(stock["tunnel_bytes_to_peer"].values())
     share = sum(seeded["tunnel_bytes_to_peer"].values()) / stock_bytes if stock_bytes else float("nan")
     print(f"seeded/stock: tunnel bytes {share:.2%}, load time {seeded['load_s'] / stock['load_s']:.2f}x")

@@ -45,6 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import make_table, wide_console
 from benchmarks.setup import Started, run_benchmark
 from benchmarks.turns import GREEDY, PROMPT
 from tests.helpers.waiting import wait_until
@@ -246,10 +247,7 @@ def _quiet(message: str, done: int, total: int) -> None:
 
 
 def _print(entry: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 140))
+    console = wide_console(140)
     speeds = entry["calibration"]
     console.print("calibrated decode speeds (GB/s): " + ", ".join(
         f"{n} {s['decode_bytes_per_s'] / 1e9:.2f}" for n, s in speeds.items())
@@ -260,13 +258,12 @@ def _print(entry: dict[str, Any]) -> None:
                   f"{caps['need_bytes'] / 2**20:.0f} MiB (the three devices' need); "
                   f"layer {caps['layer_bytes'] / 2**20:.1f} MiB, margin {caps['margin_bytes'] / 2**20:.0f} MiB, "
                   f"output head {caps['output_bytes'] / 2**20:.0f} MiB")
-    table = Table(title=f"plan_speed: {entry['model']}, a at {entry['slow_cores']} core per "
-                        f"{entry['quota_period_ms']:g} ms, {entry['n_predict']} "
-                        f"tokens, {entry['reps']} reps (medians"
-                        + (", final round)" if entry["brute_force"] else ")"))
-    for col in ("plan", "layers a/b/c", "expected tok/s", "measured tok/s", "min-max", "/ memory plan",
-                "/ best split"):
-        table.add_column(col, justify="left" if col in ("plan", "layers a/b/c") else "right")
+    table = make_table(f"plan_speed: {entry['model']}, a at {entry['slow_cores']} core per "
+                       f"{entry['quota_period_ms']:g} ms, {entry['n_predict']} "
+                       f"tokens, {entry['reps']} reps (medians"
+                       + (", final round)" if entry["brute_force"] else ")"),
+                       ("plan", "layers a/b/c", "expected tok/s", "measured tok/s", "min-max", "/ memory plan",
+                        "/ best split"), left=2)
     rows = [("memory plan", entry["memory_plan"]), (f"speed plan ({entry['speed_plan']['by']})", entry["speed_plan"])]
     if entry.get("best_split"):
         rows.append(("best split (brute force)", entry["best_split"]))
@@ -277,9 +274,8 @@ def _print(entry: dict[str, Any]) -> None:
                       f"{row['of_best']:.2f}" if row.get("of_best") is not None else "-")
     console.print(table)
     if entry.get("splits"):
-        every = Table(title="survey: every split within the caps (brute force), best first")
-        for col in ("layers a/b/c", "expected tok/s", "measured tok/s", "min-max", "load s"):
-            every.add_column(col, justify="right")
+        every = make_table("survey: every split within the caps (brute force), best first",
+                           ("layers a/b/c", "expected tok/s", "measured tok/s", "min-max", "load s"), left=0)
         for s in sorted(entry["splits"], key=lambda s: -s["decode_tok_s"]["median"]):
             every.add_row("/".join(map(str, s["counts"])), f"{s['expected_tok_s']:.1f}",
                           f"{s['decode_tok_s']['median']:.1f}",

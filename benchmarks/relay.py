@@ -62,7 +62,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import stats, write_report
+from benchmarks.report import make_table, stats, wide_console, write_report
 from benchmarks.setup import REPO_ROOT, Started, cpu_seconds, lacks_root, run_benchmark, run_watched
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "relay.json"
@@ -404,18 +404,14 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 120))
-    table = Table(title=f"relay a -> b: {report['bulk_mb']} MB x {report['reps']}, {report['round_trips']} round trips "
-                        f"of {MESSAGE_BYTES} B, MTU {report['mtu']}, {report['cpu_count']} CPUs"
-                        + (f", tweaks {report['tweaks']}" if report["tweaks"] else "")
-                        + (", uvloop" if report["uvloop"] else "")
-                        + f", load {report['load_average_at_start'][0]:.1f}")
-    for col in ("path", "bulk Gbit/s (med)", "min–max", "RTT p50 µs", "RTT p95 µs", "CPU s/GB node a | node b",
-                "UDP drops / run", "vs tcp"):
-        table.add_column(col, justify="left" if col == "path" else "right")
+    console = wide_console(120)
+    table = make_table(f"relay a -> b: {report['bulk_mb']} MB x {report['reps']}, {report['round_trips']} round trips "
+                       f"of {MESSAGE_BYTES} B, MTU {report['mtu']}, {report['cpu_count']} CPUs"
+                       + (f", tweaks {report['tweaks']}" if report["tweaks"] else "")
+                       + (", uvloop" if report["uvloop"] else "")
+                       + f", load {report['load_average_at_start'][0]:.1f}",
+                       ("path", "bulk Gbit/s (med)", "min–max", "RTT p50 µs", "RTT p95 µs", "CPU s/GB node a | node b",
+                        "UDP drops / run", "vs tcp"))
     tcp = report["paths"]["tcp"]
     for name, s in report["paths"].items():
         g = s["bulk_gbit_s"]

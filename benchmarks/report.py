@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -98,3 +102,26 @@ def ratio_of_medians(entry: dict[str, Any], setup: str, over: str, *figure: str)
             value = value[key]
         return value["median"]
     return median(setup) / median(over)
+
+
+def wide_console(min_width: int) -> Console:
+    """A rich console at least ``min_width`` columns wide (wider on a wider terminal), so that a table
+    keeps its shape in a log file or a narrow terminal."""
+    from rich.console import Console
+
+    return Console(width=max(Console().width, min_width))
+
+
+def make_table(title: str, columns: Iterable[str], left: int = 1) -> Table:
+    """A rich table of ``columns``: the first ``left`` (what a row is) left-aligned, the figures right."""
+    from rich.table import Table
+
+    made = Table(title=title)
+    for i, column in enumerate(columns):
+        made.add_column(column, justify="left" if i < left else "right")
+    return made
+
+
+def failed_row(rows: Table, name: str) -> None:
+    """The row of a part that failed: its name, "failed", the other cells empty."""
+    rows.add_row(name, "failed", *[""] * (len(rows.columns) - 2))

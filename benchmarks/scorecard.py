@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import write_report
+from benchmarks.report import make_table, wide_console, write_report
 from benchmarks.setup import REPO_ROOT, lacks_root
 from mesh_sidecar.environment import DEFAULT_QUIC_LIBRARY
 
@@ -156,17 +156,12 @@ def _runs(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def _print(rows: list[dict[str, Any]], texts_identical: bool | None, elapsed: dict[str, float]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="performance goals, one run")
-    for column in ("goal", "bound", "this run", "met"):
-        table.add_column(column, justify="left" if column == "goal" else "right")
+    table = make_table("performance goals, one run", ("goal", "bound", "this run", "met"))
     for row in rows:
         value, met = row["figure"], row["met"]
         table.add_row(row["goal"], row["bound"], "no figure" if value is None else f"{value:.4g}",
                       {True: "yes", False: "no", None: "-"}[met])
-    Console(width=max(Console().width, 100)).print(table)
+    wide_console(100).print(table)
     answer = {True: "yes", False: "NO", None: "no figure"}[texts_identical]
     print(f"greedy text mesh == direct in every decode profile: {answer}")
     print("minutes per benchmark: " + ", ".join(f"{name} {s / 60:.1f}" for name, s in elapsed.items()))

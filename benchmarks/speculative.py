@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import summary, write_report
+from benchmarks.report import make_table, summary, wide_console, write_report
 from benchmarks.setup import REPO_ROOT, Started, lacks_root, quiet, run_benchmark
 from benchmarks.turns import PROMPT, run_direct, run_mesh
 
@@ -76,14 +76,10 @@ def run_profile(profile: str, target: Path, draft: Path, spec: dict[str, Any], w
 
 
 def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"speculative: target {report['target']}, draft {report['draft']}, "
-                        f"{report['n_predict']} tokens, {report['reps']} reps (medians)")
-    for col in ("profile", "direct tok/s", "mesh tok/s", "mesh/direct", "mesh+draft tok/s", "mesh+draft/direct",
-                "draft length", "acceptance", "same text"):
-        table.add_column(col, justify="left" if col == "profile" else "right")
+    table = make_table(f"speculative: target {report['target']}, draft {report['draft']}, "
+                       f"{report['n_predict']} tokens, {report['reps']} reps (medians)",
+                       ("profile", "direct tok/s", "mesh tok/s", "mesh/direct", "mesh+draft tok/s", "mesh+draft/direct",
+                        "draft length", "acceptance", "same text"))
     for e in report["profiles"]:
         d, m, s = e["direct"], e["mesh"], e["mesh + draft"]
         acceptance = s["draft_acceptance"]
@@ -92,7 +88,7 @@ def _print(report: dict[str, Any]) -> None:
                       f"{s['ratio_to_direct']:.2f}", str(e["speculation"]["draft_max"]),
                       "-" if acceptance is None else f"{acceptance:.0%}",
                       "yes" if e["greedy_texts_identical"] else "NO")
-    Console(width=max(Console().width, 140)).print(table)
+    wide_console(140).print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
