@@ -54,24 +54,26 @@ import os
 import sys
 import tempfile
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from benchmarks.report import (
     failed_row,
     make_table,
+    publish,
     ratio_of_medians,
     round_ratios,
     sidecar_cpu_ms_per_token,
     summary,
     tunnel_bytes,
     wide_console,
-    write_report,
 )
 from benchmarks.setup import (
     REPO_ROOT,
     LoopbackHost,
     Started,
+    attempt,
     lacks_root,
     quiet,
     resolve_model,
@@ -324,19 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         failed = False
         for profile in profiles:
-            try:
-                entry = run_profile(profile, model, spec, workdir / profile, started, args.b2b, args.quic,
-                                    args.loopback)
-            except Exception as exc:  # noqa: BLE001 - a profile failing (timeout, crash) keeps the others' figures
-                print(f"[{profile}] failed: {exc!r}", file=sys.stderr, flush=True)
-                report["profiles"].append({"profile": profile, "error": repr(exc)})
+            entry = attempt(profile, partial(run_profile, profile, model, spec, workdir / profile, started, args.b2b,
+                                             args.quic, args.loopback))
+            if "error" in entry:
+                report["profiles"].append({"profile": profile, **entry})
                 failed = True
                 continue
             report["profiles"].append(entry)
             _print({**report, **entry})
-        _print_summary(report)
-        write_report(report, args.json)
-        return 1 if failed else 0
+        return publish(report, _print_summary, args.json, failed)
 
     return run_benchmark(body, started, workdir)
 

@@ -47,16 +47,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import failed_row, make_table, stats, wide_console, write_report
+from benchmarks.report import failed_row, make_table, publish, stats, wide_console
 from benchmarks.setup import (
     QUIC_PORT,
     REPO_ROOT,
     START_TIMEOUT_S,
     TICKET,
     Started,
+    attempt,
     cpu_seconds,
     lacks_root,
     node_status,
@@ -64,7 +66,7 @@ from benchmarks.setup import (
     resolve_model,
     run_benchmark,
 )
-from benchmarks.turns import GREEDY, PROMPT
+from benchmarks.turns import GREEDY, PROMPT, event_text, sse_events
 from tests.helpers.waiting import wait_until
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "forwarding.json"
@@ -111,16 +113,10 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
             head = time.perf_counter() - started
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
+            for chunk in sse_events(r.iter_lines()):
                 if "error" in chunk:
                     raise SystemExit(f"the stream ended with an error event: {chunk['error']}")
-                text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                text = event_text(chunk)
                 if text:
                     arrivals.append(time.perf_counter() - started)
                     pieces.append(text)
@@ -486,22 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         failed = False
         for profile in profiles:
-            try:
-                report["forwarding"].append(run_forwarding(profile, spec, workdir, started, args.cpus_per_host))
-            except Exception as exc:  # noqa: BLE001 - a profile failing keeps the others' figures
-                print(f"[{profile}] failed: {exc!r}", file=sys.stderr, flush=True)
-                report["forwarding"].append({"profile": profile, "error": repr(exc)})
-                failed = True
+            entry = attempt(profile, partial(run_forwarding, profile, spec, workdir, started, args.cpus_per_host))
+            failed |= "error" in entry
+            report["forwarding"].append({"profile": profile, **entry} if "error" in entry else entry)
         if not args.skip_split:
-            try:
-                report["split"] = run_split(spec, workdir, started, binaries, model, args.cpus_per_host)
-            except Exception as exc:  # noqa: BLE001
-                print(f"[split] failed: {exc!r}", file=sys.stderr, flush=True)
-                report["split"] = {"error": repr(exc)}
-                failed = True
-        _print(report)
-        write_report(report, args.json)
-        return 1 if failed else 0
+            report["split"] = attempt("split", partial(run_split, spec, workdir, started, binaries, model,
+                                                       args.cpus_per_host))
+            failed |= "error" in report["split"]
+        return publish(report, _print, args.json, failed)
 
     return run_benchmark(body, started, workdir)
 

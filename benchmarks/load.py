@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import make_table, wide_console, write_report
+from benchmarks.report import make_table, publish, wide_console
 from benchmarks.setup import (
     DIRECT_API_PORT,
     DIRECT_RPC_PORT,
@@ -246,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                     started.stop_all()
                     lab.close()
         report.update({name: _summarize(rounds[name]) for name in SETUPS})
-        _print(report)
-        write_report(report, args.json)
-        return 0
+        return publish(report, _print, args.json)
 
     return run_benchmark(body, started, workdir)
 

@@ -62,7 +62,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import make_table, stats, wide_console, write_report
+from benchmarks.report import make_table, publish, stats, wide_console
 from benchmarks.setup import REPO_ROOT, Started, cpu_seconds, lacks_root, run_benchmark, run_watched
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "relay.json"
@@ -541,9 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                       for name, r in results.items()},
             "raw": {name: {"bulk": r["bulk"], "round_trip_us": r["round_trip"]["us"]} for name, r in results.items()},
         }
-        _print(report)
-        write_report(report, args.json)
-        return 0
+        return publish(report, _print, args.json)
 
     return run_benchmark(run, started, workdir, lambda: [lab.close() for lab in labs])
 

@@ -80,6 +80,14 @@ def tunnel_bytes(result: dict) -> dict[str, Any]:
     return rows
 
 
+def publish(report: dict[str, Any], print_tables: Callable[[dict[str, Any]], None], path: Path,
+            failed: bool = False) -> int:
+    """The tables, then the JSON beside them; the exit status (1 if a part ``failed``)."""
+    print_tables(report)
+    write_report(report, path)
+    return 1 if failed else 0
+
+
 def write_report(report: dict[str, Any], path: Path) -> None:
     """The JSON beside the printed tables."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -342,6 +342,16 @@ def run_benchmark(body: Callable[[], int], started: Started, workdir: Path,
             close()
 
 
+def attempt(part: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``'s figures or, should it fail (a timeout, a crash), ``{"error": ...}`` after saying so on
+    stderr: one part of a benchmark failing keeps the others' figures."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - any failure of a part is reported as its result
+        print(f"[{part}] failed: {exc!r}", file=sys.stderr, flush=True)
+        return {"error": repr(exc)}
+
+
 def resolve_model(given: str | None) -> Path:
     """A GGUF path, a synthetic preset's name (made if missing), or None: the default model."""
     from benchmarks.synthetic_model import PRESETS, ensure_synthetic_model

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import make_table, summary, wide_console, write_report
+from benchmarks.report import make_table, publish, summary, wide_console
 from benchmarks.setup import REPO_ROOT, Started, lacks_root, quiet, run_benchmark
 from benchmarks.turns import PROMPT, run_direct, run_mesh
 
@@ -117,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         for profile in args.profiles.split(","):
             report["profiles"].append(run_profile(profile, target, draft, spec, workdir / profile, started))
-        _print(report)
-        write_report(report, args.json)
-        return 0
+        return publish(report, _print, args.json)
 
     return run_benchmark(body, started, workdir)
 

@@ -17,7 +17,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -108,14 +108,8 @@ def client(spec: dict[str, Any]) -> dict[str, Any]:
         with httpx.stream("POST", f"{bases[label]}/v1/completions", json={**body, "stream": True},
                           timeout=600) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
-                text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+            for chunk in sse_events(r.iter_lines()):
+                text = event_text(chunk)
                 if text and ttft is None:
                     ttft = (time.perf_counter() - started) * 1000
                 pieces.append(text)
@@ -188,6 +182,22 @@ def client(spec: dict[str, Any]) -> dict[str, Any]:
                     "status_after": status(label), "cpu_s": dict(own[label]),
                     "cpu_s_beside": dict(beside[label])}
             for label in sides}
+
+
+def sse_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed ``/v1/completions`` answer, up to its ``[DONE]``."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
+def event_text(event: dict[str, Any]) -> str:
+    """The text one event of a streamed answer carries (its choices' together)."""
+    return "".join(c.get("text") or "" for c in event.get("choices", []))
 
 
 def run_client(host, spec: dict[str, Any], sides: dict[str, dict[str, Any]], watched: Watched) -> dict:
