@@ -24,7 +24,7 @@ from ..mesh.source_fetch import fetch_source_archive
 from ..net.discovery import LAN_BROWSE_S, browse_lan
 from ..node.lifecycle import Node
 from ..node.options import NodeArgs, Readied, check, node_options
-from ..serve.supervisor import PlanAnnouncement
+from ..serve.plan_start import PlanAnnouncement
 from .output import console
 from .prepare import draft_for, identify_projectors, prepare, prepare_data_relay, prepare_weight_cache, setup_progress
 from .views import plan_view

@@ -42,6 +42,7 @@ from ..progress import PlainProgress, ProgressCallback, ignore_progress
 from ..serve import dashboard
 from ..serve.activity import RecentEvents
 from ..serve.catalog import MeshCatalog, mesh_catalog
+from ..serve.estimates import estimate_off_loop
 from ..serve.mesh_round import plan_over_mesh
 from ..serve.metrics import Metrics
 from ..serve.options import ServeOptions
@@ -49,7 +50,7 @@ from ..serve.planner import Plan, PlanBy
 from ..serve.proxy import ApiProxy, ProxyOptions
 from ..serve.replan import Tier
 from ..serve.routing import MeshRoutes
-from ..serve.supervisor import ServingHost, ServingSupervisor, estimate_off_loop
+from ..serve.supervisor import ServingHost, ServingSupervisor
 from ..units import format_gib
 from ..wire.gossip import LlamaBuild, OfferedDevice
 from .control import ControlServer

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -42,79 +41,46 @@ from typing import Any
 from ..environment import output_check
 from ..errors import PlanError, ProcessError
 from ..home import write_private_file
-from ..identity import NodeIdentity, short_id
+from ..identity import NodeIdentity
 from ..llama.build import LlamaBinaries
 from ..llama.capacity import Capacity
-from ..llama.estimate import ModelEstimate, estimate_model
-from ..llama.kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
-from ..llama.launch import ChildProcess, llama_server_argv, start_llama_server
-from ..llama.model import model_sha256, model_shards
-from ..mesh.exclusion import SLOW_EXCLUSION_S
+from ..llama.launch import ChildProcess, start_llama_server
 from ..mesh.runtime import Mesh
 from ..mesh.status import rtt_ms
 from ..ports import LOOPBACK, free_tcp_port
 from ..progress import ProgressCallback
 from ..wire.gossip import MAX_SERVED_MEMBERS, ServedModel
-from ..wire.rpc_outputs import OutputRejected
-from . import receipt
 from .catalog import LOADING, READY, UNAVAILABLE
+from .estimates import cached_estimate, estimate_off_loop
 from .exchange import ServingHooks
 from .failover_timeline import FailoverTimeline
 from .mesh_round import MeshRound, planning_members
 from .metrics import Metrics
 from .options import ServeOptions
-from .pace import Slow
+from .plan_start import PlanAnnouncement, plan_argv, start_retry_delay
 from .planner import Plan, PlanBy
 from .proxy import ApiProxy
 from .receipt import Generation
+from .receipt_writer import ReceiptWriter
 from .replan import (
-    Blame,
     Replan,
     ServingSnapshot,
     StepUp,
     Tier,
-    blame_slow,
     choose_plan,
     replan_reason,
     tier_index,
 )
 from .speculation import Speculation, choose
-from .speeds import ObservedSpeeds
 from .step_up import StepUpGate
 from .tiers import TierView, model_id, tier_views
+from .worker_watch import WatchedLoop, WorkerWatch
 
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0
 RESTART_DELAY_S = 1.0
-# A llama-server that dies while loading (a tunnel torn down under it, say) is
-# started again after this, doubling per failure in a row up to the maximum.
-START_RETRY_FIRST_S = 2.0
-START_RETRY_MAX_S = 60.0
 UPSTREAM_KEY_FILE = "llama-server.key"  # in the node's home, mode 0600
-
-# A node asks for the estimate on every membership change; the first read of a GGUF
-# takes seconds (its tokenizer arrays), so it is cached and first made off the event loop.
-cached_estimate = functools.lru_cache(maxsize=8)(estimate_model)
-
-
-async def estimate_off_loop(model: Path, ctx_size: int, kv_cache: KvCacheTypes = DEFAULT_KV_CACHE) -> ModelEstimate:
-    """The cached estimate, computed in a thread the first time: heartbeats keep flowing meanwhile."""
-    return await asyncio.to_thread(cached_estimate, model, ctx_size, kv_cache=kv_cache)
-
-
-@dataclass(frozen=True)
-class PlanAnnouncement:
-    """Said to the user when llama-server starts on a new plan; the CLI draws it as a table."""
-
-    plan_json: dict[str, Any]  # Plan.to_json()
-
-    def __str__(self) -> str:
-        """One line, for the recent events (`status --json`, the dashboard) and logs."""
-        nodes = ", ".join(f"{n['name']} [{n['layers'][0]}, {n['layers'][1]})" for n in self.plan_json["nodes"])
-        title = f"Plan for {self.plan_json['model']}" if self.plan_json.get("model") else "Plan"
-        return f"{title}: {self.plan_json['n_layers']} layers over {nodes}"
-
 
 @dataclass(frozen=True)
 class ServingHost:
@@ -152,30 +118,31 @@ class ServingSupervisor:
         self._step_up = StepUpGate(options.step_up)
         self._recheck_at: float | None = None  # loop time to look again at a step up that must wait
         self.step_up_pending: tuple[str, float] | None = None  # (file name, loop time it may happen)
-        self._draft_sha256: str | None = None
-        # A split tier's shards, for its receipts: read once, not on every request.
-        self._shards = ({sha256: model_shards(path, sha256) for path, sha256 in options.models}
-                        if options.receipts is not None else {})
+        self._receipts = (ReceiptWriter(options, host.identity, host.name, host.mesh)
+                          if options.receipts is not None else None)
         self.speculation: Speculation | None = None
         # llama-server's own key, known only to our proxy (see llama_server_argv); its file is written in run().
         self._upstream_key_file = host.logs.parent / UPSTREAM_KEY_FILE
+        self._wakeup = asyncio.Event()
+        # What the traffic shows of the plan's workers: corrupt outputs, slow workers, their speeds.
+        self._workers = WorkerWatch(host.mesh, host.identity, host.metrics, host.say, WatchedLoop(
+            plan=lambda: self.plan, running=lambda: self.llama_server is not None, snapshot=self._snapshot,
+            model_name=lambda: self.model.name, restart=self.request_restart, wake=self._wakeup.set))
+        self.speeds = self._workers.speeds  # how much slower each worker runs than it announced
         # The node's API sends its requests for our model to our llama-server, with these hooks.
         self._proxy: ApiProxy = host.proxy
-        self._proxy.attach(ServingHooks(on_stall=self.request_restart, on_slow=self._on_slow,
+        self._proxy.attach(ServingHooks(on_stall=self.request_restart, on_slow=self._workers.on_slow,
                                         links_rtt_s=self._links_rtt_s, catalog=self.tier_views,
                                         planned_token_s=lambda: None if self.plan is None else self.plan.token_s,
-                                        on_decoded=self._on_decoded,
+                                        on_decoded=self._workers.on_decoded,
                                         split=lambda: self.plan is not None and not self.plan.alone,
-                                        on_generation=None if options.receipts is None else self._write_receipt),
+                                        on_generation=None if self._receipts is None else self._write_receipt),
                            host.upstream_key)
         self.since = time.time()  # announced: serving nodes that began earlier pick their workers first
         self._state = LOADING  # what gossip says of our model: LOADING, READY or UNAVAILABLE
         self._round: MeshRound | None = None  # the last planning round's share of the mesh
         self._restart_reason: str | None = None
-        self._slow_kept: set[bytes] = set()  # slow workers kept because the model needs them (said once)
-        self.speeds = ObservedSpeeds()  # how much slower each worker runs than it announced
         self._speed_replanned_at: float | None = None  # loop time of the last replan for speed
-        self._wakeup = asyncio.Event()
         self.llama_server: ChildProcess | None = None
         self.llama_port: int | None = None
         self.plan: Plan | None = None
@@ -198,35 +165,6 @@ class ServingSupervisor:
                                tier_index(tiers, self._in_service), self.plan, by=self._options.plan_by,
                                spread=self._options.spread, speed_replanned_at=self._speed_replanned_at,
                                unplanned=self._round.unplanned)
-
-    def slowdowns(self) -> dict[bytes, float]:
-        """Each connected member's slowdown as the traffic showed it (1.0: as it announced)."""
-        return {info.node_id: self.speeds.slowdown(info.node_id) for info in self._mesh.connected_members()}
-
-    def _seen_running(self) -> frozenset[bytes]:
-        """The connected members whose speed the traffic has shown (ObservedSpeeds.observed_bytes_per_s)."""
-        return frozenset(info.node_id for info in self._mesh.connected_members()
-                         if self.speeds.observed_bytes_per_s(info.node_id) is not None)
-
-    def _on_decoded(self, tokens: int, decode_s: float) -> None:
-        """A request's decode just ended: what each worker of the plan owed over it is a measurement."""
-        if self.plan is None:
-            return
-        since = time.monotonic() - decode_s
-        before, seen = self.slowdowns(), self._seen_running()
-        self.speeds.observe(self.plan, self._identity.node_id, tokens, self._mesh.verdicts.reply_waits_s(since))
-        after = self.slowdowns()
-        if self._seen_running() != seen:
-            self._wakeup.set()  # a speed of one calibration is confirmed now (speeds.weighable_speeds)
-        if after == before:
-            return
-        for info in self._mesh.connected_members():
-            if after.get(info.node_id, 1.0) != before.get(info.node_id, 1.0):
-                slowdown = after.get(info.node_id, 1.0)
-                self._say(f"{info.name} ({short_id(info.node_id)}) runs "
-                          + ("as measured again" if slowdown == 1.0
-                             else f"{slowdown:.1f}x slower than its baseline (the median of its last requests)"))
-        self._wakeup.set()  # the plan may be worth changing (replan.py decides)
 
     def served(self) -> ServedModel:
         """What this node says in gossip of the model it serves (read at each announcement)."""
@@ -291,8 +229,8 @@ class ServingSupervisor:
         await self._open()
         for path, _ in self._options.models:
             await estimate_off_loop(path, self._options.ctx_size, self._options.kv_cache)
-        if self._options.draft_model is not None:
-            self._draft_sha256 = await asyncio.to_thread(model_sha256, self._options.draft_model, lambda *_: None)
+        if self._receipts is not None:
+            await self._receipts.ready()
         await self._wait_for_peers()
         loop = asyncio.get_running_loop()
         while True:
@@ -345,7 +283,7 @@ class ServingSupervisor:
     async def _open(self) -> None:
         """Before the first plan: llama-server's key file, the output check, requests held, the claim announced."""
         write_private_file(self._upstream_key_file, self._host.upstream_key + "\n")
-        self._mesh.install_serving(output_check(), self._on_corrupt_output)
+        self._mesh.install_serving(output_check(), self._workers.on_corrupt_output)
         self._proxy.hold()
         self._snapshot()  # the claim's figures, before the first announcement
         self._mesh.announce_serving(self.served)
@@ -366,48 +304,6 @@ class ServingSupervisor:
         """Restart llama-server at once (the proxy saw it stall)."""
         self._restart_reason = reason
         self._wakeup.set()
-
-    def _on_corrupt_output(self, node_id: bytes, event: OutputRejected) -> None:
-        """A worker's reply failed the output check (its tunnel connection is already reset)."""
-        name = self._mesh.name_of(node_id)
-        self._metrics.corrupt_outputs.inc()
-        log.error("corrupt layer output from %s (%s): %s", name, short_id(node_id), event.fault.detail)
-        self._say(f"{name} returned a corrupt layer output ({event.fault.detail}): it is left out as "
-                  "corrupt_output until it restarts")
-        self._mesh.verdicts.exclude_corrupt(node_id, event.fault.kind)
-        # The request in flight is retried (or its stream replayed) by the proxy on the new plan.
-        self.request_restart(f"{name} returned a corrupt layer output")
-
-    def _on_slow(self, slow: Slow) -> bool:
-        """A stream fell far behind a token's time: leave out the worker whose replies held it up for most of
-        it, when the model in service fits without it. True when llama-server is being replaced."""
-        if self.plan is None or self.llama_server is None:
-            return False
-        verdict = blame_slow(slow, self._mesh.verdicts.reply_waits_s(slow.since), self._snapshot(),
-                             {w.node_id for w in self._mesh.self_info.slow_workers})
-        if verdict.node_id is None:
-            return False
-        node_id, owed_s = verdict.node_id, verdict.owed_s
-        name = self._mesh.name_of(node_id)
-        if verdict.blame is Blame.ALREADY_LEFT_OUT:
-            return True  # the next llama-server runs without it
-        if verdict.blame is Blame.NOT_ENOUGH:
-            log.info("a stream fell behind (%s), but no worker held it up: %s owed replies for %.1f s of it",
-                     slow.describe(), name, owed_s)
-            return False
-        if verdict.blame is Blame.NEEDED:
-            if node_id not in self._slow_kept:
-                self._slow_kept.add(node_id)
-                self._say(f"{name} is holding tokens up ({slow.describe()}; {owed_s:.1f} s waiting for its "
-                          f"replies), but {self.model.name} does not fit without it: it stays in the plan")
-            return False
-        self._metrics.slow_workers.inc()
-        self._say(f"{name} is holding tokens up ({slow.describe()}; {owed_s:.1f} s waiting for its replies): "
-                  f"it is left out as slow for {SLOW_EXCLUSION_S / 60:.0f} minutes or until it restarts")
-        self._mesh.verdicts.exclude_slow(node_id, owed_s, slow.window_s, slow.expected_s)
-        # The stream goes on where it was (continuation) on the plan without it.
-        self.request_restart(f"{name} was holding tokens up")
-        return True
 
     def _links_rtt_s(self) -> float:
         """The plan's workers' typical round trips, summed: a token crosses each of them."""
@@ -462,15 +358,9 @@ class ServingSupervisor:
         if self.speculation.kind != "none":
             self._say(f"Speculative decoding: {self.speculation.reason}")
         self.llama_port = free_tcp_port()
-        # Alone, llama-server holds the model itself: no RPC between it and its own machine's memory.
-        alone = self.plan.alone
-        argv = llama_server_argv(
-            self._host.binaries, self.model,
-            [] if alone else [self._endpoint(node_id) for node_id in self.plan.rpc_nodes()], self.llama_port,
-            tensor_split=() if alone else self.plan.tensor_split(), api_key_file=self._upstream_key_file,
-            extra=["--ctx-size", str(self._options.ctx_size), *self._options.kv_cache.llama_server_args(),
-                   *self.speculation.llama_server_args()], projector=None if projector is None else projector.path,
-        )
+        argv = plan_argv(self._host.binaries, self.model, self.plan, self._endpoint, self.llama_port,
+                         key_file=self._upstream_key_file, options=self._options, speculation=self.speculation,
+                         projector=projector)
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(self.plan.rpc_nodes())
         load_progress = self._host.load_progress
@@ -536,21 +426,9 @@ class ServingSupervisor:
         return replan
 
     def _write_receipt(self, generation: Generation) -> None:
-        """--receipt DIR: one signed JSON per finished generation request."""
-        assert self._options.receipts is not None and self.plan is not None
-        draft = self._options.draft_model
-        name, text = receipt.signed_receipt(
-            self._identity, self._host.name, path=generation.path, request=generation.request,
-            output=generation.output, answered_by=generation.model, tiers=self._options.models,
-            in_service=self.model, plan=self.plan, draft=(draft, self._draft_sha256) if draft is not None else None,
-            speculation=self.speculation.to_json() if self.speculation else None,
-            peer_views=self._mesh.peer_views(), now=time.time(), continued_at=generation.continued_at,
-            shards=self._shards, projectors={sha256: (projector.path, projector.sha256)
-                                             for i, (_, sha256) in enumerate(self._options.models)
-                                             if (projector := self._options.projector(i)) is not None})
-        self._options.receipts.mkdir(parents=True, exist_ok=True)
-        # Receipts hold the prompt: readable by this user only.
-        write_private_file(self._options.receipts / name, text)
+        """--receipt DIR: one signed JSON per finished generation request (receipt_writer.py)."""
+        assert self._receipts is not None and self.plan is not None
+        self._receipts.write(generation, self.model, self.plan, self.speculation)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -566,8 +444,3 @@ class ServingSupervisor:
             "slowdowns": self.speeds.to_json(),  # each worker measured: how much slower than it announced
             "live": self._proxy.token_rate.to_json(time.monotonic()),
         }
-
-
-def start_retry_delay(failures: int) -> float:
-    """Seconds before starting llama-server again after ``failures`` failed starts in a row."""
-    return min(START_RETRY_MAX_S, START_RETRY_FIRST_S * 2 ** max(0, failures - 1))

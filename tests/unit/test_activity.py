@@ -12,8 +12,8 @@ from mesh_sidecar.ports import free_tcp_port
 from mesh_sidecar.serve import activity
 from mesh_sidecar.serve.activity import TICKET_PLACEHOLDER, RecentEvents, TokenRate
 from mesh_sidecar.serve.metrics import Metrics
+from mesh_sidecar.serve.plan_start import PlanAnnouncement
 from mesh_sidecar.serve.proxy import ApiProxy
-from mesh_sidecar.serve.supervisor import PlanAnnouncement
 
 TICKET = "meshinfabcdefghijklmnopqrstuvwxyz234567"
 
