@@ -45,33 +45,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.loopback_nodes import (
+    NODE_READY_TIMEOUT_S,
+    Node,
+    Spawned,
+    free_tcp_port,
+    free_udp_port,
+    llama_server_pid,
+    start_node,
+    stop_node,
+)
+from benchmarks.report import make_table, wide_console, write_report
+from benchmarks.setup import REPO_ROOT, START_TIMEOUT_S, quiet, raise_interrupt
 from tests.helpers.waiting import wait_until
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "churn.json"
-START_TIMEOUT_S = 180.0
-NODE_READY_TIMEOUT_S = 60.0
 LEAVE_TIMEOUT_S = 60.0  # a graceful leave waits up to 40 s (LEAVE_GRACE_S) for its peers
-STOP_TIMEOUT_S = 30.0
 MAX_TOKENS = 64
 SAMPLING = {"temperature": 0, "top_k": 1, "seed": 42, "ignore_eos": True, "cache_prompt": False}
 PROMPTS = (
@@ -82,7 +86,6 @@ PROMPTS = (
 )
 KINDS = ("plain", "stream")
 CHURN_CYCLE = (("kill", "b"), ("restart", "b"), ("leave", "a"), ("restart", "a"), ("kill", "b"), ("restart", "b"))
-_TICKET = re.compile(r"Node ticket: (meshinf[a-z2-7]+)")
 # The clients of requests in flight: closed first on an interrupt, since a request the
 # serving node holds (waiting for llama-server) would hold up its own shutdown.
 _OPEN_CLIENTS: set[httpx.Client] = set()
@@ -91,124 +94,6 @@ CONTINUED = "mesh_streams_resumed_total{how=continued}"  # labelled: scraped by 
 
 
 OUTCOMES = ("ok", "retried", "continued", "refused", "failed", "hung")
-
-
-def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --------------------------------------------------------------------------------------------
-# Processes: every one started here is stopped by pid.
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class Node:
-    """One node's identity (home, UDP port) and its current incarnation."""
-
-    name: str
-    home: Path
-    port: int
-    workdir: Path
-    args: tuple[str, ...] = ()
-    serve_port: int | None = None
-    proc: subprocess.Popen | None = None
-    log: Path | None = None
-    ticket: str | None = None
-    rpc_pid: int | None = None
-    incarnation: int = 0
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def status(self) -> dict[str, Any]:
-        out = subprocess.run([sys.executable, "-m", "mesh_sidecar", "status", "--home", str(self.home), "--json"],
-                             check=False, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
-        if out.returncode != 0:
-            raise RuntimeError(f"status of {self.name} failed: {out.stderr.strip()}")
-        return json.loads(out.stdout)
-
-
-class Started:
-    """Every process this run started (or that a node it started spawned), killed by pid at the end."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.children: list[tuple[int, float]] = []  # (pid, create_time): never kill a reused pid
-
-    def remember(self, pids: list[int]) -> None:
-        with self.lock:
-            for pid in pids:
-                try:
-                    self.children.append((pid, psutil.Process(pid).create_time()))
-                except psutil.Error:
-                    pass
-
-    def kill_leftovers(self) -> None:
-        with self.lock:
-            children, self.children = self.children, []
-        for pid, created in children:
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created:
-                    p.kill()
-            except psutil.Error:
-                pass
-
-
-def start_node(node: Node, started: Started, *extra: str) -> None:
-    """Start a new incarnation of ``node`` (same home, same UDP port); wait for its ticket and rpc-server."""
-    node.incarnation += 1
-    node.home.mkdir(parents=True, exist_ok=True)
-    node.log = node.workdir / f"{node.name}-{node.incarnation}.out"
-    argv = [sys.executable, "-m", "mesh_sidecar", "--home", str(node.home), "--name", node.name,
-            "--port", str(node.port), "--no-mdns", *node.args, *extra]
-    if node.serve_port is not None:
-        argv += ["--serve", str(node.serve_port), "--spread"]
-    # A session of its own: a terminal's Ctrl-C reaches only us, and we stop the nodes in order.
-    node.proc = subprocess.Popen(argv, stdout=open(node.log, "w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                 start_new_session=True)
-    started.remember([node.proc.pid])
-
-    def ready() -> bool:
-        if node.proc.poll() is not None:
-            raise RuntimeError(f"node {node.name} exited with {node.proc.returncode}:\n"
-                               f"{node.log.read_text(errors='replace')[-3000:]}")
-        match = _TICKET.search(node.log.read_text(errors="replace"))
-        if not match:
-            return False
-        try:
-            if json.loads((node.home / "control.json").read_text()).get("pid") != node.proc.pid:
-                return False  # the file a killed incarnation left behind
-        except (OSError, ValueError):
-            return False
-        node.ticket = match.group(1)
-        return True
-
-    wait_until(ready, NODE_READY_TIMEOUT_S, f"node {node.name} starts")
-    processes = node.status()["processes"]
-    started.remember([p["pid"] for p in processes])
-    node.rpc_pid = next(p["pid"] for p in processes if p["name"] == "ggml-rpc-server")
-
-
-def stop_node(node: Node, timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM (graceful), a second SIGTERM (stop now), then SIGKILL."""
-    if not node.alive():
-        return
-    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
-        node.proc.send_signal(sig)
-        try:
-            node.proc.wait(timeout if sig == signal.SIGTERM else None)
-            return
-        except subprocess.TimeoutExpired:
-            timeout = 10.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,19 +113,6 @@ def scrape(port: int) -> dict[str, float] | None:
                     values[CONTINUED] = sample.value
         return values
     except (httpx.HTTPError, ValueError):
-        return None
-
-
-def llama_server_pid(home: Path) -> int | None:
-    """The pid of the serving node's current llama-server (what `status --json` reads), or None.
-
-    Asked of the node's control endpoint directly: a `status` subprocess per request would
-    cost a second of CPU on a small machine."""
-    try:
-        port = json.loads((home / "control.json").read_text())["port"]
-        status = httpx.get(f"http://127.0.0.1:{port}/status", timeout=5).json()
-        return next((p["pid"] for p in status["processes"] if p["name"] == "llama-server"), None)
-    except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
         return None
 
 
@@ -315,7 +187,7 @@ def timed_request(port: int, prompt: str, kind: str, timeout: float) -> dict[str
 # --------------------------------------------------------------------------------------------
 
 class Churn(threading.Thread):
-    def __init__(self, nodes: dict[str, Node], started: Started, every_s: float, t0: float) -> None:
+    def __init__(self, nodes: dict[str, Node], started: Spawned, every_s: float, t0: float) -> None:
         super().__init__(daemon=True, name="churn")
         self.nodes, self.started, self.every_s, self.t0 = nodes, started, every_s, t0
         self.stop_event = threading.Event()
@@ -431,19 +303,14 @@ def summarize(requests: list[dict], references: list[dict], events: list[dict],
 
 
 def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     s = report["summary"]
-    console = Console(width=max(Console().width, 100))
+    console = wide_console(100)
 
     def sec(v: float | None) -> str:
         return "–" if v is None else f"{v:.2f} s"
 
-    table = Table(title=f"churn: {report['model']}, {s['requests']} requests in {report['elapsed_s']:.0f} s, "
-                        f"churn every {report['churn_every_s']:.0f} s")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
+    table = make_table(f"churn: {report['model']}, {s['requests']} requests in {report['elapsed_s']:.0f} s, "
+                       f"churn every {report['churn_every_s']:.0f} s", ("figure", "value"))
     table.add_row("ok", str(s["ok"]))
     table.add_row("  of which held through a replan", str(s["ok_held_through_replan"]))
     table.add_row("retried (failover during the request)", str(s["retried"]))
@@ -472,14 +339,6 @@ def _print(report: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 # The run.
 # --------------------------------------------------------------------------------------------
-
-def _quiet(message: str, done: int, total: int) -> None:
-    pass
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
 
 def classify(result: dict[str, Any], reference: str, before: dict | None, after: dict | None) -> dict[str, Any]:
     deltas = {}
@@ -519,11 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     from mesh_sidecar.llama.build import ensure_binaries
     from mesh_sidecar.llama.model import ensure_model
 
-    ensure_binaries(None, _quiet)
-    model = ensure_model(None, _quiet)
+    ensure_binaries(None, quiet)
+    model = ensure_model(None, quiet)
 
-    signal.signal(signal.SIGTERM, _interrupt)  # ends us like Ctrl-C: through the finally below
-    started = Started()
+    signal.signal(signal.SIGTERM, raise_interrupt)  # ends us like Ctrl-C: through the finally below
+    started = Spawned()
     workdir = Path(tempfile.mkdtemp(prefix="bench-churn-"))
     nodes = {name: Node(name, workdir / name, free_udp_port(), workdir) for name in "abc"}
     nodes["c"].serve_port = free_tcp_port()
@@ -623,9 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         _print(report)
         if churn.error:
             print(f"churn schedule stopped early: {churn.error}")
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"written {args.json}")
+        write_report(report, args.json)
         s = report["summary"]
         keep_logs = bool(args.keep_logs or s["failed"] or s["hung"] or churn.error)
         if keep_logs:

@@ -44,16 +44,15 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.churn import (
-    REPO_ROOT,
-    START_TIMEOUT_S,
+from benchmarks.loopback_nodes import (
     Node,
-    Started,
+    Spawned,
     free_tcp_port,
     free_udp_port,
     start_node,
     stop_node,
 )
+from benchmarks.setup import REPO_ROOT, START_TIMEOUT_S
 from mesh_sidecar.environment import RESUME_BY_REPLAY, RESUME_ENV
 from mesh_sidecar.serve.failover_timeline import PHASES
 from tests.helpers.waiting import wait_until
@@ -189,7 +188,7 @@ def measure_concurrent(c: Node, b: Node) -> dict[str, Any]:
 
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> list[dict]:
-    started = Started()
+    started = Spawned()
     env_before = os.environ.get(RESUME_ENV)
     os.environ[RESUME_ENV] = mode  # read by c's proxy at start
     a = Node("a", workdir / mode / "a", free_udp_port(), workdir)

@@ -307,7 +307,7 @@ def _commands_from_c(status: dict[str, Any]) -> int:
     return next(p["rpc_commands"] for p in status["peers"] if p["name"] == "c")
 
 
-def _interrupt(signum, frame) -> None:
+def raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
@@ -324,7 +324,7 @@ def run_benchmark(body: Callable[[], int], started: Started, workdir: Path,
     """``body()``'s exit status; Ctrl-C or SIGTERM ends it through the same cleanup: every process
     ``started`` stopped by pid, then ``closers`` (labs) run. ``workdir`` (the runs' logs) is removed
     after a success and kept, and named, otherwise."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         status = body()
         if status == 0:
