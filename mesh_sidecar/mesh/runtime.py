@@ -8,11 +8,11 @@ This is the asyncio edge that joins the pure parts together:
         each control frame -> gossip.decode_message -> Membership.receive
                               (Observed -> observed.py)
         Membership actions -> send_control / dial (dialer.py) / close
-        Membership events  -> messages to people, tunnels closed, mesh.json
-                              (saved.py); PeerLost (heartbeats, health.py) ->
-                              close the connection; ``changes`` notified
+        Membership events  -> reactions.py: messages to people, tunnels closed,
+                              mesh.json (saved.py); PeerLost (heartbeats, health.py)
+                              -> close the connection; ``changes`` notified
     native data relay (data_paths.py) -> tcp+tls routes per peer, its reports -> tunnel counters
-    heartbeat timer -> Membership.heartbeat (pings; health judged inside)
+    heartbeat timer (heartbeats.py) -> Membership.heartbeat (pings; health judged inside)
     LanDialer (lan.py, with --lan) -> dial members found on the LAN
     serving node -> install_serving -> ServingVerdicts (serving.py)
     peer_views / mesh_view -> status.py (the `status` JSON, metrics, dashboard)
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 import time
@@ -30,11 +29,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..errors import ConnectionClosedError, MeshError, PortInUseError
-from ..identity import short_id
-from ..llama.build import offered_source
-from ..llama.model import offered_files
 from ..net.addresses import reachable_addresses
 from ..net.connection import PeerConnection
 from ..net.data_plane.process import DataRelay, bind_data_port
@@ -50,38 +45,37 @@ from ..progress import ProgressCallback
 from ..wire.auth import MESH_SECRET_BYTES
 from ..wire.gossip import (
     MAX_ADDRESSES,
-    MAX_DEVICES_PER_MEMBER,
-    MAX_RUN_ID,
     MemberInfo,
     Observed,
     OfferedDevice,
+    Rekey,
     ServedModel,
     decode_message,
     encode_message,
 )
 from ..wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 from ..wire.ticket import MAX_TICKET_ADDRESSES, Ticket, encode_ticket
-from . import events
 from .changes import Changes
 from .config import MeshConfig
 from .data_paths import DataPaths
 from .dialer import Dialer
-from .health import Sign, lost_reason
+from .health import Sign
+from .heartbeats import Heartbeats
 from .lan import LanDialer
 from .membership import Dial, Disconnect, MemberState, Send, find_member
-from .observed import OwnAddresses, tell_observed_addresses
+from .observed import OwnAddresses
+from .own_entry import OwnEntry
 from .peers import LEAVE_GRACE_S, PeerTable
+from .reactions import LEFT_FOR_GOOD_REASON, EventReactions, MeshSide
+from .rpc_endpoints import RpcEndpoints
 from .saved import SavedMesh
-from .sentences import ExclusionNotices, event_message
 from .serving import OnRejected, ServingVerdicts
 from .status import MeshView, PeerView, mesh_view, peer_views
 
 log = logging.getLogger(__name__)
 
 LISTEN_HOST = "0.0.0.0"
-CAPACITY_REFRESH_S = 5.0
 STOPPED_REASON = "node stopped"
-LEFT_FOR_GOOD_REASON = "left the mesh for good"  # `mesh-inference leave`: members forget it
 
 
 class Mesh:
@@ -89,22 +83,15 @@ class Mesh:
 
     def __init__(self, config: MeshConfig) -> None:
         identity, name, home, rpc_port, say = config.identity, config.name, config.home, config.rpc_port, config.say
-        timings, saved, model_sha256, model_file = config.timings, config.saved, config.model_sha256, config.model_file
+        timings, saved = config.timings, config.saved
         self.identity = identity
         self._timings = timings
         self._name = name
         self._home = home
         self._rpc_port = rpc_port
-        self._capacity = config.capacity
         self._say = say
-        self._serving = config.serving
-        self.build = config.build  # announced; members and the serving node compare it (exclusion.py)
-        self.model_sha256 = model_sha256
-        self.devices = config.devices[:MAX_DEVICES_PER_MEMBER]
-        # The model's files members may fetch, by sha256 (a split model's manifest and shards).
-        self._offered = offered_files(model_file, model_sha256) if model_file is not None and model_sha256 else {}
+        self._own = OwnEntry(config)  # what this node announces about itself
         self._saved = saved
-        self.run_id = secrets.randbelow(MAX_RUN_ID) + 1  # announced: a new one tells members this node restarted
         self.changes = Changes()  # a member joined, was lost or left, or a verdict changed
         self.relay_counters = RelayCounters()
         self._transport = MeshTransport(identity, saved.secret, self._serve_peer, dial_timeout_s=timings.dial_timeout_s,
@@ -117,34 +104,35 @@ class Mesh:
                                 retire_poll_s=timings.retire_poll_s)
         self._addresses = OwnAddresses()
         self._leaving = False
-        self._detections: dict[bytes, float] = {}  # per member lost: how long its loss took to know
-        self._exclusion_notices = ExclusionNotices()
         # The serving side: its output checks and the members it leaves out (install_serving).
         self.verdicts = ServingVerdicts(self._peers, lambda node_id: self._membership.info_of(node_id),
                                         self.name_of, say, self._verdicts_changed)
         self.data_paths = DataPaths(None, self.verdicts, self._peer_counters,
                                     on_reset=lambda node_id: self.suspect(node_id, Sign.RESET))
         self._peers.native = self.data_paths
+        self._endpoints = RpcEndpoints(self._peers, rpc_port)  # members' rpc-servers by the serving nodes' orders
         self._streams = StreamServices(
-            rpc_port, self._resolve_endpoint,
-            # Only the files of the model we announce, while we announce it, and the pinned llama.cpp
-            # source, which a member without package access builds from (mesh/source_fetch.py).
-            lambda sha256: self._offered.get(sha256) or offered_source(sha256),
+            rpc_port, lambda sender, index: self._endpoints.resolve(self._membership, sender, index), self._own.offered,
             self._peers.open_relay_leg, self.relay_counters, self._transport.serve_circuit,
             config.local_api, config.forward_token)
-        # A serving node's announcement of what it serves (serve/supervisor.py), read at each announcement.
-        self._serves: Callable[[], ServedModel | None] = lambda: None
-        # What each member serves and its devices' speeds, as last heard: news for planning when they change.
-        self._planning_said: dict[bytes, tuple[ServedModel | None, tuple[tuple[int, bool], ...]]] = {}
         # Without a port yet, this node announces no addresses: start() adds them.
         self._membership = config.membership(self._self_info(), degraded_after_s=timings.degraded_after_s,
                                       lost_after_s=timings.lost_after_s,
                                       heartbeat_interval_s=timings.heartbeat_interval_s)
+        self._heartbeats = Heartbeats(self._membership, self._peers, self.verdicts, timings.heartbeat_interval_s,
+                                      process=self._process, refresh=self._refresh, leaving=lambda: self._leaving)
+        # A sign that a member's process is gone: probed at once, judged when the probe's time is up.
+        self.suspect = self._heartbeats.suspect
         # mDNS (lan.py): advertise this node, dial members whose records show up.
         self._lan = LanDialer(
             self._lan_record,
             lambda node_id: not (node_id in self._peers or node_id in self._saved.removed or self._leaving),
             lambda node_id, addresses: self._dialer.redial(node_id, addresses)) if config.lan else None
+        self._reactions = EventReactions(MeshSide(
+            # _say read at each line: tests listen by replacing it.
+            self._peers, self.verdicts, self.changes, lambda line: self._say(line), self.name_of,
+            lambda: self.self_info, self._remember, self._rekeyed, self._route))
+        self.detection_s = self._reactions.detection_s  # how long the last loss of a member took to know
         self._dialer = Dialer(identity.node_id, self._transport,
                               lambda: {node_id: peer.connection for node_id, peer in self._peers.items()},
                               self._spawn, say, self.name_of, self._disconnected, self._membership.info_of,
@@ -199,7 +187,7 @@ class Mesh:
         async with asyncio.TaskGroup() as tg:
             if self._lan is not None:
                 tg.create_task(self._lan.run())
-            tg.create_task(self._heartbeats())
+            tg.create_task(self._heartbeats.run())
             tg.create_task(self._dialer.punch_again())
             if self.data_paths.relay is not None:
                 tg.create_task(self._run_relay(self.data_paths.relay))
@@ -209,24 +197,6 @@ class Mesh:
         it through the relay, then close() stops it. A failure of the relay still ends run."""
         self._relay_task = asyncio.create_task(relay.run())
         await asyncio.shield(self._relay_task)
-
-    async def _heartbeats(self) -> None:
-        last_refresh = time.monotonic()
-        while True:
-            now = time.monotonic()
-            for peer in self._peers.values():
-                if (heard_s := peer.connection.last_heard_s) is not None:
-                    self._membership.heard_from(peer.connection.peer_id, heard_s)
-            self._membership.heartbeat(now)
-            self.verdicts.expire(now)
-            tell_observed_addresses(self._peers.values())
-            if now - last_refresh >= CAPACITY_REFRESH_S:
-                self._membership.update_self(self._self_info())
-                if self._lan is not None:
-                    self._lan.offer_again(now)
-                last_refresh = now
-            self._process()
-            await asyncio.sleep(self._timings.heartbeat_interval_s)
 
     def rejoin(self) -> int:
         """Dial every member remembered from an earlier run; how many."""
@@ -268,6 +238,16 @@ class Mesh:
         return node_id in self._peers
 
     @property
+    def model_sha256(self) -> str:
+        """The model this node holds, as announced ("" when it holds none)."""
+        return self._own.model_sha256
+
+    @property
+    def devices(self) -> tuple[OfferedDevice, ...]:
+        """What our rpc-server offers, as announced."""
+        return self._own.devices
+
+    @property
     def self_info(self) -> MemberInfo:
         """What this node announces about itself now."""
         return self._membership.self_info
@@ -287,7 +267,7 @@ class Mesh:
 
     def announce_serving(self, serves: Callable[[], ServedModel | None]) -> None:
         """What this node serves, asked again at each announcement; announced now."""
-        self._serves = serves
+        self._own.serves = serves
         self._announce_self()
 
     def serving_changed(self) -> None:
@@ -296,7 +276,7 @@ class Mesh:
 
     def devices_measured(self, devices: tuple[OfferedDevice, ...]) -> None:
         """Our devices' speeds were measured again (llama/calibration.py): tell the members, and our planning."""
-        self.devices = devices[:MAX_DEVICES_PER_MEMBER]
+        self._own.devices_measured(devices)
         self._announce_self()
         self.changes.notify()
 
@@ -328,8 +308,7 @@ class Mesh:
     def holds_model(self, sha256: str, path: Path) -> None:
         """This node now holds the model ``sha256`` (its identity) at ``path``: announce it, and offer its
         files (ModelError if they are not there)."""
-        self._offered = offered_files(path, sha256)
-        self.model_sha256 = sha256
+        self._own.holds_model(sha256, path)
         self._announce_self()
 
     def name_of(self, node_id: bytes) -> str:
@@ -364,14 +343,14 @@ class Mesh:
             self._announce_self()
 
     def _self_info(self) -> MemberInfo:
-        return MemberInfo(
-            node_id=self.identity.node_id, name=self._name, version=__version__,
-            addresses=tuple(str(a) for a in self._addresses.listing(self.port, MAX_ADDRESSES)),
-            capacity=dataclasses.replace(self._capacity(), held=self._peers.held_entries()).to_gossip(),
-            serving=self._serving, rpc_ready=True, llama_build=self.build, model_sha256=self.model_sha256,
-            secret_epoch=self._saved.epoch, run_id=self.run_id,
-            corrupt_outputs=self.verdicts.corrupt, slow_workers=self.verdicts.slow, serves=self._serves(),
-            devices=self.devices, data_port=self.data_paths.port)
+        return self._own.info(tuple(str(a) for a in self._addresses.listing(self.port, MAX_ADDRESSES)),
+                              self._peers.held_entries(), self._saved.epoch, self.verdicts, self.data_paths.port)
+
+    def _refresh(self, now: float) -> None:
+        """Fresh capacity figures in gossip, and (with mDNS) on the LAN."""
+        self._membership.update_self(self._self_info())
+        if self._lan is not None:
+            self._lan.offer_again(now)
 
     def _disconnected(self, node_id: bytes, reason: str) -> None:
         """Our connection to ``node_id`` ended, or (dialer.py) it could be reached neither directly nor relayed."""
@@ -382,27 +361,6 @@ class Mesh:
         task = asyncio.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def detection_s(self, node_id: bytes) -> float:
-        """How long the last loss of ``node_id`` took to know (health.py), 0 if none was judged here."""
-        return self._detections.get(node_id, 0.0)
-
-    def suspect(self, node_id: bytes, sign: Sign) -> None:
-        """A sign that ``node_id``'s process is gone (its port unreachable, a data connection reset): probe it
-        at once, and judge it when the probe's time is up (health.py); a member lost so is known within a
-        round trip or two, not a heartbeat timeout."""
-        if self._leaving:
-            return
-        log.debug("peer %s suspected: %s", short_id(node_id), sign.value)
-        deadline = self._membership.suspect(node_id, sign, time.monotonic())
-        self._process()
-        if deadline is not None:
-            asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._judge)
-
-    def _judge(self) -> None:
-        if not self._leaving:
-            self._membership.judge(time.monotonic())
-            self._process()
 
     def _process(self) -> None:
         """Carry out what membership asks for, and act on what happened."""
@@ -418,60 +376,9 @@ class Mesh:
                     if (peer := self._peers.get(node_id)) is not None:
                         self._spawn(peer.close_when_idle(reason))
         while (event := self._membership.next_event()) is not None:
-            self._on_event(event)
+            self._reactions.on_event(event)
         if (relay := self.data_paths.relay) is not None:
-            relay.set_endpoints({sender: self._endpoints_of(order)
-                                 for sender, order in self._membership.rpc_orders.items()})
-
-    def _on_event(self, event: events.Event) -> None:
-        """Tell people what happened, keep mesh.json current, and close what must close."""
-        if (message := event_message(event, self.name_of)) is not None:
-            self._say(message)
-        match event:
-            case events.MemberJoined(info=info) | events.MemberUpdated(info=info):
-                # Say if it leaves us out, forgive a restart, remember it.
-                if (notice := self._exclusion_notices.new(self.self_info, info)) is not None:
-                    log.error("%s", notice)
-                    self._say(notice)
-                self.verdicts.member_seen(info)
-                self._remember(info.node_id, info.addresses)
-                self._route(info.node_id)
-            case events.MemberLeft(node_id=node_id, reason=reason) if reason == LEFT_FOR_GOOD_REASON:
-                self._remember(node_id, None)
-            case events.MemberRemoved(node_id=node_id, by=by):
-                # At once, not when idle: a removed member must lose its access now.
-                if (peer := self._peers.get(node_id)) is not None:
-                    peer.close(f"removed from the mesh by {self.name_of(by)}")
-                self._remember(node_id, None)
-            case events.SecretRotated(rekey=rekey):
-                self._adopt(rekey.secret, rekey.epoch, rekey.removed)
-                self._say(f"The mesh secret was rotated by {self.name_of(rekey.by)}: tickets printed "
-                          f"before now admit no one. New ticket: {self.ticket()}")
-            case events.PeerDegraded() | events.PeerRecovered():
-                log.log(logging.WARNING if isinstance(event, events.PeerDegraded) else logging.INFO,
-                        "%s (%s)", message, short_id(event.node_id))
-            case events.PeerLost(node_id=node_id, missed=missed):
-                reason = lost_reason(event)
-                log.warning("peer %s lost: %s (%d missed)", short_id(node_id), reason, missed)
-                self._detections[node_id] = event.detect_s
-                # _serve_peer sees the close, marks the member lost and closes its tunnel.
-                if (peer := self._peers.get(node_id)) is not None:
-                    peer.close(reason)
-            case events.LoopStalled(gap_s=gap_s):
-                log.warning("event loop stalled for %.1f s; peer health not judged on this heartbeat", gap_s)
-        joined_or_gone = (events.MemberJoined, events.MemberLost, events.MemberLeft, events.MemberRemoved)
-        if isinstance(event, joined_or_gone) or (isinstance(event, events.MemberUpdated)
-                                                 and self._planning_news(event.info)):
-            self.changes.notify()
-
-    def _planning_news(self, info: MemberInfo) -> bool:
-        """Whether a member's update changes what it serves (its model, state, claim) or its devices' speeds
-        (measured again, settled), not just its load or free memory."""
-        said = (None if info.serves is None else dataclasses.replace(info.serves, in_flight=0),
-                tuple((device.decode_bytes_per_s, device.settled) for device in info.devices))
-        before = self._planning_said.get(info.node_id)
-        self._planning_said[info.node_id] = said
-        return said != before
+            relay.set_endpoints(self._endpoints.of_orders(self._membership))
 
     def _remember(self, node_id: bytes, addresses: tuple[str, ...] | None) -> None:
         """Keep (or, with None, drop) a member's addresses in mesh.json for the next start."""
@@ -480,14 +387,17 @@ class Mesh:
             self._saved = saved
             saved.save(self._home)
 
-    def _adopt(self, secret: bytes, epoch: int, removed: tuple[bytes, ...]) -> None:
-        self._saved = self._saved.rotated(secret, epoch, removed)
+    def _rekeyed(self, rekey: Rekey) -> None:
+        """A member rotated the secret (this rotation won): adopt it, and say the new ticket."""
+        self._saved = self._saved.rotated(rekey.secret, rekey.epoch, rekey.removed)
         self._saved.save(self._home)
-        self._transport.set_secret(secret)
-        self._transport.refuse_nodes(removed)
+        self._transport.set_secret(rekey.secret)
+        self._transport.refuse_nodes(rekey.removed)
         self._membership.update_self(self._self_info())
         if self._lan is not None:
             self._lan.refresh()  # the mesh id follows the secret
+        self._say(f"The mesh secret was rotated by {self.name_of(rekey.by)}: tickets printed "
+                  f"before now admit no one. New ticket: {self.ticket()}")
 
     def _lan_record(self) -> LanRecord:
         assert self.port is not None
@@ -503,17 +413,6 @@ class Mesh:
     def _peer_counters(self, node_id: bytes) -> TunnelCounters | None:
         peer = self._peers.get(node_id)
         return None if peer is None else peer.tunnel.counters
-
-    def _endpoints_of(self, order: tuple[bytes, ...]) -> dict[int, str]:
-        """A serving node's rpc order: peer index -> the endpoint that reaches that member from here."""
-        return {index: endpoint for index, node_id in enumerate(order)
-                if (endpoint := self._peers.rpc_endpoint(node_id, self._rpc_port)) is not None}
-
-    def _resolve_endpoint(self, sender: bytes, peer_index: int) -> str | None:
-        """The peer id of a REGISTER_PEER that member ``sender`` sent -> the endpoint that reaches that member
-        from here, by ``sender``'s own rpc order only: another member's order never remaps its indices."""
-        order = self._membership.rpc_order_of(sender)
-        return self._peers.rpc_endpoint(order[peer_index], self._rpc_port) if 0 <= peer_index < len(order) else None
 
     async def _serve_peer(self, connection: PeerConnection) -> None:
         """One admitted connection's whole life; returning closes it."""
