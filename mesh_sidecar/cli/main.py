@@ -50,6 +50,7 @@ SPEED_PANEL = "Model tiers & speed"
 ADVANCED_PANEL = "Advanced"
 PANEL_ORDER = (MESH_PANEL, SERVING_PANEL, SPEED_PANEL, ADVANCED_PANEL)
 FLAG = ""  # the metavar of an option that takes no value
+MODEL_METAVAR = "FILE|hf:NAME"
 
 
 def _flag_help_option(option: Any) -> Any:
@@ -148,10 +149,11 @@ def run_node(
         "--no-api", metavar=FLAG, rich_help_panel=SERVING_PANEL,
         help="No API port on this node (with --serve, its port stays closed; members still reach the "
              "model it serves).")] = False,
-    model: Annotated[list[Path] | None, typer.Option(
-        "--model", metavar="FILE", rich_help_panel=SERVING_PANEL,
-        help="GGUF model file (default: SmolLM2-135M-Instruct). With --serve, give several for tiers: "
-             "the largest the mesh can hold is served.")] = None,
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", metavar=MODEL_METAVAR, rich_help_panel=SERVING_PANEL,
+        help="GGUF file, or hf:USER/REPO[:QUANT] (default Q4_K_M) or hf:USER/REPO/FILE.gguf from the Hugging "
+             "Face hub, kept in its cache (HF_TOKEN, HF_ENDPOINT honoured). Default: SmolLM2-135M-Instruct. "
+             "With --serve, give several for tiers: the largest the mesh can hold is served.")] = None,
     spread: Annotated[bool, typer.Option(
         "--spread", metavar=FLAG, rich_help_panel=SERVING_PANEL,
         help="With --serve: split the model over every free member, even when it fits on fewer.")] = False,
@@ -260,8 +262,10 @@ def run_node(
 @app.command(cls=_MeshCommand)
 def setup(
     llama_bin: LlamaBinOption = None,
-    model: Annotated[Path | None, typer.Option(
-        "--model", metavar="FILE", help="Check this GGUF instead of fetching the default.")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", metavar=MODEL_METAVAR,
+        help="Check this GGUF (a file, or hf:USER/REPO[:QUANT] fetched into the hub's cache) instead of "
+             "fetching the default.")] = None,
     b2b: B2bOption = False,
     backend: Annotated[str, typer.Option(
         "--backend", metavar="|".join((*BACKENDS, AUTO)),
@@ -286,7 +290,7 @@ def setup(
         chosen = backend_named(backend)
     from .prepare import keep_source, prepare, prepare_data_relay
 
-    binaries, model_path, _, _ = prepare(llama_bin, model, b2b=b2b, backend=chosen)
+    prepared = prepare(llama_bin, model, b2b=b2b, backend=chosen)
     relay = prepare_data_relay(lambda line: console.print(line, highlight=False))
     source = keep_source(lambda line: console.print(line, highlight=False))
     if chosen is None:
@@ -294,11 +298,11 @@ def setup(
     else:
         record_backend(chosen)  # only now that its build is complete
         console.print(f"backend: {chosen.name}{' (detected)' if backend == AUTO else ''}", highlight=False)
-    console.print(f"model: {model_path}", highlight=False)
+    console.print(f"model: {prepared.models[0][0]}", highlight=False)
     console.print(f"data relay: {relay or 'missing (tunnels use QUIC)'}", highlight=False)
     console.print(f"llama.cpp source, offered to members without package access: {source or 'not kept'}",
                   highlight=False)
-    print(binaries.directory)
+    print(prepared.binaries.directory)
 
 
 @app.command(cls=_MeshCommand)
@@ -463,8 +467,10 @@ def logs(
 @app.command(cls=_MeshCommand)
 def plan(
     home: HomeOption = None,
-    model: Annotated[Path | None, typer.Option(
-        "--model", metavar="FILE", help="Plan for this GGUF instead of the node's model.")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", metavar=MODEL_METAVAR,
+        help="Plan for this GGUF instead of the node's model: a file, or an hf: name already in the hub's "
+             "cache.")] = None,
     ctx_size: Annotated[int | None, typer.Option("--ctx-size", min=256, metavar="TOKENS",
                                                  help="Plan for this context length.")] = None,
     as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="Print one JSON object, for scripts.")] = False,
@@ -472,11 +478,12 @@ def plan(
                                        "member serves with.")] = False,
 ) -> None:
     """Show how the running node would spread the model over the mesh now, without launching."""
+    model_path = None
     if model is not None:
-        from ..llama.model import check_gguf
+        from .prepare import cached_model_file
 
-        model = check_gguf(model)
-    result = read_plan(NodeHome.resolve(home), model, ctx_size)
+        model_path = cached_model_file(model)
+    result = read_plan(NodeHome.resolve(home), model_path, ctx_size)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

@@ -7,16 +7,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
-from ..errors import SetupError
+from ..errors import ModelError, SetupError
 from ..home import NodeHome
 from ..llama import weight_cache
 from ..llama.backends import Backend, recorded_backend
-from ..llama.build import B2B, STOCK, ensure_binaries, ensure_source_archive
-from ..llama.model import check_gguf, ensure_model, model_sha256
+from ..llama.build import B2B, STOCK, LlamaBinaries, ensure_binaries, ensure_source_archive
+from ..llama.hub_models import parse_model_name, resolve
+from ..llama.model import check_gguf, ensure_model, model_sha256, remember_sha256
 from ..llama.model_files import read_model_header
 from ..llama.projector import Projector, check_pair
 from ..llama.weight_cache import WeightCache
@@ -63,24 +65,66 @@ def setup_progress() -> Iterator[ProgressCallback]:
         bar.close()
 
 
-def prepare(llama_bin: Path | None, model: Path | None, *, uses_model: bool = True, identify_model: bool = False,
-            b2b: bool = False, more_models: Sequence[Path] = (), backend: Backend | None = None):
-    """Binaries, model and (if asked) the model's sha256, with a progress bar when slow; and
-    ``more_models`` (the other tiers) as (path, sha256) pairs. The pinned build is ``backend``'s, by default
-    the one the last `setup` built (cpu if none did). Without ``model`` the default model is fetched when
-    ``uses_model``; else the model is None (a worker holds no model file: nothing to fetch, nothing to hash).
+@dataclass(frozen=True)
+class PreparedModels:
+    """What `prepare` readied: the build, and the models as files."""
 
-    Models the user named are checked first: a typo should not wait for a build.
+    binaries: LlamaBinaries
+    models: tuple[tuple[Path, str], ...]  # (path, sha256) of every model, the first the node's own; () none
+    # Each model's projector as its hub repo offers it (a vision repo's mmproj), in the same order; None: none.
+    hub_projectors: tuple[Path | None, ...] = ()
+
+
+def prepare(llama_bin: Path | None, model: str | None, *, uses_model: bool = True, identify_model: bool = False,
+            b2b: bool = False, more_models: Sequence[str] = (), backend: Backend | None = None,
+            hub_projectors: bool = False) -> PreparedModels:
+    """Binaries, model and (if asked) the model's sha256, with a progress bar when slow; and ``more_models``
+    (the other tiers) with theirs. The pinned build is ``backend``'s, by default the one the last `setup`
+    built (cpu if none did). A model is a file or an ``hf:`` name (llama/hub_models.py), fetched into the
+    hub's cache when missing, with its repo's projector when ``hub_projectors``. Without ``model`` the
+    default model is fetched when ``uses_model``; else there is none (a worker holds no model file: nothing
+    to fetch, nothing to hash).
+
+    Models are found before the build starts: a typo or a missing repo should not wait for a build.
     """
-    if model is not None:
-        check_gguf(model)
-    more = [check_gguf(path) for path in more_models]
+    named = [name for name in (model, *more_models) if name is not None]
+    for name in named:
+        if parse_model_name(name) is None:
+            check_gguf(Path(name).expanduser())
     with setup_progress() as progress:
+        located = [_locate(name, progress, projector=hub_projectors) for name in named]
         variant = B2B if b2b else STOCK
         binaries = ensure_binaries(llama_bin, progress, variant.on(backend or recorded_backend()))
-        model_path = ensure_model(model, progress) if model is not None or uses_model else None
-        sha256 = model_sha256(model_path, progress) if identify_model and model_path is not None else ""
-        return binaries, model_path, sha256, tuple((path, model_sha256(path, progress)) for path in more)
+        if model is None and uses_model:
+            located.insert(0, (ensure_model(None, progress), None))
+        models = tuple((path, model_sha256(path, progress) if index or identify_model else "")
+                       for index, (path, _) in enumerate(located))
+        return PreparedModels(binaries, models, tuple(projector for _, projector in located))
+
+
+def _locate(name: str, progress: ProgressCallback, *, projector: bool) -> tuple[Path, Path | None]:
+    """The model file ``name`` names, and its hub repo's projector if asked: a path checked, or an ``hf:``
+    name found in the hub's cache (fetched into it when missing)."""
+    hub_name = parse_model_name(name)
+    if hub_name is None:
+        return check_gguf(Path(name).expanduser()), None
+    resolved = resolve(hub_name, progress=progress, projector=projector)
+    for path, sha256 in resolved.checked_sha256s:  # checked as they arrived: not hashed again
+        remember_sha256(path, sha256)
+    return check_gguf(resolved.model_path), resolved.projector_path
+
+
+def cached_model_file(name: str) -> Path:
+    """The model file ``name`` names, for a command that downloads nothing (`plan`): a path checked, or an
+    ``hf:`` name's file in the hub's cache."""
+    hub_name = parse_model_name(name)
+    if hub_name is None:
+        return check_gguf(Path(name).expanduser())
+    try:
+        return resolve(hub_name, progress=lambda *_: None, offline=True, projector=False).model_path
+    except ModelError as exc:
+        raise ModelError(f"{hub_name} is not downloaded here, and planning reads the model's header from its "
+                         f"file. Download it first: mesh-inference setup --model {hub_name}") from exc
 
 
 def identify_projectors(projectors: Sequence[Projector | None],

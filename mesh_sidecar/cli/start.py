@@ -23,7 +23,7 @@ from ..mesh.saved import SavedMesh
 from ..mesh.source_fetch import fetch_source_archive
 from ..net.discovery import LAN_BROWSE_S, browse_lan
 from ..node.lifecycle import Node
-from ..node.options import NodeArgs, Readied, check, node_options
+from ..node.options import NodeArgs, Readied, check, hub_projectors, node_options
 from ..serve.plan_start import PlanAnnouncement
 from .output import console
 from .prepare import draft_for, identify_projectors, prepare, prepare_data_relay, prepare_weight_cache, setup_progress
@@ -62,18 +62,20 @@ def start_node(**typed: Any) -> None:
         readied, draft_model=draft_path, weight_cache=cache, weight_cache_tool=tool,
         data_relay=prepare_data_relay(_say) if args.data_path == "auto" else None)
     if args.serving:
-        readied = dataclasses.replace(readied, projectors=identify_projectors(checked.projectors,
+        projectors = checked.projectors or hub_projectors(readied.hub_projectors)
+        readied = dataclasses.replace(readied, projectors=identify_projectors(projectors,
                                                                               [p for p, _ in readied.models]))
     options = node_options(checked, node_home, node_name, readied, plain_progress=not console.is_terminal)
     asyncio.run(_run_until_signal(Node(options, identity, _say)))
 
 
 def _ready(args: NodeArgs) -> Readied:
-    """The build and the models (prepare.py): the node's model, its sha256 when it uses one, the other tiers'."""
-    binaries, model_path, sha256, more_models = prepare(
-        args.llama_bin, args.model[0] if args.model else None, uses_model=args.uses_model,
-        identify_model=args.uses_model, b2b=args.b2b, more_models=args.model[1:] if args.model else ())
-    return Readied(binaries, ((model_path, sha256), *more_models) if model_path is not None else ())
+    """The build and the models (prepare.py): the node's model, its sha256 when it uses one, the other tiers'.
+    A serving node given no --mmproj takes each hub repo's projector (a vision model's)."""
+    prepared = prepare(args.llama_bin, args.model[0] if args.model else None, uses_model=args.uses_model,
+                       identify_model=args.uses_model, b2b=args.b2b, more_models=args.model[1:] if args.model else (),
+                       hub_projectors=args.serving and not args.mmproj)
+    return Readied(prepared.binaries, prepared.models, hub_projectors=prepared.hub_projectors)
 
 
 def show_lan(node_home: NodeHome) -> None:

@@ -64,7 +64,7 @@ def plan_table(plan: dict[str, Any], title: str = "Plan", *, wide: bool = False)
     The title names the K/V cache types the KV column assumes.
 
     ``wide`` adds each node's id."""
-    model = f"{plan['model']}, " if plan.get("model") else ""
+    model = f"{plan.get('model_name') or plan['model']}, " if plan.get("model") else ""
     kv_cache = f", KV cache {plan['kv_cache_type']}" if plan.get("kv_cache_type") else ""
     refused = [f"{node['name']} refused: {node['detail']}." for node in plan.get("refused", [])]
     projector_bytes = plan.get("projector_bytes") or 0
@@ -166,6 +166,8 @@ def status_view(snapshot: dict[str, Any], *, wide: bool = False) -> Group:
     if wide:
         parts.append(Text(f"id: {node['id']}"))
     held = snapshot["model"]["path"] or "none held (a worker: the serving node sends the layers it plans here)"
+    if name := snapshot["model"].get("name"):
+        held = f"{name} ({held})"
     parts.append(Text(f"model: {held} (context {snapshot['model']['ctx_size']})"))
     if node["capacity"]:
         parts.append(Text(f"offers: {format_gib(node['capacity']['usable_bytes'])} GiB"))

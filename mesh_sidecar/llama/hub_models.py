@@ -267,6 +267,8 @@ class ResolvedModel:
     repo: str
     revision: str  # the commit the files are from
     sha256: str  # the model file's (a split set's first shard's) sha256, as the hub publishes it
+    # Every file of the model and its projector with the sha256 its bytes were checked against on arrival.
+    checked_sha256s: tuple[tuple[Path, str], ...] = ()
 
 
 def resolve(name: HubModelName, *, progress: ProgressCallback, offline: bool = False, projector: bool = True,
@@ -306,10 +308,29 @@ def resolve(name: HubModelName, *, progress: ProgressCallback, offline: bool = F
 
 def _resolved(name: HubModelName, storage: Path, listing: RepoListing, choice: HubChoice) -> ResolvedModel:
     model = listing.files[choice.model_files[0]]
+    files = [listing.files[f] for f in choice.files]
     return ResolvedModel(
         model_path=_pointer(storage, listing.commit, model.name),
         projector_path=_pointer(storage, listing.commit, choice.projector) if choice.projector else None,
-        repo=name.repo, revision=listing.commit, sha256=model.sha256 or "")
+        repo=name.repo, revision=listing.commit, sha256=model.sha256 or "",
+        checked_sha256s=tuple((_pointer(storage, listing.commit, f.name), f.sha256) for f in files if f.sha256))
+
+
+def hub_name_of(path: Path | str) -> str | None:
+    """The ``hf:`` name of a model file in the hub's cache (``.../models--USER--REPO/snapshots/<commit>/
+    FILE``): ``hf:USER/REPO:QUANT`` when the file name says its quant, else ``hf:USER/REPO/FILE``; None for
+    a file elsewhere. What `status` and `plan` show, so a model named on the hub is shown by that name."""
+    parts = PurePosixPath(path).parts
+    at = next((i for i in range(len(parts) - 3, 0, -1)
+               if parts[i] == "snapshots" and parts[i - 1].startswith("models--")), None)
+    if at is None:
+        return None
+    owner_repo = parts[at - 1][len("models--"):].split("--")
+    if len(owner_repo) != 2:
+        return None
+    repo, file = "/".join(owner_repo), "/".join(parts[at + 2:])
+    quants = _QUANT_IN_NAME.findall(_set_stem(file))
+    return str(HubModelName(repo, quant=quants[-1]) if quants else HubModelName(repo, file=file))
 
 
 def _pointer(storage: Path, commit: str, file: str) -> Path:

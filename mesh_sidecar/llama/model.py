@@ -162,23 +162,37 @@ def offered_files(path: Path, identity: str) -> dict[str, Path]:
 def _file_sha256_cached(path: Path, progress: ProgressCallback) -> str:
     """The sha256 (hex) of one file, hashed once per path, size and mtime: the cache saves
     re-reading gigabytes on every start."""
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    cache_path = cache_root() / HASH_CACHE_FILE
-    try:
-        cache = json.loads(cache_path.read_text())
-        if not isinstance(cache, dict):
-            cache = {}
-    except (OSError, ValueError):
-        cache = {}
-    if isinstance(cached := cache.get(key), str):
+    cache = _read_hash_cache()
+    if isinstance(cached := cache.get(_hash_key(path)), str):
         return cached
+    return remember_sha256(path, file_sha256(path, progress))
+
+
+def remember_sha256(path: Path, sha256: str) -> str:
+    """Record ``sha256`` as ``path``'s, as if hashed here: for a file whose bytes were checked against it as
+    they arrived (a hub download), so the first start does not read gigabytes again."""
+    cache = _read_hash_cache()
+    key = _hash_key(path)
     cache.pop(key, None)
-    cache[key] = file_sha256(path, progress)
+    cache[key] = sha256
     while len(cache) > HASH_CACHE_ENTRIES:
         cache.pop(next(iter(cache)))
+    cache_path = cache_root() / HASH_CACHE_FILE
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     partial = cache_path.with_suffix(f".{os.getpid()}.partial")
     partial.write_text(json.dumps(cache))
     partial.replace(cache_path)
-    return cache[key]
+    return sha256
+
+
+def _hash_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def _read_hash_cache() -> dict[str, object]:
+    try:
+        cache = json.loads((cache_root() / HASH_CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}

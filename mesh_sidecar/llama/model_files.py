@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -86,7 +87,11 @@ def model_stem(file_name: str) -> str:
 
 
 def check_gguf_file(path: Path) -> Path:
-    """``path`` resolved, if it is a readable GGUF file; ModelError saying what is wrong."""
+    """``path`` made absolute, if it is a readable GGUF file; ModelError saying what is wrong.
+
+    Links are kept, not followed: the hub's cache links ``snapshots/<commit>/<name>`` to
+    ``blobs/<sha256>``, and a split set's shards are found by the name, beside the first.
+    """
     path = path.expanduser()
     if not path.exists():
         raise ModelError(f"Model file {path} does not exist. Check the path given to --model.")
@@ -102,7 +107,7 @@ def check_gguf_file(path: Path) -> Path:
             f"{path} is not a GGUF model (it does not start with 'GGUF'). llama.cpp needs a "
             ".gguf file; convert the model with llama.cpp's convert_hf_to_gguf.py or download a GGUF."
         )
-    return path.resolve()
+    return Path(os.path.abspath(path))
 
 
 def model_files(path: Path) -> tuple[Path, ...]:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from ..errors import MeshError, UsageError
 from ..home import NodeHome, write_private_file
+from ..llama.hub_models import hub_name_of
 from ..ports import LOOPBACK
 from ..serve.planner import Plan
 from .control_client import (
@@ -41,6 +42,8 @@ class ControlledNode(Protocol):
     def status_snapshot(self) -> dict[str, Any]: ...
 
     async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan: ...
+
+    def model_paths(self) -> list[Path]: ...
 
     def ticket(self) -> str: ...
 
@@ -105,7 +108,10 @@ class ControlServer:
             plan = await self._node.plan_snapshot(Path(model) if model else None, int(ctx) if ctx else None)
         except MeshError as exc:
             return _error(exc)
-        return web.json_response(plan.to_json())
+        paths = [Path(model)] if model else self._node.model_paths()
+        # The plan names the file; a model fetched from the hub is also shown by its hf: name.
+        name = next((hub_name_of(path) for path in paths if path.name == plan.model), None)
+        return web.json_response({**plan.to_json(), "model_name": name})
 
     async def _ticket(self, request: web.Request) -> web.Response:
         return web.json_response({"ticket": self._node.ticket()})

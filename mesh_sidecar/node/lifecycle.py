@@ -26,6 +26,7 @@ from ..llama import weight_cache
 from ..llama.announced_build import local_build
 from ..llama.calibration import DeviceSpeed, SpeedRecord, calibrate_devices, measure_while_idle
 from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, Device, backend_of, measure, parse_device_listing
+from ..llama.hub_models import hub_name_of
 from ..llama.kv_cache import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
 from ..llama.model_files import model_files
@@ -368,6 +369,12 @@ class Node:
             await self.rpc_server.stop()
         await self._control.close()
 
+    def model_paths(self) -> list[Path]:
+        """The model files this node plans for by default: a serving node's tiers, or a worker's --model."""
+        if self.options.serving is not None:
+            return [path for path, _ in self.options.serving.models]
+        return [self.options.model] if self.options.model is not None else []
+
     async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Plan:
         """A plan over the members connected now, for `mesh-inference plan` (PlanError if none fits).
 
@@ -379,13 +386,8 @@ class Node:
                 and (running := self.serving.plan_in_service()) is not None):
             return running
         serving = self.options.serving
-        if model is not None:
-            paths = [model]
-        elif serving is not None:
-            paths = [path for path, _ in serving.models]
-        elif self.options.model is not None:
-            paths = [self.options.model]
-        else:
+        paths = [model] if model is not None else self.model_paths()
+        if not paths:
             raise PlanError("This node serves no model and holds none: plan for a file with `mesh-inference plan "
                             "--model FILE`, or run `mesh-inference plan` on the serving node.")
         # A worker plans with llama.cpp's default cache types: --cache-type-k/-v are the serving node's.
@@ -458,6 +460,7 @@ class Node:
                                                          strict=True)],
             },
             "model": {"path": None if model is None else str(model),
+                      "name": None if model is None else hub_name_of(model),  # hf:USER/REPO:QUANT, for one there
                       "bytes": 0 if model is None else _model_bytes(model), "ctx_size": self.options.ctx_size},
             "processes": processes,
             "serving": ({**self.serving.status(), "counters": self.metrics.summary()}

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..home import NodeHome
 from ..llama.build import LlamaBinaries
+from ..llama.hub_models import parse_model_name
 from ..llama.kv_cache import DEFAULT_CTX_SIZE, DEFAULT_KV_CACHE, KvCacheTypes
 from ..llama.projector import Projector, read_projector
 from ..llama.weight_cache import WeightCache
@@ -36,7 +37,7 @@ class NodeArgs:
     serve: int | None
     api_port: int | None
     no_api: bool
-    model: list[Path] | None
+    model: list[str] | None  # files or hf: names (llama/hub_models.py)
     spread: bool
     plan_by: str
     name: str | None
@@ -117,6 +118,8 @@ def check(args: NodeArgs) -> CheckedArgs:
     if args.model and len(args.model) > 1 and not args.serving:
         raise UsageError("Several --model files (model tiers) work on the serving node only: add --serve PORT, "
                          "or give a worker one --model.")
+    for name in args.model or ():
+        parse_model_name(name)  # UsageError for a malformed hf: name
     projectors = read_projectors(args.mmproj or [], len(args.model or [None]), serving=args.serving)
     if args.data_path not in ("auto", "quic"):
         raise UsageError(f"--data-path takes 'auto' or 'quic', not {args.data_path!r}.")
@@ -158,6 +161,11 @@ def read_projectors(mmproj: list[str], n_models: int, *, serving: bool) -> tuple
     return tuple(None if arg == NO_PROJECTOR else read_projector(Path(arg).expanduser()) for arg in mmproj)
 
 
+def hub_projectors(paths: tuple[Path | None, ...]) -> tuple[Projector | None, ...]:
+    """The projectors hub repos offered beside their models, read as --mmproj would read them."""
+    return tuple(None if path is None else read_projector(path) for path in paths)
+
+
 def device_names(devices: str | None) -> tuple[str, ...]:
     """--devices as names (UsageError for one llama.cpp could not name, or too many for gossip)."""
     if devices is None:
@@ -187,6 +195,7 @@ class Readied:
     binaries: LlamaBinaries
     models: tuple[tuple[Path, str], ...]  # (path, sha256) of every --model, the first the default one; () none
     projectors: tuple[Projector | None, ...] = ()  # checked against their models and hashed
+    hub_projectors: tuple[Path | None, ...] = ()  # each hf: model's repo's projector, for want of --mmproj
     draft_model: Path | None = None
     weight_cache: WeightCache | None = None
     weight_cache_tool: Path | None = None

@@ -58,6 +58,9 @@ class StandInNode:
     async def plan_snapshot(self, model: Path | None, ctx_size: int | None) -> Any:
         raise PlanError("no member offers memory yet: start a worker with the ticket")
 
+    def model_paths(self) -> list[Path]:
+        return []
+
     def ticket(self) -> str:
         return "mesh1-stand-in-ticket"
 

@@ -150,8 +150,9 @@ def test_the_node_help_fits_80_columns_in_panels_with_names_not_types():
     assert not TYPE_HINT.search(text), TYPE_HINT.search(text)
     option_panels = [name for name in panels(text) if name != "Commands"]
     assert option_panels == list(cli.PANEL_ORDER), option_panels
-    for option, metavar in (("--serve", "PORT"), ("--model", "FILE"), ("--join", "TICKET"), ("--home", "DIR"),
-                            ("--max-memory", "SIZE"), ("--api-key", "KEY"), ("--cors-origin", "ORIGIN")):
+    for option, metavar in (("--serve", "PORT"), ("--model", re.escape("FILE|hf:NAME")), ("--join", "TICKET"),
+                            ("--home", "DIR"), ("--max-memory", "SIZE"), ("--api-key", "KEY"),
+                            ("--cors-origin", "ORIGIN")):
         assert re.search(rf"│ {re.escape(option)} +{metavar} ", text), option
 
 

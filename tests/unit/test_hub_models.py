@@ -8,6 +8,7 @@ from mesh_sidecar.errors import ModelError, UsageError
 from mesh_sidecar.llama.hub_models import (
     HubModelName,
     choose_files,
+    hub_name_of,
     parse_model_name,
     quant_of,
     repo_quants,
@@ -114,3 +115,16 @@ def test_the_transfer_note_gives_rate_and_time_left():
     assert transfer_note(0, 100, 0, 0.0) == "starting"
     assert transfer_note(50 << 20, 100 << 20, 10 << 20, 1.0) == "10.0 MiB/s, 5 s left"
     assert transfer_note(0, 1300 << 20, 10 << 20, 1.0) == "10.0 MiB/s, 2 min 10 s left"
+
+
+@pytest.mark.parametrize(("path", "name"), [
+    ("/c/models--bartowski--Qwen3-8B-GGUF/snapshots/abc/Qwen3-8B-Q4_K_M.gguf", "hf:bartowski/Qwen3-8B-GGUF:Q4_K_M"),
+    ("/c/models--u--r/snapshots/abc/Big-Q8_0-00001-of-00002.gguf", "hf:u/r:Q8_0"),
+    ("/c/models--u--r/snapshots/abc/sub/model.gguf", "hf:u/r/sub/model.gguf"),
+    ("/home/me/models/Qwen3-8B-Q4_K_M.gguf", None),
+    ("/c/datasets--u--r/snapshots/abc/x-Q4_0.gguf", None),
+])
+def test_a_file_in_the_hubs_cache_is_shown_by_its_hub_name(path, name):
+    assert hub_name_of(path) == name
+    if name is not None:
+        assert parse_model_name(name) is not None  # a name people can give back to --model

@@ -9,7 +9,14 @@ import pytest
 
 from mesh_sidecar.environment import CACHE_ENV
 from mesh_sidecar.errors import ModelError
-from mesh_sidecar.llama.model import check_gguf, manifest_path, model_sha256, model_shards, offered_files
+from mesh_sidecar.llama.model import (
+    check_gguf,
+    manifest_path,
+    model_sha256,
+    model_shards,
+    offered_files,
+    remember_sha256,
+)
 from mesh_sidecar.llama.model_files import (
     Shard,
     decode_manifest,
@@ -110,3 +117,27 @@ def test_manifests_round_trip_and_bad_ones_are_refused():
         decode_manifest(b"\x00garbage")
     with pytest.raises(ModelError, match="no shards"):
         decode_manifest(json.dumps({**good, "shards": []}).encode())
+
+
+def test_a_split_set_in_the_hubs_cache_is_found_through_its_links(tmp_path):
+    """The hub's cache links snapshots/<commit>/<name> to blobs/<sha256>: the shards are found by name,
+    beside the first, and the links are kept (following one would lose the name)."""
+    made = write_split_model(tmp_path / "made", "tiny", [1, 1])
+    blobs, snapshot = tmp_path / "models--u--r" / "blobs", tmp_path / "models--u--r" / "snapshots" / "c0mmit"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for shard in model_files(made):
+        blob = blobs / hashlib.sha256(shard.read_bytes()).hexdigest()
+        shard.replace(blob)
+        (snapshot / shard.name).symlink_to(blob)
+    files = model_files(snapshot / "tiny-00001-of-00002.gguf")
+    assert files == (snapshot / "tiny-00001-of-00002.gguf", snapshot / "tiny-00002-of-00002.gguf")
+
+
+def test_a_sha256_remembered_for_a_checked_download_is_not_hashed_again(tmp_path):
+    single = tmp_path / "single.gguf"
+    single.write_bytes(b"GGUF" + bytes(100))
+    remember_sha256(single, SHA)  # as a hub download does, its bytes checked on arrival
+    assert model_sha256(single, no_progress) == SHA
+    single.write_bytes(b"GGUF" + bytes(101))  # changed since: hashed again
+    assert model_sha256(single, no_progress) == hashlib.sha256(single.read_bytes()).hexdigest()
