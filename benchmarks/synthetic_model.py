@@ -108,6 +108,11 @@ CACHE_TEST = SyntheticSpec(
     name="cache-test", n_layers=2, n_embd=1664, n_ff=4480, n_head=13, n_head_kv=13,
     attn_dtype="F32", ffn_dtype="F16", embd_dtype="F16",
 )
+# Three layers of CACHE_TEST's (~432 MB): a three-node split where each worker holds by-hash tensors.
+SHARE_TEST = SyntheticSpec(
+    name="share-test", n_layers=3, n_embd=1664, n_ff=4480, n_head=13, n_head_kv=13,
+    attn_dtype="F32", ffn_dtype="F16", embd_dtype="F16",
+)
 # A benchmark model: 8 layers, ~1.25 GB, all F16 and still every layer matrix above the
 # threshold (attention 2304x2304 F16 = 10.62 MB, ffn 2304x6144 F16 = 28.31 MB).
 BENCH_1GB = SyntheticSpec(
@@ -134,7 +139,7 @@ MOE_TEST = SyntheticSpec(
     name="moe-test", n_layers=6, n_embd=512, n_ff=1024, n_head=8, n_head_kv=4,
     attn_dtype="F16", ffn_dtype="F16", embd_dtype="F16", n_experts=8, n_experts_used=2,
 )
-PRESETS = {spec.name: spec for spec in (CACHE_TEST, BENCH_1GB, BENCH_4GB, TIER_TEST, MOE_TEST)}
+PRESETS = {spec.name: spec for spec in (CACHE_TEST, SHARE_TEST, BENCH_1GB, BENCH_4GB, TIER_TEST, MOE_TEST)}
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx2  # huggingface_hub's HTTP client: its errors are what a failed hub call raises
 from huggingface_hub import HfApi, constants, get_session, hf_hub_url
@@ -316,10 +316,18 @@ def _resolved(name: HubModelName, storage: Path, listing: RepoListing, choice: H
         checked_sha256s=tuple((_pointer(storage, listing.commit, f.name), f.sha256) for f in files if f.sha256))
 
 
-def hub_name_of(path: Path | str) -> str | None:
-    """The ``hf:`` name of a model file in the hub's cache (``.../models--USER--REPO/snapshots/<commit>/
-    FILE``): ``hf:USER/REPO:QUANT`` when the file name says its quant, else ``hf:USER/REPO/FILE``; None for
-    a file elsewhere. What `status` and `plan` show, so a model named on the hub is shown by that name."""
+@dataclass(frozen=True)
+class HubLocation:
+    """Where a file of the hub's cache came from."""
+
+    repo: str  # USER/REPO
+    revision: str  # the commit of its snapshot
+    file: str  # its path in the repo
+
+
+def hub_location(path: Path | str) -> HubLocation | None:
+    """The repo, commit and path of a file in the hub's cache (``.../models--USER--REPO/snapshots/<commit>/
+    FILE``); None for a file elsewhere."""
     parts = PurePosixPath(path).parts
     at = next((i for i in range(len(parts) - 3, 0, -1)
                if parts[i] == "snapshots" and parts[i - 1].startswith("models--")), None)
@@ -328,9 +336,19 @@ def hub_name_of(path: Path | str) -> str | None:
     owner_repo = parts[at - 1][len("models--"):].split("--")
     if len(owner_repo) != 2:
         return None
-    repo, file = "/".join(owner_repo), "/".join(parts[at + 2:])
-    quants = _QUANT_IN_NAME.findall(_set_stem(file))
-    return str(HubModelName(repo, quant=quants[-1]) if quants else HubModelName(repo, file=file))
+    return HubLocation("/".join(owner_repo), parts[at + 1], "/".join(parts[at + 2:]))
+
+
+def hub_name_of(path: Path | str) -> str | None:
+    """The ``hf:`` name of a model file in the hub's cache: ``hf:USER/REPO:QUANT`` when the file name says its
+    quant, else ``hf:USER/REPO/FILE``; None for a file elsewhere. What `status` and `plan` show, so a model
+    named on the hub is shown by that name."""
+    location = hub_location(path)
+    if location is None:
+        return None
+    quants = _QUANT_IN_NAME.findall(_set_stem(location.file))
+    return str(HubModelName(location.repo, quant=quants[-1]) if quants else HubModelName(location.repo,
+                                                                                         file=location.file))
 
 
 def _pointer(storage: Path, commit: str, file: str) -> Path:
@@ -512,6 +530,33 @@ def _download(source: _Source, file: RepoFile, partial: Path, progress: Progress
         raise ModelError(f"The download of {file.name} ({name.repo}) ended at {done} of {file.size_bytes} bytes. "
                          "Start again: it resumes where it stopped.")
     return str(digest.hexdigest())
+
+
+def fetch_range(repo: str, revision: str, file: str, offset: int, size_bytes: int, out: BinaryIO, *,
+                endpoint: str | None = None, token: str | None = None) -> None:
+    """Bytes [offset, offset + size_bytes) of ``file`` in ``repo`` at ``revision`` written to ``out``: one
+    Range request (llama/layer_fetch.py takes a worker's tensors so). ModelError if they do not all come."""
+    name = HubModelName(repo, file=file)
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    url = hf_hub_url(repo, file, revision=revision, endpoint=endpoint)
+    headers = {**build_hf_headers(token=token), "Accept-Encoding": "identity",
+               "Range": f"bytes={offset}-{offset + size_bytes - 1}"}
+    done = 0
+    with _hub_errors(name, endpoint, token, f"send part of {file}"), \
+            get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                 timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+        if response.status_code >= 400:
+            response.read()
+            hf_raise_for_status(response)
+        if response.status_code != 206:
+            raise ModelError(f"{endpoint} does not answer range requests for {file} ({repo}), so this worker "
+                             "cannot fetch only its layers; they come over the LAN instead.")
+        for chunk in response.iter_bytes(CHUNK_BYTES):
+            out.write(chunk[:size_bytes - done])
+            done += len(chunk)
+    if done != size_bytes:
+        raise ModelError(f"{endpoint} sent {done} of the {size_bytes} bytes asked of {file} ({repo}) from byte "
+                         f"{offset}.")
 
 
 def _check_digest(name: HubModelName, file: RepoFile, partial: Path, digest: str) -> None:

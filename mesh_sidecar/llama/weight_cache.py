@@ -41,6 +41,7 @@ from ..errors import SetupError
 from ..home import cache_root
 from ..progress import ProgressCallback
 from ..units import MIB
+from ..wire.gguf_header import TensorInfo
 from .model import file_sha256
 from .model_files import model_files, read_header
 
@@ -131,11 +132,65 @@ class _Ledger:
                                                  "contested": sorted(self.contested)})
 
 
+def hashed_tensors(model: Path) -> list[tuple[Path, TensorInfo]]:
+    """Every tensor the RPC client would send by hash, with the file it is in: in every shard of a split
+    model, in file order."""
+    return [(file, t) for file in model_files(model) for t in read_header(file).tensors
+            if t.n_bytes > HASH_THRESHOLD_BYTES]
+
+
 def hashed_tensor_ranges(model: Path) -> list[tuple[Path, int, int]]:
-    """(file, offset in it, size) of every tensor the RPC client would send by hash: in every shard of
-    a split model."""
-    return [(file, t.data_offset, t.n_bytes) for file in model_files(model)
-            for t in read_header(file).tensors if t.n_bytes > HASH_THRESHOLD_BYTES]
+    """(file, offset in it, size) of each of ``hashed_tensors``."""
+    return [(file, t.data_offset, t.n_bytes) for file, t in hashed_tensors(model)]
+
+
+@dataclass(frozen=True)
+class SeededTensor:
+    """A by-hash tensor of a model this node seeded: where it lies, and the name and sha256 it was seeded under."""
+
+    file: Path
+    tensor: TensorInfo
+    cache_name: str  # its FNV-1a: rpc-server's name for it
+    sha256: str
+
+
+def seeded_tensors(cache: WeightCache, model: Path, sha256: str) -> list[SeededTensor]:
+    """The by-hash tensors of ``model`` (identity ``sha256``) with what seeding found them to hash to, as
+    far as this cache holds them: what a serving node tells workers to expect (serve/layer_share.py)."""
+    tensors = hashed_tensors(model)
+    names = _seeded_names(cache.root / f"{SEEDED_PREFIX}{sha256}", len(tensors))
+    ledger = _Ledger.read(cache)
+    return [SeededTensor(file, tensor, name, ledger.tensors[name].sha256)
+            for (file, tensor), name in zip(tensors, names, strict=True)
+            if name is not None and name in ledger.tensors and name not in ledger.contested]
+
+
+def holds(cache: WeightCache, cache_name: str, sha256: str) -> bool:
+    """Whether the cache serves the tensor ``cache_name`` with these bytes already (seeded or fetched)."""
+    seeded = _Ledger.read(cache).tensors.get(cache_name)
+    return seeded is not None and seeded.sha256 == sha256 and (cache.tensors / cache_name).is_file()
+
+
+def admit_fetched(cache: WeightCache, tool: Path, fetched: Path, cache_name: str, sha256: str) -> bool:
+    """Let the tensor whose bytes are all of ``fetched`` into the cache if they hash to ``cache_name`` and
+    ``sha256`` (what the serving node's own copy hashes to); whether they did. ``fetched`` is removed."""
+    staging = cache.root / STAGING_DIR_NAME
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        (line,) = _run_tool(tool, "seed", str(fetched), str(staging), f"0:{fetched.stat().st_size}")
+    finally:
+        fetched.unlink(missing_ok=True)
+    name, _, digest = line.split()
+    staged = staging / name
+    if (name, digest) != (cache_name, sha256):
+        staged.unlink(missing_ok=True)
+        return False
+    ledger = _Ledger.read(cache)
+    try:
+        _admit(cache, ledger, staged, digest)
+    finally:
+        ledger.write(cache)
+    return name in ledger.tensors
 
 
 def ensure_tool(progress: ProgressCallback) -> Path:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from ..wire.gossip import MemberInfo, Rekey
+from ..wire.layer_share import LayersFetched, LayerShare
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,22 @@ class LoopStalled:
     gap_s: float  # time since the heartbeat before
 
 
+@dataclass(frozen=True)
+class LayersShared:
+    """A serving node asked this node to fetch its layers of a hub model (wire/layer_share.py)."""
+
+    node_id: bytes  # the serving node: the connection names it
+    share: LayerShare
+
+
+@dataclass(frozen=True)
+class LayersReported:
+    """A worker said how fetching the layers this node shared with it ended."""
+
+    node_id: bytes  # the worker
+    report: LayersFetched
+
+
 HealthEvent: TypeAlias = PeerDegraded | PeerRecovered | PeerLost
 Event: TypeAlias = (MemberJoined | MemberUpdated | MemberLost | MemberLeft | MemberRemoved | SecretRotated
-                    | HealthEvent | LoopStalled)
+                    | HealthEvent | LoopStalled | LayersShared | LayersReported)

@@ -33,8 +33,11 @@ from typing import TypeAlias
 from ..errors import UsageError
 from ..identity import short_id
 from ..wire.gossip import GossipMessage, Leave, MemberInfo, MemberList, Ping, Pong, Rekey, RpcOrder
+from ..wire.layer_share import LayersFetched, LayerShare
 from .events import (
     Event,
+    LayersReported,
+    LayersShared,
     LoopStalled,
     MemberJoined,
     MemberLeft,
@@ -270,6 +273,10 @@ class Membership:
                     health.pong_received(msg.nonce, now)
             case Rekey():
                 self._on_rekey(from_id, msg, now)
+            case LayerShare():
+                self._events.append(LayersShared(from_id, msg))
+            case LayersFetched():
+                self._events.append(LayersReported(from_id, msg))
 
     def update_self(self, info: MemberInfo) -> None:
         if info.node_id != self._self.node_id:
@@ -286,6 +293,11 @@ class Membership:
         self._announced_rpc_order = RpcOrder(node_ids)
         for peer in self._connected_ids():
             self._actions.append(Send(peer, self._announced_rpc_order))
+
+    def send_layers(self, node_id: bytes, msg: LayerShare | LayersFetched) -> None:
+        """Tell one connected member which layers to fetch (a serving node), or how the fetch ended (a worker)."""
+        if not self._left and self._is_connected(node_id):
+            self._actions.append(Send(node_id, msg))
 
     def heartbeat(self, now: float) -> None:
         """Ping every identified peer, then judge each by its unanswered Pings (health.py).

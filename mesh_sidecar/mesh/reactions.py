@@ -14,6 +14,7 @@ from ..wire.gossip import MemberInfo, Rekey, ServedModel
 from . import events
 from .changes import Changes
 from .health import lost_reason
+from .layer_exchange import LayerExchange
 from .peers import PeerTable
 from .sentences import ExclusionNotices, event_message
 from .serving import ServingVerdicts
@@ -36,6 +37,7 @@ class MeshSide:
     remember: Callable[[bytes, tuple[str, ...] | None], None]  # a member's addresses kept (None: dropped)
     rekeyed: Callable[[Rekey], None]  # a member rotated the secret: adopt it
     route: Callable[[bytes], None]  # which data path a member's tunnels take, looked at again
+    layers: LayerExchange  # layer shares received (a worker), and workers' reports of them (a serving node)
 
 
 class EventReactions:
@@ -85,6 +87,10 @@ class EventReactions:
                 # The peer's task sees the close, marks the member lost and closes its tunnel.
                 if (peer := side.peers.get(node_id)) is not None:
                     peer.close(reason)
+            case events.LayersShared(node_id=node_id, share=share):
+                side.layers.shared(node_id, share)
+            case events.LayersReported(node_id=node_id, report=report):
+                side.layers.reported(node_id, report)
             case events.LoopStalled(gap_s=gap_s):
                 log.warning("event loop stalled for %.1f s; peer health not judged on this heartbeat", gap_s)
         joined_or_gone = (events.MemberJoined, events.MemberLost, events.MemberLeft, events.MemberRemoved)

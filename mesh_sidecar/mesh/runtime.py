@@ -53,6 +53,7 @@ from ..wire.gossip import (
     decode_message,
     encode_message,
 )
+from ..wire.layer_share import LayersFetched, LayerShare
 from ..wire.rpc_outputs import HISTORY_SAMPLES, MIN_HISTORY_SAMPLES, NORM_RATIO
 from ..wire.ticket import MAX_TICKET_ADDRESSES, Ticket, encode_ticket
 from .changes import Changes
@@ -62,6 +63,7 @@ from .dialer import Dialer
 from .health import Sign
 from .heartbeats import Heartbeats
 from .lan import LanDialer
+from .layer_exchange import LayerExchange
 from .membership import Dial, Disconnect, MemberState, Send, find_member
 from .observed import OwnAddresses
 from .own_entry import OwnEntry
@@ -93,6 +95,7 @@ class Mesh:
         self._own = OwnEntry(config)  # what this node announces about itself
         self._saved = saved
         self.changes = Changes()  # a member joined, was lost or left, or a verdict changed
+        self.layers = LayerExchange(self.changes)  # layers to fetch from the hub, and workers' reports
         self.relay_counters = RelayCounters()
         self._transport = MeshTransport(identity, saved.secret, self._serve_peer, dial_timeout_s=timings.dial_timeout_s,
                                         on_unreachable=lambda node_id: self.suspect(node_id, Sign.UNREACHABLE))
@@ -131,7 +134,7 @@ class Mesh:
         self._reactions = EventReactions(MeshSide(
             # _say read at each line: tests listen by replacing it.
             self._peers, self.verdicts, self.changes, lambda line: self._say(line), self.name_of,
-            lambda: self.self_info, self._remember, self._rekeyed, self._route))
+            lambda: self.self_info, self._remember, self._rekeyed, self._route, self.layers))
         self.detection_s = self._reactions.detection_s  # how long the last loss of a member took to know
         self._dialer = Dialer(identity.node_id, self._transport,
                               lambda: {node_id: peer.connection for node_id, peer in self._peers.items()},
@@ -193,8 +196,7 @@ class Mesh:
                 tg.create_task(self._run_relay(self.data_paths.relay))
 
     async def _run_relay(self, relay: DataRelay) -> None:
-        """The relay outlives run: a node that leaves says so first and lets its peers move their work off
-        it through the relay, then close() stops it. A failure of the relay still ends run."""
+        """The relay outlives run (peers move their work off a leaving node through it; close() stops it)."""
         self._relay_task = asyncio.create_task(relay.run())
         await asyncio.shield(self._relay_task)
 
@@ -203,10 +205,8 @@ class Mesh:
         return self._dialer.rejoin(self._saved.members)
 
     async def close(self, *, graceful: bool = True, for_good: bool = False) -> None:
-        """Say goodbye to every peer, give them time to move off us, then close everything.
-
-        ``for_good`` (`mesh-inference leave`): peers forget this node, and it forgets the mesh.
-        """
+        """Say goodbye to every peer, give them time to move off us, then close everything; ``for_good``
+        (`mesh-inference leave`): peers forget this node, and it forgets the mesh."""
         self._leaving = True  # peers stop answering our Pings once we say Leave
         if for_good:
             SavedMesh.forget(self._home)
@@ -292,6 +292,11 @@ class Mesh:
 
     def announce_rpc_order(self, node_ids: tuple[bytes, ...]) -> None:
         self._membership.announce_rpc_order(node_ids)
+        self._process()
+
+    def send_layers(self, node_id: bytes, msg: LayerShare | LayersFetched) -> None:
+        """A layer share to a worker (this node serves), or the report of one to its serving node."""
+        self._membership.send_layers(node_id, msg)
         self._process()
 
     def held_for_peers_bytes(self) -> int:

@@ -29,6 +29,7 @@ from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, Device, backen
 from ..llama.hub_models import hub_name_of
 from ..llama.kv_cache import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
+from ..llama.layer_fetch import fetch_layers
 from ..llama.model_files import model_files
 from ..logs import SIDECAR_LOG_NAME
 from ..mesh.config import MeshConfig
@@ -44,6 +45,7 @@ from ..serve import dashboard
 from ..serve.activity import RecentEvents
 from ..serve.catalog import MeshCatalog, mesh_catalog
 from ..serve.estimates import estimate_off_loop
+from ..serve.layer_share import share_layers
 from ..serve.mesh_round import plan_over_mesh
 from ..serve.metrics import Metrics
 from ..serve.options import ServeOptions
@@ -54,6 +56,7 @@ from ..serve.routing import MeshRoutes
 from ..serve.supervisor import ServingHost, ServingSupervisor
 from ..units import format_gib
 from ..wire.gossip import LlamaBuild, OfferedDevice
+from ..wire.layer_share import LayersFetched
 from .control import ControlServer
 from .options import NodeOptions
 
@@ -149,6 +152,7 @@ class Node:
                         tg.create_task(self.serving.run())
                     elif self.options.fetch_model:
                         tg.create_task(self._fetch_served_model())
+                    tg.create_task(self._fetch_shared_layers())
                     await self._stop.wait()
                     raise _StopRequested
             except* _StopRequested:
@@ -338,6 +342,20 @@ class Node:
         self.mesh.holds_model(sha256, path)
         self._say(f"Now holding the served model ({path.name}): its loads here send only hashes.")
 
+    async def _fetch_shared_layers(self) -> None:
+        """Fetch the layers a serving node shares with this node from the hub (llama/layer_fetch.py), each
+        time it does, and tell it how that went."""
+        assert self.mesh is not None
+        while True:
+            sender, share = await self.mesh.layers.next_share()
+            cache, tool = self.options.weight_cache, self.options.weight_cache_tool
+            if cache is None or tool is None:
+                report = LayersFetched(share.model_sha256, 0, 0, "it runs with --no-weight-cache")
+            else:
+                report = await asyncio.to_thread(fetch_layers, share, cache, tool,
+                                                 PlainProgress(self._say, in_bytes=True))
+            self.mesh.send_layers(sender, report)
+
     def _serving_supervisor(self, options: ServeOptions) -> ServingSupervisor:
         assert self.mesh is not None and self.rpc_port is not None
         assert self.proxy is not None
@@ -345,6 +363,7 @@ class Node:
             identity=self.identity, name=self.options.name, mesh=self.mesh, binaries=self.options.binaries,
             rpc_port=self.rpc_port, logs=self.options.home.logs, metrics=self.metrics, proxy=self.proxy,
             api_url=self.api_url, upstream_key=self._upstream_key, own_capacity=self.capacity, say=self._say,
+            before_load=functools.partial(share_layers, self.mesh, cache=self.options.weight_cache, say=self._say),
             load_progress=self._plain_progress if self.options.plain_progress else None))
 
     async def _watch_rpc_server(self) -> None:

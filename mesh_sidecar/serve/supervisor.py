@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,8 @@ class ServingHost:
     say: Callable[[Any], None]  # a line (or a PlanAnnouncement) for the user
     # A fresh reporter per llama-server start, told its load stages; None: loads are silent.
     load_progress: Callable[[], ProgressCallback] | None = None
+    # Before a plan's load: workers lacking a hub model's file fetch their layers (serve/layer_share.py).
+    before_load: Callable[..., Awaitable[None]] | None = None
 
 
 class ServingSupervisor:
@@ -247,8 +249,7 @@ class ServingSupervisor:
             await self._proxy.drain(0.0 if self._plan_unreachable() else DRAIN_TIMEOUT_S)
             self._set_state(LOADING)
             if self.llama_server is not None:
-                # A member of its plan gone, what it runs cannot finish: SIGTERM's graceful end costs a third
-                # of a second of the failover for nothing.
+                # A member of its plan gone, it cannot finish: a graceful SIGTERM costs the failover 0.3 s.
                 await self.llama_server.stop(at_once=self._plan_unreachable())
                 self.llama_server = None
                 self.restarts += 1
@@ -363,6 +364,8 @@ class ServingSupervisor:
                          projector=projector)
         # Workers map REGISTER_PEER's peer ids through this order.
         self._mesh.announce_rpc_order(self.plan.rpc_nodes())
+        if self._host.before_load is not None:  # a failover loads at once: the fetches help later loads
+            await self._host.before_load(self.plan, path, sha256, wait=self._failover is None)
         load_progress = self._host.load_progress
         self._mesh.new_serving_session()  # the output rule's histories per worker begin anew
         try:

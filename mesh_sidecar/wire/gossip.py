@@ -13,7 +13,8 @@ receives with :func:`decode_message`)::
     length   counts version + type + body; at most MAX_CONTROL_MESSAGE_BYTES
     version  GOSSIP_WIRE_VERSION; anything else is ProtocolVersionError
     type     a key of MESSAGE_TYPES (1 MemberList, 2 Leave, 3 RpcOrder,
-             4 Ping, 5 Pong, 6 Rekey, 7 Observed)
+             4 Ping, 5 Pong, 6 Rekey, 7 Observed; 8 LayerShare and
+             9 LayersFetched are in wire/layer_share.py)
     body     one UTF-8 JSON object with exactly the keys its type names;
              node ids are lowercase hex of all 32 bytes
 
@@ -51,8 +52,10 @@ from .gossip_fields import (
     seconds,
     text,
 )
+from .layer_share import LayersFetched, LayerShare
 from .rpc_hello import RpcVersion
 
+# 10: LayerShare and LayersFetched (wire/layer_share.py): workers fetch their layers of a hub model themselves.
 # 9: each of MemberInfo.devices gains whether its speed is settled (llama/calibration.py: two calibrations agree):
 # [name, total, free, decode, prefill, settled]; at most 186 members a list (was 187), to make room for it.
 # 8: each of MemberInfo.devices gains its measured speeds (decode and prefill bytes per second, 0: not
@@ -68,7 +71,7 @@ from .rpc_hello import RpcVersion
 # keep no mixed mesh together.
 # 3: one message per control frame, without gossip's own length prefix inside it;
 # 2: MemberInfo.model_sha256 and secret_epoch; Rekey.
-GOSSIP_WIRE_VERSION = 9
+GOSSIP_WIRE_VERSION = 10
 MESSAGE_HEADER_BYTES = 2  # version u8 + type u8, before the body
 
 MAX_NAME_CHARS = 64
@@ -564,11 +567,11 @@ class Observed:
                            MAX_ADDRESS_CHARS))
 
 
-GossipMessage: TypeAlias = MemberList | Leave | RpcOrder | Ping | Pong | Rekey | Observed
+GossipMessage: TypeAlias = MemberList | Leave | RpcOrder | Ping | Pong | Rekey | Observed | LayerShare | LayersFetched
 
 
 MESSAGE_TYPES: dict[int, type[GossipMessage]] = {
-    cls.TYPE: cls for cls in (MemberList, Leave, RpcOrder, Ping, Pong, Rekey, Observed)
+    cls.TYPE: cls for cls in (MemberList, Leave, RpcOrder, Ping, Pong, Rekey, Observed, LayerShare, LayersFetched)
 }
 
 # --- codec ------------------------------------------------------------------------------

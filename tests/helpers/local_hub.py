@@ -3,11 +3,12 @@
     GET  /api/models/USER/REPO[/revision/REV]      the repo's info; ``?blobs=true`` adds each file's size, git
                                                    blob id and LFS sha256 (``siblings``)
     GET  /USER/REPO/resolve/REV/PATH (and HEAD)    a file, with ``X-Repo-Commit``, ``ETag`` (the LFS sha256),
-                                                   ``X-Linked-Size``; a ``Range: bytes=N-`` answered 206
+                                                   ``X-Linked-Size``; ``Range: bytes=N-`` or ``bytes=N-M``
+                                                   answered 206
 
 A missing repo answers 404 with ``X-Error-Code: RepoNotFound``; a gated repo's files answer 401 with
 ``X-Error-Code: GatedRepo`` to a request without ``Authorization``, as the real hub does. Repos are
-prepared by the test (``add_repo``). A file can be served damaged (``corrupt``: one byte flipped, the
+prepared by the test (``add_repo``). A file can be served damaged (``corrupt``: a byte flipped, the
 published sha256 kept) and slowly (``bytes_per_s``). ``requests`` records (method, path, Range header).
 
 Runs aiohttp on its own event loop in a thread: ``with LocalHub() as hub: hub.endpoint``.
@@ -30,7 +31,8 @@ class _Repo:
     commit: str
     files: dict[str, bytes]
     gated: bool = False
-    corrupt: set[str] = field(default_factory=set)
+    corrupt: dict[str, int] = field(default_factory=dict)  # path: the offset of the byte served flipped
+    sha256s: dict[str, str] = field(default_factory=dict)  # each file's, hashed once: models are big
 
 
 class LocalHub:
@@ -47,13 +49,14 @@ class LocalHub:
 
     def add_repo(self, repo: str, files: dict[str, bytes], *, gated: bool = False) -> str:
         """Serve ``files`` (path in the repo: content) as ``repo`` (USER/REPO); its commit id."""
-        commit = hashlib.sha1(repr(sorted(files.items())).encode()).hexdigest()
-        self.repos[repo] = _Repo(commit, dict(files), gated)
+        sha256s = {path: hashlib.sha256(data).hexdigest() for path, data in files.items()}
+        commit = hashlib.sha1(repr(sorted(sha256s.items())).encode()).hexdigest()
+        self.repos[repo] = _Repo(commit, dict(files), gated, sha256s=sha256s)
         return commit
 
-    def corrupt(self, repo: str, path: str) -> None:
-        """Serve ``path`` with a byte flipped, still publishing the sha256 of its true content."""
-        self.repos[repo].corrupt.add(path)
+    def corrupt(self, repo: str, path: str, offset: int = 0) -> None:
+        """Serve ``path`` with the byte at ``offset`` flipped, still publishing the sha256 of its true content."""
+        self.repos[repo].corrupt[path] = offset
 
     def file_requests(self, path_end: str) -> list[tuple[str, str, str | None]]:
         return [r for r in self.requests if r[1].endswith(path_end)]
@@ -102,7 +105,7 @@ class LocalHub:
             sibling: dict[str, object] = {"rfilename": path}
             if request.query.get("blobs") == "true":
                 sibling.update(size=len(data), blobId=_git_blob_id(data),
-                               lfs={"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                               lfs={"size": len(data), "sha256": repo.sha256s[path],
                                     "pointerSize": 134})
             siblings.append(sibling)
         return web.json_response({"id": name, "modelId": name, "sha": repo.commit, "private": False,
@@ -116,16 +119,18 @@ class LocalHub:
         data = repo.files.get(path)
         if data is None:
             raise web.HTTPNotFound(headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit})
-        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{repo.sha256s[path]}"',
                    "X-Linked-Size": str(len(data)), "Accept-Ranges": "bytes"}
-        if path in repo.corrupt:
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
-        start = _range_start(request.headers.get("Range"))
-        status = 206 if start else 200
-        if start:
-            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        body = data[start:]
-        response = web.StreamResponse(status=status, headers=headers)
+        requested = _range(request.headers.get("Range"), len(data))
+        start, end = requested or (0, len(data))
+        if requested:
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+        body: bytes | memoryview = memoryview(data)[start:end]
+        if (flipped := repo.corrupt.get(path)) is not None and start <= flipped < end:
+            damaged = bytearray(body)
+            damaged[flipped - start] ^= 0xFF
+            body = bytes(damaged)
+        response = web.StreamResponse(status=206 if requested else 200, headers=headers)
         response.content_length = len(body)
         await response.prepare(request)
         if request.method == "GET":
@@ -137,11 +142,12 @@ class LocalHub:
         return response
 
 
-def _range_start(header: str | None) -> int:
-    """Where a ``Range: bytes=N-`` asks to start (0 without one)."""
+def _range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The bytes [start, end) a ``Range: bytes=N-`` or ``bytes=N-M`` asks for; None without one."""
     if not header or not header.startswith("bytes="):
-        return 0
-    return int(header[len("bytes="):].split("-")[0] or 0)
+        return None
+    first, _, last = header[len("bytes="):].partition("-")
+    return int(first or 0), min(size, int(last) + 1 if last else size)
 
 
 def _git_blob_id(data: bytes) -> str:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
+import httpx
 import pytest
 
-from mesh_sidecar.llama.model_files import read_model_header
-from mesh_sidecar.llama.weight_cache import SEEDED_PREFIX
-from tests.helpers.llama import complete
+from benchmarks.synthetic_model import SHARE_TEST, ensure_synthetic_model
+from mesh_sidecar.llama.model_files import read_header, read_model_header
+from mesh_sidecar.llama.weight_cache import HASH_THRESHOLD_BYTES, SEEDED_PREFIX
+from tests.helpers.llama import complete, plain_llama_server_answer
 from tests.helpers.llama_buffers import RpcServer, answer_over_tcp, served_by_one_llama_server
 from tests.helpers.local_hub import LocalHub
 from tests.helpers.mesh_api import GREEDY, answer_text, ask
@@ -30,6 +33,7 @@ MODEL_FILE = "SmolLM2-135M-Instruct-Q4_K_M.gguf"
 VISION_REPO = "smol/SmolVLM-synthetic-GGUF"
 PROJECTOR_FILE = "mmproj-SmolVLM-synthetic-f16.gguf"
 IMAGE_CHAT = {"messages": image_chat_messages(), "max_tokens": 24, **GREEDY}
+MAX_SHARE_OF_MODEL = 0.05  # a worker's tunnel at a load by hash: a few small tensors and the hashes
 
 
 @pytest.fixture
@@ -41,6 +45,15 @@ def hub():
 def hub_env(hub: LocalHub, cache: Path) -> dict[str, str]:
     """A node's environment: this hub, a cache of its own, no token."""
     return {"HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": str(cache), "HF_TOKEN": "", "HF_HUB_OFFLINE": "0"}
+
+
+def greedy(port: int) -> str:
+    # Random weights may say end-of-sequence at once: ignore_eos keeps the comparison long.
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                          json={"prompt": "The history of the printing press begins", "max_tokens": 16,
+                                "ignore_eos": True, **GREEDY})
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
 
 
 def downloads(hub: LocalHub, file: str) -> int:
@@ -116,3 +129,36 @@ def test_a_name_the_hub_does_not_have_is_said_before_any_build(hub, tmp_path):
     assert missing.returncode != 0
     assert "has no model repo nobody/nothing-GGUF. Check the name" in missing.stderr, missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_workers_fetch_only_their_own_layers_from_the_hub(start_node, hub, binaries, tmp_path):
+    """Three nodes, only the serving one holding the file: each worker takes the tensors of its own layers
+    from the hub (Range requests), checked against the serving node's copy, and the load sends them by hash."""
+    model = ensure_synthetic_model(SHARE_TEST)  # three layers, every layer matrix over the by-hash threshold
+    hub.add_repo(REPO, {MODEL_FILE: model.read_bytes()})
+    expected = plain_llama_server_answer(binaries, model, tmp_path, greedy)
+    a = start_node("a", env=hub_env(hub, tmp_path / "cache-a"))
+    b = start_node("b", "--join", a.ticket(), env=hub_env(hub, tmp_path / "cache-b"))
+    c = start_node("c", "--join", a.ticket(), "--min-peers", "2", "--model", f"hf:{REPO}",
+                   env=hub_env(hub, tmp_path / "cache-c"), serve=True)
+    assert greedy(c.serve_port) == expected
+    plan = c.status()["serving"]["plan"]
+    tensors = {t.name: t for t in read_header(model).tensors}
+    ranges = [r[2] for r in hub.file_requests(MODEL_FILE) if r[0] == "GET" and r[2] and r[2].count("-") == 1
+              and not r[2].endswith("-")]  # bounded ranges: the workers' (c downloads the file whole)
+    assert ranges, hub.requests
+    for worker in (a, b):
+        start, end = next(n["layers"] for n in plan["nodes"] if n["name"] == worker.home.name)
+        own = {t.data_offset: t.n_bytes for name, t in tensors.items() if t.n_bytes > HASH_THRESHOLD_BYTES
+               and start <= int(name.split(".")[1] if name.startswith("blk.") else -1) < end}
+        said = re.search(rf"^{worker.home.name} fetched [\d.]+ GiB from the hub; (\d+) of its (\d+) large tensors "
+                         "go by hash", c.text(), re.MULTILINE)
+        assert said and said.group(1) == said.group(2) == str(len(own)), c.text()
+        row = next(p for p in c.status()["peers"] if p["name"] == worker.home.name)
+        print(f"\n{worker.home.name}: layers [{start}, {end}), fetched {sum(own.values())} bytes from the hub; "
+              f"its tunnel carried {row['bytes_to_peer']} bytes")
+        assert row["bytes_to_peer"] < MAX_SHARE_OF_MODEL * model.stat().st_size  # hashes, not weights
+    fetched = [tuple(int(x) for x in r[len("bytes="):].split("-")) for r in ranges]
+    wanted = {(t.data_offset, t.data_offset + t.n_bytes - 1) for t in tensors.values()
+              if t.n_bytes > HASH_THRESHOLD_BYTES}
+    assert set(fetched) <= wanted and len(fetched) == len(set(fetched))  # each tensor once, no more

@@ -74,6 +74,7 @@ from mesh_sidecar.wire.gossip import (
     encode_message,
 )
 from mesh_sidecar.wire.gossip_fields import MAX_PORT
+from mesh_sidecar.wire.layer_share import MAX_ERROR_CHARS, LayersFetched, LayerShare, SharedTensor
 from mesh_sidecar.wire.rpc_hello import RpcVersion
 from tests.helpers.meshes import PINNED_BUILD
 
@@ -121,6 +122,7 @@ member_infos = st.builds(
     data_port=st.just(0) | st.integers(1, MAX_PORT),
 )
 times = st.floats(allow_nan=False, allow_infinity=False)
+sha256s = st.binary(min_size=32, max_size=32).map(bytes.hex)
 messages = st.one_of(
     st.lists(member_infos, max_size=4, unique_by=lambda m: m.node_id).map(
         lambda ms: MemberList(tuple(ms))
@@ -132,6 +134,12 @@ messages = st.one_of(
     st.builds(Rekey, st.integers(0, MAX_EPOCH), st.binary(min_size=32, max_size=32),
               st.lists(node_ids, max_size=4, unique=True).map(tuple), node_ids),
     st.builds(Observed, addresses),
+    st.builds(LayerShare, sha256s, st.just("bartowski/Qwen3-8B-GGUF"),
+              st.binary(min_size=20, max_size=20).map(bytes.hex), st.just(("Qwen3-8B-Q4_K_M.gguf",)),
+              st.lists(st.builds(SharedTensor, st.just(0), st.integers(0, 2**40), st.integers(0, 2**31),
+                                 st.binary(min_size=8, max_size=8).map(bytes.hex), sha256s), max_size=4).map(tuple)),
+    st.builds(LayersFetched, sha256s, st.integers(0, 100), st.integers(0, 2**40),
+              st.text(printable_chars, max_size=MAX_ERROR_CHARS)),
 )
 
 
@@ -186,10 +194,10 @@ def test_every_message_round_trips(msg: object) -> None:
 def test_known_frame_bytes() -> None:
     # Pins the layout, so a change to it fails here and not only between two releases.
     data = encode_message(Ping(nonce=7, sent_at=1.5))
-    assert data == b"\x09\x04" + b'{"nonce":7,"sent_at":1.5}'
-    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x09\x04"  # the transport's length, then ours
-    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x09\x02"
-    assert encode_message(Observed("203.0.113.5:47470")) == b"\x09\x07" + b'{"address":"203.0.113.5:47470"}'
+    assert data == b"\x0a\x04" + b'{"nonce":7,"sent_at":1.5}'
+    assert encode_frame(data)[:6] == b"\x00\x00\x00\x1b\x0a\x04"  # the transport's length, then ours
+    assert encode_message(Leave(A_ID, "bye"))[:2] == b"\x0a\x02"
+    assert encode_message(Observed("203.0.113.5:47470")) == b"\x0a\x07" + b'{"address":"203.0.113.5:47470"}'
 
 
 def test_node_ids_travel_as_lowercase_hex() -> None:
