@@ -259,8 +259,7 @@ class Mesh:
         self.verdicts.install(check_outputs, on_rejected)
 
     def new_serving_session(self) -> None:
-        """llama-server starts again: the output rule's histories per worker begin anew, ours and the
-        native relay's (docs/architecture.md, "The output check")."""
+        """llama-server starts again: the output rule's histories per worker begin anew, ours and the relay's."""
         self.verdicts.new_session()
         if (relay := self.data_paths.relay) is not None:
             relay.new_session()

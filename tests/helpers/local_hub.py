@@ -9,7 +9,8 @@
 A missing repo answers 404 with ``X-Error-Code: RepoNotFound``; a gated repo's files answer 401 with
 ``X-Error-Code: GatedRepo`` to a request without ``Authorization``, as the real hub does. Repos are
 prepared by the test (``add_repo``). A file can be served damaged (``corrupt``: a byte flipped, the
-published sha256 kept) and slowly (``bytes_per_s``). ``requests`` records (method, path, Range header).
+published sha256 kept) and slowly (``bytes_per_s``, shared by all responses, as a home's link is).
+``requests`` records (method, path, Range header), ``sent_bytes`` the file bytes sent.
 
 Runs aiohttp on its own event loop in a thread: ``with LocalHub() as hub: hub.endpoint``.
 """
@@ -41,7 +42,10 @@ class LocalHub:
     def __init__(self) -> None:
         self.repos: dict[str, _Repo] = {}
         self.requests: list[tuple[str, str, str | None]] = []
-        self.bytes_per_s: int | None = None  # serve files this slowly (None: at once)
+        # Serve files this slowly, all responses together (the link from the hub to a home); None: at once.
+        self.bytes_per_s: int | None = None
+        self.sent_bytes = 0  # file bytes sent, all responses together
+        self._link_free_at = 0.0  # loop time the shared link has sent everything asked of it so far
         self.endpoint = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -135,9 +139,13 @@ class LocalHub:
         await response.prepare(request)
         if request.method == "GET":
             for offset in range(0, len(body), CHUNK_BYTES):
-                await response.write(body[offset:offset + CHUNK_BYTES])
+                chunk = body[offset:offset + CHUNK_BYTES]
+                await response.write(chunk)
+                self.sent_bytes += len(chunk)
                 if self.bytes_per_s:
-                    await asyncio.sleep(CHUNK_BYTES / self.bytes_per_s)
+                    now = self._loop.time()
+                    self._link_free_at = max(now, self._link_free_at) + len(chunk) / self.bytes_per_s
+                    await asyncio.sleep(self._link_free_at - now)
         await response.write_eof()
         return response
 
