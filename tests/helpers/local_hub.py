@@ -12,15 +12,19 @@ prepared by the test (``add_repo``). A file can be served damaged (``corrupt``: 
 published sha256 kept) and slowly (``bytes_per_s``, shared by all responses, as a home's link is).
 ``requests`` records (method, path, Range header), ``sent_bytes`` the file bytes sent.
 
-Runs aiohttp on its own event loop in a thread: ``with LocalHub() as hub: hub.endpoint``.
+Runs aiohttp on its own event loop in a thread: ``with LocalHub() as hub: hub.endpoint``; or as a process
+(in a test's network namespace, say): ``python -m tests.helpers.local_hub --port N --repo USER/REPO
+--file NAME=PATH``, which prints its endpoint once it listens.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
@@ -39,7 +43,8 @@ class _Repo:
 class LocalHub:
     """A hub serving the repos a test adds, on a free port of 127.0.0.1."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
+        self.port = port  # 0: a free one
         self.repos: dict[str, _Repo] = {}
         self.requests: list[tuple[str, str, str | None]] = []
         # Serve files this slowly, all responses together (the link from the hub to a home); None: at once.
@@ -89,7 +94,7 @@ class LocalHub:
         app.router.add_route("*", "/{user}/{repo}/resolve/{revision}/{path:.+}", self._file)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         port = self._runner.addresses[0][1]
         self.endpoint = f"http://127.0.0.1:{port}"
@@ -160,3 +165,20 @@ def _range(header: str | None, size: int) -> tuple[int, int] | None:
 
 def _git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="A local Hugging Face hub serving one repo, until killed.")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--repo", required=True)
+    parser.add_argument("--file", action="append", required=True, metavar="NAME=PATH")
+    args = parser.parse_args()
+    files = {name: Path(path).read_bytes() for name, path in (entry.split("=", 1) for entry in args.file)}
+    with LocalHub(args.port) as hub:
+        hub.add_repo(args.repo, files)
+        print(hub.endpoint, flush=True)
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
