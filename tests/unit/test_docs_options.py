@@ -198,3 +198,41 @@ def test_the_check_catches_a_wrong_name_default_or_variable():
                      "--plan-by documented with default 'memory'", "--cache documented with default 'off'",
                      "--port documented with default '47471'", "Env: MESH_OTHER"):
         assert expected in text, f"{expected!r} not reported in:\n{text}"
+
+
+# --- the systemd unit docs/platforms.md installs --------------------------------------
+
+UNIT = REPO / "scripts" / "mesh-inference.service"
+_UNIT_ENV = re.compile(r"\b(MESH_[A-Z][A-Z0-9_]*)=")
+
+
+def _unit_settings(text: str) -> dict[str, str]:
+    settings = {}
+    for line in text.splitlines():
+        if line and not line.startswith(("#", "[")) and "=" in line:
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def test_the_systemd_unit_runs_the_program_with_what_the_node_reads():
+    """ExecStart runs the venv's console script; every MESH_ variable it offers (MESH_ARGS aside, which
+    the unit itself expands) is one the package reads; the node is signalled alone, and given time for
+    its graceful leave and its drain before systemd kills it."""
+    import tomllib
+
+    from mesh_sidecar.mesh.peers import LEAVE_GRACE_S
+    from mesh_sidecar.serve.supervisor import DRAIN_TIMEOUT_S
+
+    text = UNIT.read_text()
+    settings = _unit_settings(text)
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    program, *arguments = settings["ExecStart"].split()
+    assert program.endswith("/.venv/bin/" + next(iter(scripts))) and arguments == ["$MESH_ARGS"], program
+    read = {name for path in (REPO / "mesh_sidecar").rglob("*.py")
+            for name in re.findall(r"""["'](MESH_[A-Z][A-Z0-9_]*)["']""", path.read_text())}
+    offered = set(_UNIT_ENV.findall(text)) - {"MESH_ARGS"}
+    assert offered and offered <= read, f"the unit offers variables the package never reads: {offered - read}"
+    assert settings["KillMode"] == "mixed", "SIGTERM must reach the node alone: it stops its own children"
+    assert float(settings["TimeoutStopSec"]) > LEAVE_GRACE_S + DRAIN_TIMEOUT_S
+    assert "platforms.md" in settings["Documentation"] and (REPO / "docs" / "platforms.md").is_file()
