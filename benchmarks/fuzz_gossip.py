@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from mesh_sidecar.wire import gossip
 from mesh_sidecar.wire.frames import MAX_CONTROL_MESSAGE_BYTES, FrameDecoder, encode_frame
+from mesh_sidecar.wire.layer_share import LayersFetched, LayerShare, SharedTensor
 from mesh_sidecar.wire.rpc_hello import RpcVersion
 
 from .fuzzing import Input, chunks, run
@@ -43,6 +44,9 @@ SAMPLES: tuple[gossip.GossipMessage, ...] = (
     gossip.Pong(7, 1.5),
     gossip.Rekey(epoch=2, secret=b"\x5a" * 32, removed=(_B,), by=_A),
     gossip.Observed("203.0.113.5:47470"),
+    LayerShare("5" * 64, "bartowski/Qwen3-8B-GGUF", "c" * 40, ("Qwen3-8B-Q4_K_M.gguf",),
+               (SharedTensor(0, 5_242_880, 11_075_584, "0123456789abcdef", "a" * 64),)),
+    LayersFetched("5" * 64, 1, 11_075_584, ""),
 )
 
 
