@@ -172,7 +172,8 @@ def run_node(
         help="Join the mesh of the node that printed this ticket.")] = None,
     port: Annotated[int | None, typer.Option(
         "--port", metavar="PORT", rich_help_panel=MESH_PANEL,
-        help=f"UDP port for the mesh (default {DEFAULT_QUIC_PORT}, else a free one).")] = None,
+        help=f"The mesh's port, UDP (QUIC) and TCP (the data path): open both in a firewall (default "
+             f"{DEFAULT_QUIC_PORT}, else a free one).")] = None,
     min_peers: Annotated[int, typer.Option(
         "--min-peers", metavar="N", rich_help_panel=SERVING_PANEL,
         help="With --serve: wait for N peers before loading the model.")] = 0,
