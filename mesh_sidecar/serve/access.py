@@ -1,7 +1,7 @@
 """Who may use the API port: an optional bearer key, an optional CORS origin, a body limit.
 
-With an API key, every path but ``/health`` (and the dashboard's keyless page and files) wants
-``Authorization: Bearer KEY`` (401 otherwise); the header stops at the proxy and never reaches
+With an API key, every path but ``/health`` (and the keyless pages and files of the dashboard and
+the chat page) wants ``Authorization: Bearer KEY`` (401 otherwise); the header stops at the proxy and never reaches
 llama-server. CORS is off unless one origin is allowed: no ``Access-Control-*`` header leaves
 the proxy, whatever llama-server set. Bodies over MAX_REQUEST_BODY_BYTES get a 413. Every
 such refusal is an OpenAI-style error (:func:`openai_error`).
@@ -20,6 +20,7 @@ from .. import environment
 from ..errors import UsageError
 from ..units import MIB
 from ..wire.api_forward import FORWARDED_TOKEN_HEADER, MAX_FORWARDED_BODY_BYTES, openai_error_body
+from .chat_page import is_keyless
 from .dashboard import KEYLESS_PATHS
 from .receipt import CONTINUE_AT_HEADER
 
@@ -87,7 +88,8 @@ def guard(access: ApiAccess, forwarded: Callable[[web.Request], bool] = lambda r
                                 "invalid_request_error", "api_off")
         if _is_allowed_preflight(access, request):
             return web.Response(status=204)  # browsers send preflights without the key; cors() answers it
-        if request.path not in OPEN_PATHS and not access.admits(request.headers.get("Authorization")):
+        if (request.path not in OPEN_PATHS and not is_keyless(request.rel_url.raw_path)
+                and not access.admits(request.headers.get("Authorization"))):
             message = ("Missing API key: send it as 'Authorization: Bearer KEY'."
                        if "Authorization" not in request.headers else "Incorrect API key provided.")
             return openai_error(401, message, "invalid_request_error", "invalid_api_key",

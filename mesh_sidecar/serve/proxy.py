@@ -23,9 +23,10 @@ members' APIs.
 
 Who may use the port (an API key, a CORS origin, a body limit) is access.py's.
 
-The dashboard (``/mesh``, dashboard.py) shares the port: its page and files are
-keyless, its state is not. The proxy feeds it ``token_rate``: every streamed event
-it relays, and llama-server's speed for each finished request.
+The dashboard (``/mesh``, dashboard.py) and the chat page (``/``, chat_page.py) share
+the port: their pages and files are keyless, their data is not. The proxy feeds the
+dashboard ``token_rate``: every streamed event it relays, and llama-server's speed for
+each finished request.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .. import environment
 from ..errors import ServiceUnavailableError, UpstreamLostError
 from ..ports import LOOPBACK
 from ..wire.api_forward import FORWARDED_TOKEN_HEADER, HOP_BY_HOP_HEADERS
+from . import chat_page
 from .access import CLIENT_ONLY_HEADERS, MAX_REQUEST_BODY_BYTES, OPEN_ACCESS, ApiAccess, cors, guard, openai_error
 from .activity import TokenRate
 from .api_request import ApiRequest, forwarded_as_is, prepare
@@ -112,6 +114,9 @@ class ApiProxy:
         # A member continuing a stream it forwarded here renders and spells it on this llama-server.
         for path in (TEMPLATE_PATH, DETOKENIZE_PATH):
             self.app.router.add_route("POST", path, self._forward_from_member)
+        # The chat page (chat_page.py) asks the serving llama-server's /props, filtered where the page is served.
+        self.app.router.add_route("GET", chat_page.PROPS_PATH, self._forward_from_member)
+        chat_page.add_routes(self.app, self._forward)
 
     def is_forwarded(self, request: web.Request) -> bool:
         """Whether a request came from an admitted member's forwarding stream (it carries our secret)."""
@@ -182,7 +187,8 @@ class ApiProxy:
                 pass  # our own figures still count
         return web.Response(body=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, body: bytes | None = None) -> web.StreamResponse:
+        """Answer an API request; ``body`` in place of the request's own (the chat page's, chat_page.py)."""
         forwarded = self.is_forwarded(request)
         if request.path == "/health" and not self._serving_here:
             return self._count(request, web.json_response({"status": "ok", "models": self._catalog().ids()}))
@@ -195,7 +201,8 @@ class ApiProxy:
             continue_at = parse_continue_at(request.headers.get(CONTINUE_AT_HEADER))
         except ValueError as exc:
             return self._count(request, openai_error(400, str(exc), "invalid_request_error", "invalid_header"))
-        api = ApiRequest.parse(request.method, request.path, await request.read(), request.rel_url.path_qs)
+        api = ApiRequest.parse(request.method, request.path, await request.read() if body is None else body,
+                               request.rel_url.path_qs)
         if api.generation and api.parsed is None:
             # Refused here, where the client called: a member serving the model never sees it.
             return self._count(request, openai_error(400, "The request body is not a JSON object.",
