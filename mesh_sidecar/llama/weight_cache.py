@@ -94,6 +94,7 @@ class _Seeded:
     size: int
     sha256: str
     mtime_ns: int  # when it was last checked: a file with this size and mtime is not hashed again
+    fetched_for: str = ""  # fetched from the hub for this serving node (hex id); "": seeded from our own file
 
     def unchanged(self, path: Path) -> bool:
         stat = path.stat()
@@ -117,7 +118,8 @@ class _Ledger:
                                 if isinstance(name, str)})
         for name, entry in (tensors.items() if isinstance(tensors, dict) else ()):
             try:
-                ledger.tensors[name] = _Seeded(int(entry["size"]), str(entry["sha256"]), int(entry["mtime_ns"]))
+                ledger.tensors[name] = _Seeded(int(entry["size"]), str(entry["sha256"]), int(entry["mtime_ns"]),
+                                               str(entry.get("fetched_for", "")))
             except (KeyError, TypeError, ValueError):
                 pass
         return ledger
@@ -171,9 +173,11 @@ def holds(cache: WeightCache, cache_name: str, sha256: str) -> bool:
     return seeded is not None and seeded.sha256 == sha256 and (cache.tensors / cache_name).is_file()
 
 
-def admit_fetched(cache: WeightCache, tool: Path, fetched: Path, cache_name: str, sha256: str) -> bool:
+def admit_fetched(cache: WeightCache, tool: Path, fetched: Path, cache_name: str, sha256: str,
+                  fetched_for: str) -> bool:
     """Let the tensor whose bytes are all of ``fetched`` into the cache if they hash to ``cache_name`` and
-    ``sha256`` (what the serving node's own copy hashes to); whether they did. ``fetched`` is removed."""
+    ``sha256`` (what serving node ``fetched_for``'s own copy hashes to); whether they did. ``fetched`` is
+    removed. Such a tensor serves that node's loads only: ``drop_fetched`` takes it out before another's."""
     staging = cache.root / STAGING_DIR_NAME
     staging.mkdir(parents=True, exist_ok=True)
     try:
@@ -187,10 +191,24 @@ def admit_fetched(cache: WeightCache, tool: Path, fetched: Path, cache_name: str
         return False
     ledger = _Ledger.read(cache)
     try:
-        _admit(cache, ledger, staged, digest)
+        _admit(cache, ledger, staged, digest, fetched_for)
     finally:
         ledger.write(cache)
     return name in ledger.tensors
+
+
+def drop_fetched(cache: WeightCache, keep_for: str = "") -> int:
+    """Remove every tensor fetched for a serving node other than ``keep_for`` (all of them by default); how
+    many. A member's share names bytes of its choosing, and FNV-1a names can be made to collide: what one
+    serving node had fetched must never answer another's load."""
+    ledger = _Ledger.read(cache)
+    dropped = [name for name, seeded in ledger.tensors.items() if seeded.fetched_for not in ("", keep_for)]
+    for name in dropped:
+        (cache.tensors / name).unlink(missing_ok=True)
+        del ledger.tensors[name]
+    if dropped:
+        ledger.write(cache)
+    return len(dropped)
 
 
 def ensure_tool(progress: ProgressCallback) -> Path:
@@ -293,7 +311,7 @@ def _seeded_names(stamp: Path, count: int) -> list[str | None]:
     return [None] * count
 
 
-def _admit(cache: WeightCache, ledger: _Ledger, staged: Path, sha256: str) -> None:
+def _admit(cache: WeightCache, ledger: _Ledger, staged: Path, sha256: str, fetched_for: str = "") -> None:
     """Move a tensor the tool wrote to ``staged`` into the cache, unless its name is another tensor's."""
     name, target = staged.name, cache.tensors / staged.name
     seeded = ledger.tensors.get(name)
@@ -308,7 +326,7 @@ def _admit(cache: WeightCache, ledger: _Ledger, staged: Path, sha256: str) -> No
         return
     staged.replace(target)
     stat = target.stat()
-    ledger.tensors[name] = _Seeded(stat.st_size, sha256, stat.st_mtime_ns)
+    ledger.tensors[name] = _Seeded(stat.st_size, sha256, stat.st_mtime_ns, fetched_for)
 
 
 def _run_tool(tool: Path, *args: str) -> list[str]:

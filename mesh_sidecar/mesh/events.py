@@ -105,6 +105,13 @@ class LoopStalled:
 
 
 @dataclass(frozen=True)
+class UsedBy:
+    """A serving node announced an --rpc order that names this node: its next load uses our rpc-server."""
+
+    node_id: bytes  # the serving node
+
+
+@dataclass(frozen=True)
 class LayersShared:
     """A serving node asked this node to fetch its layers of a hub model (wire/layer_share.py)."""
 
@@ -122,4 +129,4 @@ class LayersReported:
 
 HealthEvent: TypeAlias = PeerDegraded | PeerRecovered | PeerLost
 Event: TypeAlias = (MemberJoined | MemberUpdated | MemberLost | MemberLeft | MemberRemoved | SecretRotated
-                    | HealthEvent | LoopStalled | LayersShared | LayersReported)
+                    | HealthEvent | LoopStalled | UsedBy | LayersShared | LayersReported)

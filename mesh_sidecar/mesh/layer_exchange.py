@@ -1,10 +1,12 @@
 """Layer shares and their reports as the mesh receives them (wire/layer_share.py): a worker takes the latest
-share a serving node sent it (node/lifecycle.py fetches it), a serving node reads what each worker reported
-(serve/layer_share.py waits on ``changes``)."""
+share a serving node sent it (node/lifecycle.py fetches it) and is told which serving node uses it now
+(``on_used_by``: what was fetched for another leaves its cache); a serving node reads what each worker
+reported (serve/layer_share.py waits on ``changes``)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from ..wire.layer_share import LayersFetched, LayerShare
 from .changes import Changes
@@ -19,6 +21,11 @@ class LayerExchange:
         self._pending: tuple[bytes, LayerShare] | None = None
         self._arrived = asyncio.Event()
         self._reports: dict[bytes, LayersFetched] = {}  # by worker: its last report
+        # Told of each --rpc order naming this node, at once (the node's own fetches follow it).
+        self.on_used_by: Callable[[bytes], object] = lambda node_id: None
+
+    def used_by(self, node_id: bytes) -> None:
+        self.on_used_by(node_id)
 
     def shared(self, node_id: bytes, share: LayerShare) -> None:
         self._pending = (node_id, share)

@@ -45,6 +45,7 @@ from .events import (
     MemberRemoved,
     MemberUpdated,
     SecretRotated,
+    UsedBy,
 )
 from .health import (
     DEGRADED_AFTER_S,
@@ -266,6 +267,8 @@ class Membership:
                 self._on_leave(from_id, msg, now)
             case RpcOrder():
                 self._rpc_orders[from_id] = msg.node_ids  # the sender's own: the connection names it
+                if self._self.node_id in msg.node_ids:
+                    self._events.append(UsedBy(from_id))
             case Ping():
                 self._actions.append(Send(from_id, Pong(msg.nonce, msg.sent_at)))
             case Pong():

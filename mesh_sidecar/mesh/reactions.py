@@ -87,6 +87,8 @@ class EventReactions:
                 # The peer's task sees the close, marks the member lost and closes its tunnel.
                 if (peer := side.peers.get(node_id)) is not None:
                     peer.close(reason)
+            case events.UsedBy(node_id=node_id):
+                side.layers.used_by(node_id)
             case events.LayersShared(node_id=node_id, share=share):
                 side.layers.shared(node_id, share)
             case events.LayersReported(node_id=node_id, report=report):

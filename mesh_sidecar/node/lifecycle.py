@@ -29,7 +29,7 @@ from ..llama.capacity import AVAILABLE_DEVICES_HEADING, Capacity, Device, backen
 from ..llama.hub_models import hub_name_of
 from ..llama.kv_cache import DEFAULT_KV_CACHE
 from ..llama.launch import ChildProcess, start_rpc_server
-from ..llama.layer_fetch import fetch_layers
+from ..llama.layer_fetch import FetchedFor, fetch_layers
 from ..llama.model_files import model_files
 from ..logs import SIDECAR_LOG_NAME
 from ..mesh.config import MeshConfig
@@ -135,6 +135,7 @@ class Node:
                     await self._start_rpc_server()
                     tg.create_task(self._watch_rpc_server())
                     mesh = await self._start_mesh()
+                    tg.create_task(self._fetch_shared_layers(mesh))  # told of every --rpc order from the start
                     tg.create_task(mesh.run())
                     if self._speed_records:
                         assert self.rpc_port is not None
@@ -152,7 +153,6 @@ class Node:
                         tg.create_task(self.serving.run())
                     elif self.options.fetch_model:
                         tg.create_task(self._fetch_served_model())
-                    tg.create_task(self._fetch_shared_layers())
                     await self._stop.wait()
                     raise _StopRequested
             except* _StopRequested:
@@ -342,19 +342,21 @@ class Node:
         self.mesh.holds_model(sha256, path)
         self._say(f"Now holding the served model ({path.name}): its loads here send only hashes.")
 
-    async def _fetch_shared_layers(self) -> None:
+    async def _fetch_shared_layers(self, mesh: Mesh) -> None:
         """Fetch the layers a serving node shares with this node from the hub (llama/layer_fetch.py), each
         time it does, and tell it how that went."""
-        assert self.mesh is not None
+        cache, tool = self.options.weight_cache, self.options.weight_cache_tool
+        fetched_for = FetchedFor(cache) if cache is not None else None
+        if fetched_for is not None:
+            mesh.layers.on_used_by = fetched_for.used_by
         while True:
-            sender, share = await self.mesh.layers.next_share()
-            cache, tool = self.options.weight_cache, self.options.weight_cache_tool
-            if cache is None or tool is None:
+            sender, share = await mesh.layers.next_share()
+            if fetched_for is None or tool is None:
                 report = LayersFetched(share.model_sha256, 0, 0, "it runs with --no-weight-cache")
             else:
-                report = await asyncio.to_thread(fetch_layers, share, cache, tool,
+                report = await asyncio.to_thread(fetch_layers, share, sender, fetched_for, tool,
                                                  PlainProgress(self._say, in_bytes=True))
-            self.mesh.send_layers(sender, report)
+            mesh.send_layers(sender, report)
 
     def _serving_supervisor(self, options: ServeOptions) -> ServingSupervisor:
         assert self.mesh is not None and self.rpc_port is not None

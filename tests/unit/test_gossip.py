@@ -21,6 +21,8 @@ from mesh_sidecar.errors import (
 )
 from mesh_sidecar.identity import short_id
 from mesh_sidecar.mesh.events import (
+    LayersReported,
+    LayersShared,
     LoopStalled,
     MemberJoined,
     MemberLeft,
@@ -31,6 +33,7 @@ from mesh_sidecar.mesh.events import (
     PeerLost,
     PeerRecovered,
     SecretRotated,
+    UsedBy,
 )
 from mesh_sidecar.mesh.health import CONFIRM_FLOOR_S, DEGRADED_AFTER_S, LOOP_STALL_S, LOST_AFTER_S, Sign
 from mesh_sidecar.mesh.membership import Dial, Disconnect, Membership, MemberState, Send
@@ -908,6 +911,20 @@ def test_each_member_keeps_its_own_rpc_order_and_no_other_can_remap_it() -> None
     mesh.nodes[b].leave("stopped")  # so does a member that leaves
     mesh.run()
     assert dict(worker.rpc_orders) == {c: (a, b)}
+
+
+def test_an_rpc_order_naming_a_worker_tells_it_who_uses_it_and_layer_messages_pass_between_the_two() -> None:
+    mesh, a, b, c = chain_of_three()
+    mesh.nodes[b].announce_rpc_order((a, b))
+    mesh.run()
+    assert [e for e in mesh.events[a] if isinstance(e, UsedBy)] == [UsedBy(b)]
+    assert not [e for e in mesh.events[c] if isinstance(e, UsedBy)]  # c is not in b's order
+    share = LayerShare("5" * 64, "u/r", "c" * 40, ("m.gguf",), ())
+    mesh.nodes[b].send_layers(a, share)
+    mesh.nodes[a].send_layers(b, LayersFetched("5" * 64, 0, 0, ""))
+    mesh.run()
+    assert LayersShared(b, share) in mesh.events[a]
+    assert LayersReported(a, LayersFetched("5" * 64, 0, 0, "")) in mesh.events[b]
 
 
 # --- secret rotation ----------------------------------------------------------------------
