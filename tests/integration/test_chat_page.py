@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 KEY = "chat-key-2718"
 KEYED = {"Authorization": f"Bearer {KEY}"}
 READY_TIMEOUT_S = 120.0
+MAX_TOKENS = 48
 SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "chat.png"
 
 
@@ -102,6 +103,10 @@ def test_llama_servers_page_answers_a_message_in_chromium(member_of_a_served_mes
             page.on("response", lambda r: refused.append(f"{r.status} {r.url}") if r.status >= 400 else None)
             # The member serves nothing; its chooser asks for the key, then lists the server's model.
             page.goto(f"http://127.0.0.1:{port}/")
+            # The page asks for no limit (it stops at the context's end: minutes on a CPU, should the model
+            # not stop); a limit set in its settings, which the chooser keeps when it hands over the key.
+            page.evaluate("limit => localStorage.setItem('LlamaCppWebui.config', JSON.stringify({max_tokens: limit}))",
+                          MAX_TOKENS)
             page.locator("#key-input").fill(KEY)
             page.locator("#key-form button[type=submit]").click()
             page.locator(f"a[data-model='{model}']").click()
@@ -114,7 +119,8 @@ def test_llama_servers_page_answers_a_message_in_chromium(member_of_a_served_mes
             answer = sent.value
             assert answer.status == 200 and answer.headers["content-type"].startswith("text/event-stream")
             assert answer.request.headers.get("authorization") == f"Bearer {KEY}"  # the key the chooser took
-            assert json.loads(answer.request.post_data or "{}")["messages"][-1]["content"] == "Say hello."
+            sent_body = json.loads(answer.request.post_data or "{}")
+            assert sent_body["messages"][-1]["content"] == "Say hello." and sent_body["max_tokens"] == MAX_TOKENS
             assert answer.finished() is None, "the stream ended with an error"
             text = streamed_text(answer.text())
             assert text.strip(), "the model's answer was empty"
