@@ -27,7 +27,10 @@ asked of the serving llama-server (over the mesh when it is a member's: its API 
 ``/props`` to forwarded requests only) and only the fields the page uses come back, the model's
 path replaced by its id: nothing the API did not already tell.
 
-The page keeps its API key in its own settings and sends it as ``Authorization: Bearer``.
+The page keeps its API key in its own settings and sends it as ``Authorization: Bearer``; the
+chooser puts there the key it was given, once this node admitted it, so the key is typed once.
+Only the script rebuilding ``chat/ui/`` needs npm: the files are committed, so installs, tests and
+CI need neither npm nor the network.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ PROPS_FIELDS = ("default_generation_settings", "total_slots", "modalities", "cha
                 "bos_token", "eos_token", "build_info", "model_ftype", "media_marker", "ui_settings")
 SETTINGS_KEPT_OUT = ("prompt", "next_token")
 # The page is llama.cpp's: it runs inline scripts and styles, loads data: images and fonts and talks only to this port.
+# No worker: its service worker (left out of the build) would cache API answers; the page logs the refusal, goes on.
 UI_HEADERS = {
     "Content-Security-Policy": ("default-src 'self'; script-src 'self' 'unsafe-inline' 'wasm-unsafe-eval'; "
                                 "style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; font-src 'self' data:; "
