@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from mesh_sidecar.serve.chat_page import UI_FILES
+from tests.helpers.browser import chromium
 from tests.helpers.mesh_api import listed_models
 from tests.helpers.waiting import wait_until
-from tests.integration.test_dashboard import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -86,55 +86,45 @@ def streamed_text(sse: str) -> str:
 
 
 def test_llama_servers_page_answers_a_message_in_chromium(member_of_a_served_mesh, tmp_path):
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium package (apt-get install chromium)")
     if "index.html" not in UI_FILES:
         pytest.skip("mesh_sidecar/serve/chat/ui/ holds no page: run scripts/build_chat_ui.sh")
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="playwright is in the test extra: pip install -e '.[test]'")
     port, model = member_of_a_served_mesh
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1200, "height": 900})
-        try:
-            page = browser.new_page()
-            refused: list[str] = []  # what the page asked for and was refused, but what it may do without
-            page.on("response", lambda r: refused.append(f"{r.status} {r.url}") if r.status >= 400 else None)
-            # The member serves nothing; its chooser asks for the key, then lists the server's model.
-            page.goto(f"http://127.0.0.1:{port}/")
-            # The page asks for no limit (it stops at the context's end: minutes on a CPU, should the model
-            # not stop); a limit set in its settings, which the chooser keeps when it hands over the key.
-            page.evaluate("limit => localStorage.setItem('LlamaCppWebui.config', JSON.stringify({max_tokens: limit}))",
-                          MAX_TOKENS)
-            page.locator("#key-input").fill(KEY)
-            page.locator("#key-form button[type=submit]").click()
-            page.locator(f"a[data-model='{model}']").click()
-            page.wait_for_url(f"**/chat/{quote(model, safe='')}/")
-            box = page.locator("textarea").first
-            box.wait_for(timeout=30_000)
-            box.fill("Say hello.")
-            with page.expect_response(lambda r: r.url.endswith("/v1/chat/completions"), timeout=60_000) as sent:
-                box.press("Enter")
-            answer = sent.value
-            assert answer.status == 200 and answer.headers["content-type"].startswith("text/event-stream")
-            assert answer.request.headers.get("authorization") == f"Bearer {KEY}"  # the key the chooser took
-            sent_body = json.loads(answer.request.post_data or "{}")
-            assert sent_body["messages"][-1]["content"] == "Say hello." and sent_body["max_tokens"] == MAX_TOKENS
-            assert answer.finished() is None, "the stream ended with an error"
-            text = streamed_text(answer.text())
-            assert text.strip(), "the model's answer was empty"
-            # The page shows the streamed answer (its markdown rendered: compared word by word).
-            words = text.split()
-            page.wait_for_function(
-                "words => [...document.querySelectorAll('.markdown-content, .prose')].some(e => {"
-                " const shown = e.textContent.split(/\\s+/).join(' ');"
-                " return words.every(w => shown.includes(w.replace(/[*_`#]/g, ''))); })",
-                arg=words, timeout=60_000)
-            SCREENSHOT.parent.mkdir(exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
-            # A 401 under /chat/ would mean the key did not reach llama.cpp's page (the chooser's first
-            # /v1/models is one: it asks for the key); a 403 is /tools, which the page does without.
-            assert not [line for line in refused if line.startswith("401") and "/chat/" in line], refused
-        finally:
-            browser.close()
+    with chromium(tmp_path / "chromium-profile", height=900) as browser:
+        page = browser.new_page()
+        refused: list[str] = []  # what the page asked for and was refused, but what it may do without
+        page.on("response", lambda r: refused.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+        # The member serves nothing; its chooser asks for the key, then lists the server's model.
+        page.goto(f"http://127.0.0.1:{port}/")
+        # The page asks for no limit (it stops at the context's end: minutes on a CPU, should the model
+        # not stop); a limit set in its settings, which the chooser keeps when it hands over the key.
+        page.evaluate("limit => localStorage.setItem('LlamaCppWebui.config', JSON.stringify({max_tokens: limit}))",
+                      MAX_TOKENS)
+        page.locator("#key-input").fill(KEY)
+        page.locator("#key-form button[type=submit]").click()
+        page.locator(f"a[data-model='{model}']").click()
+        page.wait_for_url(f"**/chat/{quote(model, safe='')}/")
+        box = page.locator("textarea").first
+        box.wait_for(timeout=30_000)
+        box.fill("Say hello.")
+        with page.expect_response(lambda r: r.url.endswith("/v1/chat/completions"), timeout=60_000) as sent:
+            box.press("Enter")
+        answer = sent.value
+        assert answer.status == 200 and answer.headers["content-type"].startswith("text/event-stream")
+        assert answer.request.headers.get("authorization") == f"Bearer {KEY}"  # the key the chooser took
+        sent_body = json.loads(answer.request.post_data or "{}")
+        assert sent_body["messages"][-1]["content"] == "Say hello." and sent_body["max_tokens"] == MAX_TOKENS
+        assert answer.finished() is None, "the stream ended with an error"
+        text = streamed_text(answer.text())
+        assert text.strip(), "the model's answer was empty"
+        # The page shows the streamed answer (its markdown rendered: compared word by word).
+        words = text.split()
+        page.wait_for_function(
+            "words => [...document.querySelectorAll('.markdown-content, .prose')].some(e => {"
+            " const shown = e.textContent.split(/\\s+/).join(' ');"
+            " return words.every(w => shown.includes(w.replace(/[*_`#]/g, ''))); })",
+            arg=words, timeout=60_000)
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
+        # A 401 under /chat/ would mean the key did not reach llama.cpp's page (the chooser's first
+        # /v1/models is one: it asks for the key); a 403 is /tools, which the page does without.
+        assert not [line for line in refused if line.startswith("401") and "/chat/" in line], refused
