@@ -8,6 +8,7 @@ port but cannot read the file, and the endpoint hands out the mesh ticket.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import os
@@ -110,8 +111,8 @@ class ControlServer:
             return _error(exc)
         paths = [Path(model)] if model else self._node.model_paths()
         # The plan names the file; a model fetched from the hub is also shown by its hf: name.
-        name = next((hub_name_of(path) for path in paths if path.name == plan.model), None)
-        return web.json_response({**plan.to_json(), "model_name": name})
+        name = next((hub_name_of(path) for path in paths if path.name == plan.model), None) or plan.model_name
+        return web.json_response(dataclasses.replace(plan, model_name=name or "").to_json())
 
     async def _ticket(self, request: web.Request) -> web.Response:
         return web.json_response({"ticket": self._node.ticket()})

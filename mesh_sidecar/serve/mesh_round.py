@@ -47,13 +47,14 @@ class MeshRound:
         """What this node claims: the tier its workers were picked for."""
         return self.claim.needs
 
-    def with_plan(self, plan: Plan) -> Plan:
+    def with_plan(self, plan: Plan, model_name: str = "") -> Plan:
         """``plan`` with every member's place once this node runs it (its claim taking the plan's members,
         as its gossip announces them), the members refused now, and every tier as weighed over its own claim:
-        a plan in service shows a member refused after it was made."""
+        a plan in service shows a member refused after it was made. ``model_name``: the model's hf: name."""
         mine = dataclasses.replace(self.claim, members=plan.rpc_nodes())
         roles = assign([*self.others, mine], self.offers).seen_by(self.claim.node_id)
-        return dataclasses.replace(plan, roles=tuple(roles.values()), tiers=self.tiers, refused=self.refused)
+        return dataclasses.replace(plan, roles=tuple(roles.values()), tiers=self.tiers, refused=self.refused,
+                                   model_name=model_name)
 
 
 def announced_members(served: ServedModel) -> tuple[bytes, ...] | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..llama.estimate import ModelEstimate
+from ..llama.hub_models import hub_name_of
 from ..llama.kv_cache import DEFAULT_KV_CACHE, KvCacheTypes
 from ..llama.projector import Projector
 from .planner import PlanBy
@@ -30,6 +31,10 @@ class ServeOptions:
     kv_cache: KvCacheTypes = DEFAULT_KV_CACHE  # --cache-type-k/-v, for llama-server and the estimate
     # Each tier's --mmproj projector, in the order of ``models`` (None, or no entry: that tier takes no images).
     projectors: tuple[Projector | None, ...] = ()
+
+    def model_name(self, tier: int) -> str:
+        """Tier ``tier``'s hf: name, for a model from the hub's cache ("" for a file elsewhere)."""
+        return hub_name_of(self.models[tier][0]) or ""
 
     def projector(self, tier: int) -> Projector | None:
         return self.projectors[tier] if tier < len(self.projectors) else None

@@ -153,6 +153,7 @@ class Plan:
     # Members not offered to the planner at all, and why (mesh/exclusion.py).
     refused: tuple[tuple[NodeCapacity, Exclusion], ...] = ()
     model: str = ""  # the planned model's file name; "" when planned without a name
+    model_name: str = ""  # its hf: name, for a model from the hub's cache (shown to people); "": a file
     tiers: tuple[TierFit, ...] = ()  # every tier considered, largest first
     roles: tuple[Role, ...] = ()  # every member's place in the mesh's assignment of workers, and why
     kv_cache_type: str = ""  # "K/V" element types the KV figures assume (--cache-type-k/-v), e.g. "q8_0/q8_0"
@@ -242,6 +243,7 @@ class Plan:
             "expected_tokens_per_s": _per_s(self.token_s),
             "memory_plan_tokens_per_s": _per_s(self.memory_token_s),
             "model": self.model,
+            "model_name": self.model_name or None,
             "kv_cache_type": self.kv_cache_type,
             "projector_bytes": self.projector_bytes,
             "tiers": [tier.to_json() for tier in self.tiers],

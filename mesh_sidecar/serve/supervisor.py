@@ -205,7 +205,7 @@ class ServingSupervisor:
         """The plan llama-server runs (or loads), with every member's place as the mesh stands now (None: no plan)."""
         if self.plan is None or self._round is None:
             return self.plan
-        return self._round.with_plan(self.plan)
+        return self._round.with_plan(self.plan, self.plan.model_name)
 
     def _keep_step_up(self, look: StepUp) -> None:
         """Keep the gate as a look at it left it; status says when a step up that must wait may happen."""
@@ -339,7 +339,7 @@ class ServingSupervisor:
         self._keep_step_up(choice.step_up)
         assert self._round is not None  # read by the snapshot just taken
         # The one plan object: --rpc below, gossip's members (the assignment every node computes), status, `plan`.
-        self.plan, self.outage = self._round.with_plan(choice.plan), None
+        self.plan, self.outage = self._round.with_plan(choice.plan, self._options.model_name(choice.tier)), None
         self._set_state(LOADING)
         path, sha256 = self._options.models[choice.tier]
         projector = self._options.projector(choice.tier)

@@ -81,6 +81,7 @@ def test_a_split_of_a_model_named_on_the_hub_answers_as_llama_cpp(start_node, hu
     assert b.status()["model"]["name"] is None
     assert shown in cli("status", "--home", str(c.home), env={"COLUMNS": "200"}).stdout
     assert json.loads(cli("plan", "--home", str(a.home), "--json").stdout)["model_name"] == shown
+    assert c.status()["serving"]["plan"]["model_name"] == shown  # the plan in service, as `plan` shows it
     planned = cli("plan", "--home", str(c.home), "--model", shown,
                   env={"COLUMNS": "200", **hub_env(hub, tmp_path / "cache-c"), "HF_HUB_OFFLINE": "1"})
     assert shown in planned.stdout, planned.stderr

@@ -368,6 +368,7 @@ def test_to_json():
         "expected_tokens_per_s": None,
         "memory_plan_tokens_per_s": None,
         "model": "",
+        "model_name": None,
         "kv_cache_type": "f16/f16",
         "projector_bytes": 0,
         "tiers": [],
